@@ -1,0 +1,48 @@
+# `make run` and `make test` are the two entry points; both set up everything they need.
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+
+.PHONY: run test dev lint typecheck pytest services bench clean
+
+run: $(STAMP)
+	$(BIN)/kvledger --help
+	$(BIN)/kvledger demo
+
+test: $(STAMP) services lint typecheck pytest
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+
+# torch first: a plain `pip install torch` elsewhere pulls a multi-GB CUDA build. Without a CUDA
+# driver we want the CPU wheel (pinned to the release the project is tested with).
+$(STAMP): pyproject.toml | $(BIN)/python
+	@if ! $(BIN)/python -c "import torch" 2>/dev/null; then \
+	    $(BIN)/python -m pip install -q torch==2.13.0; fi
+	$(BIN)/python -m pip install -q -e '.[dev]' --config-settings editable_mode=strict
+	@touch $(STAMP)
+
+# Re-link the editable install after adding a module (strict editable mode links files one by one).
+dev: | $(BIN)/python
+	$(BIN)/python -m pip install -q --no-deps -e . --config-settings editable_mode=strict
+
+services:
+	@bash .ci/services
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+typecheck: dev
+	$(BIN)/mypy -p kvledger
+
+pytest: dev
+	$(BIN)/pytest -q
+
+bench: $(STAMP)
+	$(BIN)/python bench/hash_bench.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info kvledger-data .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,1 @@
+"""Events: the transition vocabulary, its codec, the durable log, replay and publishers."""

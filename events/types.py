@@ -1,0 +1,137 @@
+"""The vocabulary of block transitions.
+
+Every change to what a worker holds is one of these records. They are plain immutable
+values that import nothing of the project, so the registry (which produces them), the log
+(which stores them), replay (which folds them) and the router encoders (which translate
+them) can all depend on this module without depending on each other.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import NamedTuple, TypeAlias
+
+
+class Tier(enum.IntEnum):
+    """Where a block lives. Lower numbers are faster and smaller."""
+
+    G1 = 1  # GPU memory
+    G2 = 2  # host memory
+    G3 = 3  # local disk
+    G4 = 4  # another worker's memory
+
+    @classmethod
+    def parse(cls, value: str | int | Tier) -> Tier:
+        """Accept ``Tier.G2``, ``2``, ``"G2"`` or ``"g2"``; reject anything else clearly."""
+        if isinstance(value, Tier):
+            return value
+        if isinstance(value, int):
+            return cls(value)
+        try:
+            return cls[value.strip().upper()]
+        except KeyError:
+            raise ValueError(f"unknown tier {value!r}; expected one of G1, G2, G3, G4") from None
+
+
+class BlockInfo(NamedTuple):
+    """A block's identity: its prefix hash, its own tokens' hash and its parent's prefix hash."""
+
+    sequence_hash: int
+    local_hash: int
+    parent_hash: int | None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Event:
+    """Fields every transition carries.
+
+    ``event_id`` is per worker and strictly increasing from 0, which is what makes
+    consumers idempotent: an event whose id is not above the last applied one is a repeat.
+    """
+
+    event_id: int
+    worker_id: int
+    dp_rank: int
+    tier: Tier
+    ts: float
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Stored(Event):
+    """Blocks now present on ``tier``.
+
+    ``blocks`` is a chain of ``(sequence_hash, local_hash)``: the first block's parent is
+    ``parent_hash`` (None at the start of a sequence) and each later block's parent is the
+    block before it.
+    """
+
+    parent_hash: int | None
+    blocks: tuple[tuple[int, int], ...]
+    token_ids: tuple[tuple[int, ...], ...] | None = None
+
+    @property
+    def sequence_hashes(self) -> tuple[int, ...]:
+        return tuple(seq for seq, _ in self.blocks)
+
+    def infos(self) -> list[BlockInfo]:
+        """The blocks with their parents spelled out."""
+        out: list[BlockInfo] = []
+        parent = self.parent_hash
+        for seq, local in self.blocks:
+            out.append(BlockInfo(seq, local, parent))
+            parent = seq
+        return out
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Removed(Event):
+    """Blocks gone from ``tier`` (evicted or dropped)."""
+
+    sequence_hashes: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Offloaded(Event):
+    """A copy from a faster ``src_tier`` to a slower ``tier`` finished.
+
+    The blocks carry their full identity (not only the sequence hash) so that whoever
+    folds the event can place them on ``tier`` without consulting ``src_tier``, which may
+    have evicted them by then.
+    """
+
+    src_tier: Tier
+    blocks: tuple[BlockInfo, ...]
+
+    @property
+    def sequence_hashes(self) -> tuple[int, ...]:
+        return tuple(b.sequence_hash for b in self.blocks)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Onboarded(Event):
+    """A copy from a slower ``src_tier`` (G2, G3 or a remote worker's G4) to ``tier`` finished."""
+
+    src_tier: Tier
+    blocks: tuple[BlockInfo, ...]
+
+    @property
+    def sequence_hashes(self) -> tuple[int, ...]:
+        return tuple(b.sequence_hash for b in self.blocks)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Cleared(Event):
+    """Every block on ``tier`` is gone."""
+
+
+AnyEvent: TypeAlias = Stored | Removed | Offloaded | Onboarded | Cleared
+
+EVENT_KINDS: dict[str, type[AnyEvent]] = {
+    "stored": Stored,
+    "removed": Removed,
+    "offloaded": Offloaded,
+    "onboarded": Onboarded,
+    "cleared": Cleared,
+}
+KIND_OF: dict[type[AnyEvent], str] = {cls: name for name, cls in EVENT_KINDS.items()}

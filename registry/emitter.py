@@ -1,0 +1,132 @@
+"""Numbering and stamping of events before they reach a sink.
+
+One emitter per worker: every pool of that worker (G1, G2, G3) shares it, so the worker's
+event ids form a single strictly increasing sequence no matter which tier changed.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Sequence
+
+from kvledger.events.types import (
+    AnyEvent,
+    BlockInfo,
+    Cleared,
+    Offloaded,
+    Onboarded,
+    Removed,
+    Stored,
+    Tier,
+)
+
+EventSink = Callable[[AnyEvent], None]
+
+
+class EventEmitter:
+    """Turns state changes into numbered events and hands them to ``sink``.
+
+    Without a sink, nothing is built (the registry runs at full speed) but ids still advance,
+    so attaching a sink later never reuses an id.
+    """
+
+    __slots__ = ("sink", "worker_id", "dp_rank", "next_event_id", "clock")
+
+    def __init__(
+        self,
+        sink: EventSink | None = None,
+        *,
+        worker_id: int = 0,
+        dp_rank: int = 0,
+        first_event_id: int = 0,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.sink = sink
+        self.worker_id = worker_id
+        self.dp_rank = dp_rank
+        self.next_event_id = first_event_id
+        self.clock = clock
+
+    def _next_id(self) -> int:
+        eid = self.next_event_id
+        self.next_event_id = eid + 1
+        return eid
+
+    def stored(
+        self,
+        tier: Tier,
+        parent_hash: int | None,
+        blocks: Sequence[tuple[int, int]],
+        token_ids: Sequence[Sequence[int]] | None = None,
+    ) -> None:
+        if not blocks:
+            return
+        eid = self._next_id()
+        if self.sink is None:
+            return
+        self.sink(
+            Stored(
+                event_id=eid,
+                worker_id=self.worker_id,
+                dp_rank=self.dp_rank,
+                tier=tier,
+                ts=self.clock(),
+                parent_hash=parent_hash,
+                blocks=tuple(blocks),
+                token_ids=None if token_ids is None else tuple(tuple(t) for t in token_ids),
+            )
+        )
+
+    def removed(self, tier: Tier, sequence_hashes: Iterable[int]) -> None:
+        hashes = tuple(sequence_hashes)
+        if not hashes:
+            return
+        eid = self._next_id()
+        if self.sink is None:
+            return
+        self.sink(
+            Removed(
+                event_id=eid,
+                worker_id=self.worker_id,
+                dp_rank=self.dp_rank,
+                tier=tier,
+                ts=self.clock(),
+                sequence_hashes=hashes,
+            )
+        )
+
+    def copied(self, src_tier: Tier, dst_tier: Tier, blocks: Sequence[BlockInfo]) -> None:
+        """A copy between tiers finished: Offloaded when it went down, Onboarded when up."""
+        if not blocks:
+            return
+        if src_tier == dst_tier:
+            raise ValueError(f"a copy needs two different tiers, got {src_tier.name} twice")
+        eid = self._next_id()
+        if self.sink is None:
+            return
+        kind = Offloaded if dst_tier > src_tier else Onboarded
+        self.sink(
+            kind(
+                event_id=eid,
+                worker_id=self.worker_id,
+                dp_rank=self.dp_rank,
+                tier=dst_tier,
+                ts=self.clock(),
+                src_tier=src_tier,
+                blocks=tuple(blocks),
+            )
+        )
+
+    def cleared(self, tier: Tier) -> None:
+        eid = self._next_id()
+        if self.sink is None:
+            return
+        self.sink(
+            Cleared(
+                event_id=eid,
+                worker_id=self.worker_id,
+                dp_rank=self.dp_rank,
+                tier=tier,
+                ts=self.clock(),
+            )
+        )

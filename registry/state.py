@@ -1,0 +1,137 @@
+"""The registry as a fold over events: which blocks each worker holds on each tier.
+
+This is what replay rebuilds and what a live pool can dump, so the two can be compared:
+``RegistryState.from_events(log) == pool_state`` is the invariant the event log exists for.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable, Mapping
+
+from kvledger.events.types import (
+    AnyEvent,
+    BlockInfo,
+    Cleared,
+    Offloaded,
+    Onboarded,
+    Removed,
+    Stored,
+    Tier,
+)
+
+# (worker_id, tier) -> sequence_hash -> (local_hash, parent_hash)
+TierBlocks = dict[int, tuple[int, int | None]]
+
+
+class EventOrderError(ValueError):
+    """An event arrived out of order for its worker (a gap or a repeat)."""
+
+
+class RegistryState:
+    """Per worker and tier, the resident blocks with their local and parent hashes."""
+
+    __slots__ = ("tiers", "last_event_id")
+
+    def __init__(self) -> None:
+        self.tiers: dict[tuple[int, Tier], TierBlocks] = {}
+        self.last_event_id: dict[int, int] = {}
+
+    @classmethod
+    def from_events(cls, events: Iterable[AnyEvent], *, strict: bool = True) -> RegistryState:
+        state = cls()
+        for event in events:
+            state.apply(event, strict=strict)
+        return state
+
+    def _blocks(self, worker_id: int, tier: Tier) -> TierBlocks:
+        key = (worker_id, tier)
+        blocks = self.tiers.get(key)
+        if blocks is None:
+            blocks = self.tiers[key] = {}
+        return blocks
+
+    def apply(self, event: AnyEvent, *, strict: bool = True) -> bool:
+        """Fold one event in. Returns False (and changes nothing) for a repeated event.
+
+        With ``strict``, a gap in a worker's event ids raises ``EventOrderError``: a state
+        built over a missing event would silently disagree with the worker.
+        """
+        last = self.last_event_id.get(event.worker_id, -1)
+        if event.event_id <= last:
+            return False
+        if strict and event.event_id != last + 1:
+            raise EventOrderError(
+                f"worker {event.worker_id}: event {event.event_id} follows {last}; "
+                f"events {last + 1}..{event.event_id - 1} are missing"
+            )
+        self.last_event_id[event.worker_id] = event.event_id
+        blocks = self._blocks(event.worker_id, event.tier)
+        if isinstance(event, Stored):
+            parent = event.parent_hash
+            for seq, local in event.blocks:
+                blocks[seq] = (local, parent)
+                parent = seq
+        elif isinstance(event, Removed):
+            for seq in event.sequence_hashes:
+                blocks.pop(seq, None)
+        elif isinstance(event, Offloaded | Onboarded):
+            for info in event.blocks:
+                blocks[info.sequence_hash] = (info.local_hash, info.parent_hash)
+        elif isinstance(event, Cleared):
+            blocks.clear()
+        else:  # pragma: no cover - the union above is exhaustive
+            raise TypeError(f"not an event: {event!r}")
+        return True
+
+    def snapshot(self) -> dict[tuple[int, Tier], TierBlocks]:
+        """Non-empty tiers only, copied: what two states must agree on."""
+        return {key: dict(blocks) for key, blocks in self.tiers.items() if blocks}
+
+    def counts(self) -> dict[tuple[int, Tier], int]:
+        return {key: len(blocks) for key, blocks in sorted(self.tiers.items()) if blocks}
+
+    def digest(self) -> str:
+        """A short fingerprint of the state: sorted sequence hashes per (worker, tier)."""
+        h = hashlib.sha256()
+        for (worker, tier), blocks in sorted(self.tiers.items()):
+            if not blocks:
+                continue
+            h.update(f"{worker}:{tier.name}:".encode())
+            for seq in sorted(blocks):
+                h.update(seq.to_bytes(8, "little"))
+        return h.hexdigest()[:16]
+
+    def infos(self, worker_id: int, tier: Tier) -> list[BlockInfo]:
+        blocks = self.tiers.get((worker_id, tier), {})
+        return [BlockInfo(seq, local, parent) for seq, (local, parent) in blocks.items()]
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, RegistryState):
+            return NotImplemented
+        return self.snapshot() == other.snapshot()
+
+    def diff(self, other: RegistryState) -> list[str]:
+        """Human-readable differences, for ``verify`` output."""
+        out: list[str] = []
+        mine, theirs = self.snapshot(), other.snapshot()
+        for key in sorted(set(mine) | set(theirs)):
+            a, b = mine.get(key, {}), theirs.get(key, {})
+            worker, tier = key
+            only_a = sorted(set(a) - set(b))
+            only_b = sorted(set(b) - set(a))
+            changed = sorted(s for s in set(a) & set(b) if a[s] != b[s])
+            if only_a:
+                out.append(f"worker {worker} {tier.name}: {len(only_a)} only in first, e.g. {only_a[:3]}")
+            if only_b:
+                out.append(f"worker {worker} {tier.name}: {len(only_b)} only in second, e.g. {only_b[:3]}")
+            if changed:
+                out.append(f"worker {worker} {tier.name}: {len(changed)} differ in parent/local")
+        return out
+
+    @classmethod
+    def from_mapping(cls, tiers: Mapping[tuple[int, Tier], TierBlocks]) -> RegistryState:
+        state = cls()
+        for key, blocks in tiers.items():
+            state.tiers[key] = dict(blocks)
+        return state
