@@ -1,0 +1,248 @@
+"""Block hashes: what names a block of tokens, and what names a whole prefix.
+
+Routers, engines and every kvledger worker must agree on these numbers bit for bit, so they
+follow Dynamo's definitions exactly (checked against ``ai-dynamo-runtime`` 1.6.1 in the tests):
+
+- local hash: xxh3-64 of the block's token ids as little-endian u32, seed 1337. A LoRA adapter
+  name or a cache salt moves the seed (:func:`block_seed`), so equal tokens under different
+  adapters never share a block.
+- sequence hash: the first block's local hash; every later block's is the xxh3-64 of the
+  16 bytes ``(parent sequence hash, local hash)`` as two little-endian u64, seed ``chain_seed``.
+  1337 is what ``ai-dynamo-runtime`` 1.6.1 and its mocker put on the wire; Dynamo's newest
+  tokens crate chains with 0, so the chain seed is a parameter.
+
+Speed: converting a Python list of token ids into bytes costs more than hashing them. The
+stdlib ``array('I', ...)`` does that conversion about three times faster than ``numpy.array``,
+so lists go through it; numpy arrays hand over their buffer directly.
+"""
+
+from __future__ import annotations
+
+import struct
+import sys
+from array import array
+from collections.abc import Iterable, Sequence
+from typing import NamedTuple, TypeAlias
+
+import numpy as np
+import numpy.typing as npt
+from xxhash import xxh3_64_intdigest
+
+BLOCK_HASH_SEED = 1337
+"""Dynamo's XXH3_SEED for local (per-block) hashes."""
+
+DEFAULT_CHAIN_SEED = 1337
+"""Seed chaining sequence hashes in ai-dynamo-runtime 1.6.1 (the newest tokens crate uses 0)."""
+
+_U32_LIMIT = 1 << 32
+_U64_MASK = (1 << 64) - 1
+_PACK_PAIR = struct.Struct("<QQ").pack
+
+Tokens: TypeAlias = Sequence[int] | npt.NDArray[np.integer]
+
+if array("I").itemsize != 4:  # pragma: no cover - every CPython platform kvledger targets
+    raise ImportError("array('I') is not 32 bits wide on this platform; token hashing needs it")
+
+
+class TokenBlock(NamedTuple):
+    """One full block: its own tokens' hash, the hash of the prefix it ends, and its index."""
+
+    local_hash: int
+    sequence_hash: int
+    position: int
+
+
+def block_seed(*, lora_name: str | None = None, salt: str | None = None) -> int:
+    """The local-hash seed for requests under ``lora_name`` and/or cache ``salt``.
+
+    Matches Dynamo: 1337, plus xxh3-64(lora name, seed 0), plus xxh3-64(salt, seed 1), wrapping
+    at 2**64. Empty strings count as absent, so ``lora_name=""`` shares the base model's cache.
+    """
+    seed = BLOCK_HASH_SEED
+    if lora_name:
+        seed += xxh3_64_intdigest(lora_name.encode(), 0)
+    if salt:
+        seed += xxh3_64_intdigest(salt.encode(), 1)
+    return seed & _U64_MASK
+
+
+def _check_block_size(block_size: int) -> None:
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+        raise ValueError(f"block_size must be a positive integer, got {block_size!r}")
+
+
+def _first_bad_token(tokens: Iterable[object]) -> tuple[int, object]:
+    for i, tok in enumerate(tokens):
+        if isinstance(tok, bool) or not isinstance(tok, int | np.integer):
+            return i, tok
+        if not 0 <= int(tok) < _U32_LIMIT:
+            return i, tok
+    raise AssertionError("no bad token found")  # pragma: no cover - only called on failure
+
+
+def _bad_tokens_error(tokens: Iterable[object]) -> ValueError:
+    i, tok = _first_bad_token(tokens)
+    return ValueError(
+        f"token ids must be integers in [0, 2**32); token {i} is {tok!r} ({type(tok).__name__})"
+    )
+
+
+def token_bytes(tokens: Tokens) -> bytes:
+    """``tokens`` as little-endian u32 bytes, the form every block hash is computed over."""
+    if isinstance(tokens, np.ndarray):
+        if tokens.ndim != 1 or not np.issubdtype(tokens.dtype, np.integer):
+            raise ValueError(
+                f"token ids must be a 1-D integer array, got shape {tokens.shape} of {tokens.dtype}"
+            )
+        if tokens.size and (int(tokens.min()) < 0 or int(tokens.max()) >= _U32_LIMIT):
+            raise _bad_tokens_error(tokens.tolist())
+        return tokens.astype("<u4", copy=False).tobytes()
+    try:
+        packed = array("I", tokens)
+    except (OverflowError, TypeError):
+        raise _bad_tokens_error(tokens) from None
+    if sys.byteorder == "big":  # pragma: no cover - kvledger runs on little-endian hosts
+        packed.byteswap()
+    return packed.tobytes()
+
+
+def _tokens_of_bytes(data: bytes) -> list[int]:
+    unpacked = array("I", data)
+    if sys.byteorder == "big":  # pragma: no cover - kvledger runs on little-endian hosts
+        unpacked.byteswap()
+    return unpacked.tolist()
+
+
+def _local_hashes_of_bytes(data: bytes, block_size: int, seed: int) -> list[int]:
+    step = 4 * block_size
+    end = len(data) - step + 1
+    return [xxh3_64_intdigest(data[i : i + step], seed) for i in range(0, end, step)]
+
+
+def local_hashes(tokens: Tokens, block_size: int, *, seed: int = BLOCK_HASH_SEED) -> list[int]:
+    """Local hash of every full block of ``tokens``; a partial last block has none."""
+    _check_block_size(block_size)
+    return _local_hashes_of_bytes(token_bytes(tokens), block_size, seed)
+
+
+def sequence_hash(parent: int, local_hash: int, *, seed: int = DEFAULT_CHAIN_SEED) -> int:
+    """The sequence hash of a block whose prefix before it is named ``parent``."""
+    return xxh3_64_intdigest(_PACK_PAIR(parent, local_hash), seed)
+
+
+def chain_sequence_hashes(
+    local_hashes: Sequence[int], *, parent: int | None = None, seed: int = DEFAULT_CHAIN_SEED
+) -> list[int]:
+    """Sequence hashes for consecutive blocks, continuing the prefix named ``parent``.
+
+    With ``parent=None`` the first block starts a sequence and its sequence hash is its local
+    hash.
+    """
+    out: list[int] = []
+    append = out.append
+    prev = parent
+    try:
+        for local in local_hashes:
+            prev = local if prev is None else xxh3_64_intdigest(_PACK_PAIR(prev, local), seed)
+            append(prev)
+    except struct.error:
+        raise ValueError(
+            f"hashes must be integers in [0, 2**64); got parent={parent!r}, "
+            f"block {len(out)} local hash {local_hashes[len(out)]!r}"
+        ) from None
+    return out
+
+
+class TokenBlockSequence:
+    """A request's tokens cut into hashed full blocks plus an unhashed partial tail.
+
+    Built once from the prompt, then grown token by token (or chunk by chunk) during decode
+    with :meth:`extend`, which hashes only the blocks that become full.
+    """
+
+    __slots__ = ("_blocks", "_chain_seed", "_local", "_seed", "_seq", "_tail", "block_size")
+
+    def __init__(
+        self,
+        tokens: Tokens = (),
+        block_size: int = 16,
+        *,
+        lora_name: str | None = None,
+        salt: str | None = None,
+        chain_seed: int = DEFAULT_CHAIN_SEED,
+    ) -> None:
+        _check_block_size(block_size)
+        self.block_size = block_size
+        self._seed = block_seed(lora_name=lora_name, salt=salt)
+        self._chain_seed = chain_seed
+        self._blocks: list[TokenBlock] = []
+        self._local: list[int] = []
+        self._seq: list[int] = []
+        self._tail = b""  # the partial block's tokens, already as little-endian u32 bytes
+        self.extend(tokens)
+
+    def extend(self, tokens: Tokens) -> list[TokenBlock]:
+        """Append ``tokens``; return the blocks this completed (often none during decode)."""
+        data = self._tail + token_bytes(tokens)  # validates before anything changes
+        n_full = len(data) // (4 * self.block_size)
+        self._tail = data[4 * n_full * self.block_size :]
+        if n_full == 0:
+            return []
+        new_local = _local_hashes_of_bytes(data, self.block_size, self._seed)
+        parent = self._seq[-1] if self._seq else None
+        new_seq = chain_sequence_hashes(new_local, parent=parent, seed=self._chain_seed)
+        first = len(self._blocks)
+        new_blocks = [
+            TokenBlock(local, seq, first + i)
+            for i, (local, seq) in enumerate(zip(new_local, new_seq, strict=True))
+        ]
+        self._blocks.extend(new_blocks)
+        self._local.extend(new_local)
+        self._seq.extend(new_seq)
+        return new_blocks
+
+    def append(self, token: int) -> TokenBlock | None:
+        """Append one decoded token; return the block it completed, if any."""
+        completed = self.extend((token,))
+        return completed[0] if completed else None
+
+    @property
+    def blocks(self) -> list[TokenBlock]:
+        """The full blocks, in order (a copy: mutating it changes nothing here)."""
+        return list(self._blocks)
+
+    @property
+    def sequence_hashes(self) -> list[int]:
+        return list(self._seq)
+
+    @property
+    def local_hashes(self) -> list[int]:
+        return list(self._local)
+
+    @property
+    def tail(self) -> list[int]:
+        """Tokens of the partial last block (fewer than ``block_size``; may be empty)."""
+        return _tokens_of_bytes(self._tail)
+
+    @property
+    def seed(self) -> int:
+        """The local-hash seed this sequence's LoRA name / salt selected."""
+        return self._seed
+
+    @property
+    def chain_seed(self) -> int:
+        return self._chain_seed
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self._blocks) * self.block_size + len(self._tail) // 4
+
+    def __len__(self) -> int:
+        """Number of full blocks."""
+        return len(self._blocks)
+
+    def __repr__(self) -> str:
+        return (
+            f"TokenBlockSequence(blocks={len(self._blocks)}, tail={len(self._tail) // 4}, "
+            f"block_size={self.block_size})"
+        )
