@@ -121,12 +121,13 @@ class RegistryState:
             only_a = sorted(set(a) - set(b))
             only_b = sorted(set(b) - set(a))
             changed = sorted(s for s in set(a) & set(b) if a[s] != b[s])
+            where = f"worker {worker} {tier.name}"
             if only_a:
-                out.append(f"worker {worker} {tier.name}: {len(only_a)} only in first, e.g. {only_a[:3]}")
+                out.append(f"{where}: {len(only_a)} only in first, e.g. {only_a[:3]}")
             if only_b:
-                out.append(f"worker {worker} {tier.name}: {len(only_b)} only in second, e.g. {only_b[:3]}")
+                out.append(f"{where}: {len(only_b)} only in second, e.g. {only_b[:3]}")
             if changed:
-                out.append(f"worker {worker} {tier.name}: {len(changed)} differ in parent/local")
+                out.append(f"{where}: {len(changed)} differ in parent/local")
         return out
 
     @classmethod

@@ -1,0 +1,308 @@
+"""Eviction policies: which inactive block a pool gives up when it needs a slot.
+
+A policy only ever sees inactive blocks (refcount 0, still registered). The pool tells it
+when blocks become inactive (``released``), active again (``activated``), newly registered
+(``registered``) or looked up (``accessed``), and asks it for victims. Policies read the pool's
+per-slot hash and parent arrays directly instead of keeping copies: the pool owns that state.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from kvledger.registry.pool import BlockPool
+
+POLICY_NAMES = ("lru", "lineage", "multi_lru")
+
+
+class EvictionPolicy(Protocol):
+    #: whether the pool should report every lookup hit (frequency-aware policies only)
+    tracks_access: bool
+
+    def bind(self, pool: BlockPool) -> None: ...
+    def registered(self, slots: Sequence[int]) -> None: ...
+    def released(self, slots: Sequence[int]) -> None: ...
+    def activated(self, slots: Sequence[int]) -> None: ...
+    def accessed(self, slots: Sequence[int]) -> None: ...
+    def evictable(self) -> int: ...
+    def pick_victims(self, count: int) -> list[int]: ...
+    def inactive_order(self) -> list[int]: ...
+    def forget(self, slots: Sequence[int]) -> None: ...
+    def clear(self) -> None: ...
+
+
+class LruPolicy:
+    """Least recently released first."""
+
+    tracks_access = False
+
+    def __init__(self) -> None:
+        self._inactive: OrderedDict[int, None] = OrderedDict()
+
+    def bind(self, pool: BlockPool) -> None:
+        pass
+
+    def registered(self, slots: Sequence[int]) -> None:
+        pass
+
+    def accessed(self, slots: Sequence[int]) -> None:
+        pass
+
+    def released(self, slots: Sequence[int]) -> None:
+        self._inactive.update(dict.fromkeys(slots))
+
+    def activated(self, slots: Sequence[int]) -> None:
+        pop = self._inactive.pop
+        for slot in slots:
+            pop(slot)
+
+    forget = activated
+
+    def evictable(self) -> int:
+        return len(self._inactive)
+
+    def pick_victims(self, count: int) -> list[int]:
+        popitem = self._inactive.popitem
+        return [popitem(last=False)[0] for _ in range(min(count, len(self._inactive)))]
+
+    def inactive_order(self) -> list[int]:
+        return list(self._inactive)
+
+    def clear(self) -> None:
+        self._inactive.clear()
+
+
+class LineagePolicy:
+    """Leaves first, least recently released leaf first, so a prefix outlives its suffixes.
+
+    A leaf is an inactive block that no resident block names as its parent. When a leaf is
+    evicted its parent may become a leaf; it then competes with the release time it had, not
+    the time it became a leaf (a prefix released long ago is older than a suffix released now).
+    Candidates sit in a heap keyed by release tick; stale entries are skipped when popped.
+    """
+
+    tracks_access = False
+
+    def __init__(self) -> None:
+        self._tick = 0
+        self._release_tick: dict[int, int] = {}
+        self._heap: list[tuple[int, int]] = []
+        self._children: dict[int, int] = {}
+        self._pool: BlockPool | None = None
+
+    def bind(self, pool: BlockPool) -> None:
+        self._pool = pool
+
+    def _arrays(self) -> BlockPool:
+        assert self._pool is not None, "policy used before bind()"
+        return self._pool
+
+    def registered(self, slots: Sequence[int]) -> None:
+        parents = self._arrays()._parent
+        children = self._children
+        for slot in slots:
+            parent = parents[slot]
+            if parent is not None:
+                children[parent] = children.get(parent, 0) + 1
+
+    def accessed(self, slots: Sequence[int]) -> None:
+        pass
+
+    def released(self, slots: Sequence[int]) -> None:
+        hashes = self._arrays()._hash
+        children = self._children
+        ticks = self._release_tick
+        heap = self._heap
+        tick = self._tick
+        for slot in slots:
+            tick += 1
+            ticks[slot] = tick
+            if not children.get(hashes[slot], 0):  # type: ignore[arg-type]
+                heapq.heappush(heap, (tick, slot))
+        self._tick = tick
+
+    def activated(self, slots: Sequence[int]) -> None:
+        ticks = self._release_tick
+        for slot in slots:
+            del ticks[slot]
+
+    def evictable(self) -> int:
+        return len(self._release_tick)
+
+    def pick_victims(self, count: int) -> list[int]:
+        pool = self._arrays()
+        hashes, parents, by_hash = pool._hash, pool._parent, pool._by_hash
+        ticks, heap, children = self._release_tick, self._heap, self._children
+        victims: list[int] = []
+        while heap and len(victims) < count:
+            tick, slot = heapq.heappop(heap)
+            if ticks.get(slot) != tick or children.get(hashes[slot], 0):  # type: ignore[arg-type]
+                continue  # reactivated since, or grew a child: not a leaf now
+            del ticks[slot]
+            victims.append(slot)
+            self._drop_child_of(parents[slot], by_hash)
+        return victims
+
+    def _drop_child_of(self, parent: int | None, by_hash: dict[int, int]) -> None:
+        if parent is None:
+            return
+        children = self._children
+        left = children[parent] - 1
+        if left:
+            children[parent] = left
+            return
+        del children[parent]
+        parent_slot = by_hash.get(parent)
+        if parent_slot is not None:
+            tick = self._release_tick.get(parent_slot)
+            if tick is not None:
+                heapq.heappush(self._heap, (tick, parent_slot))
+
+    def forget(self, slots: Sequence[int]) -> None:
+        """Slots leaving the pool by another way than eviction (explicit removal)."""
+        pool = self._arrays()
+        for slot in slots:
+            self._release_tick.pop(slot, None)
+            self._drop_child_of(pool._parent[slot], pool._by_hash)
+
+    def inactive_order(self) -> list[int]:
+        return [slot for slot, _ in sorted(self._release_tick.items(), key=lambda kv: kv[1])]
+
+    def clear(self) -> None:
+        self._release_tick.clear()
+        self._heap.clear()
+        self._children.clear()
+
+
+class FrequencySketch:
+    """A count-min sketch of access counts with 4-bit counters and periodic halving (TinyLFU).
+
+    Sequence hashes are already uniform 64-bit values, so the four rows index with four
+    16-bit slices of the hash instead of four hash functions.
+    """
+
+    DEPTH = 4
+    MAX_COUNT = 15
+
+    def __init__(self, capacity: int) -> None:
+        width = 16
+        while width < max(capacity, 16):
+            width <<= 1
+        self._mask = width - 1
+        self._rows = [[0] * width for _ in range(self.DEPTH)]
+        self._additions = 0
+        self._sample = 10 * max(capacity, 16)
+
+    def _indexes(self, key: int) -> tuple[int, int, int, int]:
+        mask = self._mask
+        return (key & mask, (key >> 16) & mask, (key >> 32) & mask, (key >> 48) & mask)
+
+    def increment(self, key: int) -> None:
+        for row, idx in zip(self._rows, self._indexes(key), strict=True):
+            if row[idx] < self.MAX_COUNT:
+                row[idx] += 1
+        self._additions += 1
+        if self._additions >= self._sample:
+            self._age()
+
+    def estimate(self, key: int) -> int:
+        return min(row[idx] for row, idx in zip(self._rows, self._indexes(key), strict=True))
+
+    def _age(self) -> None:
+        """Halve every counter, so old popularity fades and new blocks can compete."""
+        self._rows = [[count >> 1 for count in row] for row in self._rows]
+        self._additions //= 2
+
+
+class MultiLruPolicy:
+    """Frequency-aware: a TinyLFU sketch places each released block in one of several LRU levels.
+
+    Blocks seen once land in level 0 and are evicted first; blocks seen often land higher and
+    outlive a scan of one-off prompts. Within a level, least recently released goes first.
+    """
+
+    tracks_access = True
+    #: a block seen at least LEVEL_THRESHOLDS[i] times goes to level i+1
+    LEVEL_THRESHOLDS = (2, 4, 8)
+
+    def __init__(self, capacity: int = 1024) -> None:
+        self._capacity = capacity
+        self._sketch = FrequencySketch(capacity)
+        self._levels: list[OrderedDict[int, None]] = [
+            OrderedDict() for _ in range(len(self.LEVEL_THRESHOLDS) + 1)
+        ]
+        self._level_of: dict[int, int] = {}
+        self._pool: BlockPool | None = None
+
+    def bind(self, pool: BlockPool) -> None:
+        self._pool = pool
+        self._capacity = pool.capacity
+        self._sketch = FrequencySketch(pool.capacity)
+
+    def _hashes(self) -> list[int | None]:
+        assert self._pool is not None, "policy used before bind()"
+        return self._pool._hash
+
+    def accessed(self, slots: Sequence[int]) -> None:
+        hashes, increment = self._hashes(), self._sketch.increment
+        for slot in slots:
+            increment(hashes[slot])  # type: ignore[arg-type]
+
+    registered = accessed
+
+    def _level(self, key: int) -> int:
+        seen = self._sketch.estimate(key)
+        level = 0
+        for threshold in self.LEVEL_THRESHOLDS:
+            if seen >= threshold:
+                level += 1
+        return level
+
+    def released(self, slots: Sequence[int]) -> None:
+        hashes, level_of, levels = self._hashes(), self._level_of, self._levels
+        for slot in slots:
+            level = self._level(hashes[slot])  # type: ignore[arg-type]
+            levels[level][slot] = None
+            level_of[slot] = level
+
+    def activated(self, slots: Sequence[int]) -> None:
+        level_of, levels = self._level_of, self._levels
+        for slot in slots:
+            del levels[level_of.pop(slot)][slot]
+
+    forget = activated
+
+    def evictable(self) -> int:
+        return len(self._level_of)
+
+    def pick_victims(self, count: int) -> list[int]:
+        victims: list[int] = []
+        for level in self._levels:
+            while level and len(victims) < count:
+                slot = level.popitem(last=False)[0]
+                del self._level_of[slot]
+                victims.append(slot)
+        return victims
+
+    def inactive_order(self) -> list[int]:
+        return [slot for level in self._levels for slot in level]
+
+    def clear(self) -> None:
+        for level in self._levels:
+            level.clear()
+        self._level_of.clear()
+
+
+def make_policy(name: str) -> EvictionPolicy:
+    """The policy called ``name``; a clear error for anything else."""
+    if name == "lru":
+        return LruPolicy()
+    if name == "lineage":
+        return LineagePolicy()
+    if name == "multi_lru":
+        return MultiLruPolicy()
+    raise ValueError(f"unknown eviction policy {name!r}; expected one of {', '.join(POLICY_NAMES)}")

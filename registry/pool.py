@@ -1,0 +1,390 @@
+"""A pool of block slots for one tier, and the lifecycle of each slot.
+
+    free --allocate--> mutable --register(hash)--> active (refcount >= 1)
+    active --release to 0--> inactive (matchable, evictable) --evict--> free
+    inactive --match--> active
+
+The pool is pure bookkeeping: slots are integers, bytes live elsewhere (``tiers``). State is
+kept in flat per-slot lists rather than per-block objects, and every operation takes a whole
+request's blocks at once, because engines call this on every scheduling step and per-block
+Python objects would dominate the cost.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
+
+from kvledger.events.types import BlockInfo, Tier
+from kvledger.registry.emitter import EventEmitter
+from kvledger.registry.errors import PoolBusy, PoolExhausted
+from kvledger.registry.policies import EvictionPolicy, make_policy
+
+__all__ = ["BlockPool", "PoolBusy", "PoolExhausted"]
+
+
+class BlockPool:
+    """``capacity`` slots of one tier with refcounts, dedup by sequence hash and eviction.
+
+    Events: ``register`` emits one ``Stored`` per contiguous run of newly registered blocks
+    (duplicates emit nothing); evictions emit ``Removed`` (one per operation, or one per
+    ``hold_removed`` scope); ``clear`` emits ``Cleared``.
+    """
+
+    def __init__(
+        self,
+        capacity: int,
+        *,
+        tier: Tier = Tier.G1,
+        policy: str | EvictionPolicy = "lru",
+        emitter: EventEmitter | None = None,
+    ) -> None:
+        if not isinstance(capacity, int) or capacity <= 0:
+            raise ValueError(f"pool capacity must be a positive integer, got {capacity!r}")
+        self.capacity = capacity
+        self.tier = tier
+        self.emitter = emitter if emitter is not None else EventEmitter()
+        self._ref = [0] * capacity
+        self._hash: list[int | None] = [None] * capacity
+        self._local = [0] * capacity
+        self._parent: list[int | None] = [None] * capacity
+        self._by_hash: dict[int, int] = {}
+        # popped from the end, so slot 0 is handed out first
+        self._free = list(range(capacity - 1, -1, -1))
+        self._policy = make_policy(policy) if isinstance(policy, str) else policy
+        self._policy.bind(self)
+        self._held_removed: list[int] | None = None
+
+    # -- queries -------------------------------------------------------------------------
+
+    @property
+    def policy(self) -> EvictionPolicy:
+        return self._policy
+
+    @property
+    def num_free(self) -> int:
+        """Slots holding nothing."""
+        return len(self._free)
+
+    @property
+    def num_inactive(self) -> int:
+        """Registered blocks nobody references: cached, evictable."""
+        return self._policy.evictable()
+
+    @property
+    def num_active(self) -> int:
+        """Slots referenced by someone: mutable (filling) or registered and in use."""
+        return self.capacity - len(self._free) - self._policy.evictable()
+
+    @property
+    def num_registered(self) -> int:
+        return len(self._by_hash)
+
+    def lookup(self, sequence_hash: int) -> int | None:
+        """The slot holding ``sequence_hash``, without touching its refcount."""
+        return self._by_hash.get(sequence_hash)
+
+    def __contains__(self, sequence_hash: object) -> bool:
+        return sequence_hash in self._by_hash
+
+    def refcount(self, slot: int) -> int:
+        return self._ref[slot]
+
+    def block_info(self, slot: int) -> BlockInfo:
+        seq = self._hash[slot]
+        if seq is None:
+            raise ValueError(f"{self.tier.name} slot {slot} holds no registered block")
+        return BlockInfo(seq, self._local[slot], self._parent[slot])
+
+    def probe(self, sequence_hashes: Iterable[int]) -> int:
+        """Length of the cached prefix of ``sequence_hashes``; changes nothing."""
+        by_hash = self._by_hash
+        n = 0
+        for seq in sequence_hashes:
+            if seq not in by_hash:
+                break
+            n += 1
+        return n
+
+    def resident_blocks(self) -> dict[int, tuple[int, int | None]]:
+        """Every registered block as ``{sequence_hash: (local_hash, parent_hash)}``."""
+        local, parent = self._local, self._parent
+        return {seq: (local[slot], parent[slot]) for seq, slot in self._by_hash.items()}
+
+    def inactive_slots(self) -> list[int]:
+        """Inactive slots in the order the policy would evict them (roughly, for multi_lru)."""
+        return self._policy.inactive_order()
+
+    # -- lifecycle -----------------------------------------------------------------------
+
+    def match(self, sequence_hashes: Iterable[int]) -> list[int]:
+        """Take a reference on the longest cached prefix of ``sequence_hashes``.
+
+        The first miss ends the prefix. Returns the slots; release them when done.
+        """
+        by_hash, ref = self._by_hash, self._ref
+        slots: list[int] = []
+        revived: list[int] = []
+        for seq in sequence_hashes:
+            slot = by_hash.get(seq)
+            if slot is None:
+                break
+            count = ref[slot]
+            if not count:
+                revived.append(slot)
+            ref[slot] = count + 1
+            slots.append(slot)
+        if revived:
+            self._policy.activated(revived)
+        if self._policy.tracks_access and slots:
+            self._policy.accessed(slots)
+        return slots
+
+    def acquire(self, slots: Sequence[int]) -> None:
+        """Take one more reference on each registered slot (the engine shares a block)."""
+        ref, hashes = self._ref, self._hash
+        for slot in slots:
+            if hashes[slot] is None:
+                raise ValueError(f"{self.tier.name} slot {slot} holds no registered block")
+        revived = [slot for slot in slots if not ref[slot]]
+        for slot in slots:
+            ref[slot] += 1
+        if revived:
+            self._policy.activated(revived)
+        if self._policy.tracks_access and slots:
+            self._policy.accessed(slots)
+
+    def allocate(self, count: int) -> list[int]:
+        """``count`` fresh mutable slots (refcount 1), evicting inactive blocks as needed.
+
+        Raises ``PoolExhausted`` and hands out nothing when ``count`` cannot be met.
+        """
+        free = self._free
+        if count > len(free):
+            if count > len(free) + self._policy.evictable():
+                raise PoolExhausted(self.tier.name, count, len(free) + self._policy.evictable())
+            self._evict(count - len(free))
+            if count > len(free):
+                raise PoolExhausted(self.tier.name, count, len(free))
+        return self._take_free(count)
+
+    def allocate_upto(self, count: int) -> list[int]:
+        """Like ``allocate`` but returns as many slots as could be had (maybe fewer, maybe none)."""
+        free = self._free
+        if count > len(free):
+            self._evict(count - len(free))
+        return self._take_free(min(count, len(free)))
+
+    def _take_free(self, count: int) -> list[int]:
+        if count <= 0:
+            return []
+        free, ref = self._free, self._ref
+        slots = free[-count:]
+        del free[-count:]
+        for slot in slots:
+            ref[slot] = 1
+        return slots
+
+    def register(
+        self,
+        slots: Sequence[int],
+        blocks: Sequence[tuple[int, int]],
+        parent_hash: int | None = None,
+        token_ids: Sequence[Sequence[int]] | None = None,
+    ) -> list[int]:
+        """Name filled mutable ``slots`` with ``blocks`` = [(sequence_hash, local_hash)], a chain.
+
+        ``parent_hash`` is the sequence hash of the block before the first one. A block whose
+        hash the pool already holds is deduplicated: its new slot is freed and the existing one
+        gains the reference instead. Returns the slots now holding the blocks, in order.
+        """
+        if len(slots) != len(blocks):
+            raise ValueError(f"register: {len(slots)} slots for {len(blocks)} blocks")
+        if token_ids is not None and len(token_ids) != len(blocks):
+            raise ValueError(f"register: {len(token_ids)} token lists for {len(blocks)} blocks")
+        ref, hashes, local_of, parent_of = self._ref, self._hash, self._local, self._parent
+        by_hash = self._by_hash
+        for slot in slots:
+            if hashes[slot] is not None or not ref[slot]:
+                raise ValueError(f"register: {self.tier.name} slot {slot} is not a mutable block")
+        out = list(slots)
+        new: list[int] = []
+        duplicates: list[int] = []
+        runs: list[tuple[int | None, int, int]] = []  # (parent, start, end) of new blocks
+        run_start, run_parent = -1, parent_hash
+        prev = parent_hash
+        for i, slot in enumerate(slots):
+            seq, local = blocks[i]
+            existing = by_hash.get(seq)
+            if existing is None:
+                by_hash[seq] = slot
+                hashes[slot] = seq
+                local_of[slot] = local
+                parent_of[slot] = prev
+                new.append(slot)
+                if run_start < 0:
+                    run_start, run_parent = i, prev
+            else:
+                out[i] = existing
+                duplicates.append(existing)
+                ref[slot] -= 1
+                if not ref[slot]:
+                    self._free.append(slot)
+                if run_start >= 0:
+                    runs.append((run_parent, run_start, i))
+                    run_start = -1
+            prev = seq
+        if run_start >= 0:
+            runs.append((run_parent, run_start, len(slots)))
+        if new:
+            self._policy.registered(new)
+        if duplicates:
+            self.acquire(duplicates)
+        for parent, start, end in runs:
+            self.emitter.stored(
+                self.tier,
+                parent,
+                blocks[start:end],
+                None if token_ids is None else token_ids[start:end],
+            )
+        return out
+
+    def register_copies(
+        self, slots: Sequence[int], blocks: Sequence[BlockInfo], src_tier: Tier
+    ) -> list[int]:
+        """Register blocks copied here from ``src_tier``; emits Offloaded/Onboarded, not Stored.
+
+        Unlike ``register`` the blocks need not form a chain: each carries its own parent.
+        Returns the slots now holding the blocks (duplicates resolved as in ``register``).
+        """
+        if len(slots) != len(blocks):
+            raise ValueError(f"register_copies: {len(slots)} slots for {len(blocks)} blocks")
+        ref, hashes, by_hash = self._ref, self._hash, self._by_hash
+        for slot in slots:
+            if hashes[slot] is not None or not ref[slot]:
+                raise ValueError(f"register_copies: {self.tier.name} slot {slot} is not mutable")
+        out = list(slots)
+        new: list[int] = []
+        landed: list[BlockInfo] = []
+        duplicates: list[int] = []
+        for i, (slot, info) in enumerate(zip(slots, blocks, strict=True)):
+            existing = by_hash.get(info.sequence_hash)
+            if existing is None:
+                by_hash[info.sequence_hash] = slot
+                hashes[slot] = info.sequence_hash
+                self._local[slot] = info.local_hash
+                self._parent[slot] = info.parent_hash
+                new.append(slot)
+                landed.append(info)
+            else:
+                out[i] = existing
+                duplicates.append(existing)
+                ref[slot] -= 1
+                if not ref[slot]:
+                    self._free.append(slot)
+        if new:
+            self._policy.registered(new)
+        if duplicates:
+            self.acquire(duplicates)
+        self.emitter.copied(src_tier, self.tier, landed)
+        return out
+
+    def release(self, slots: Iterable[int]) -> None:
+        """Drop one reference per slot. At zero a registered block becomes inactive (cached,
+        evictable, in the order given) and a never-registered one becomes free."""
+        ref, hashes, free = self._ref, self._hash, self._free
+        inactive: list[int] = []
+        done: list[int] = []
+        try:
+            for slot in slots:
+                count = ref[slot] - 1
+                if count < 0:
+                    raise ValueError(
+                        f"release: {self.tier.name} slot {slot} released more often than taken"
+                    )
+                ref[slot] = count
+                done.append(slot)
+                if not count:
+                    if hashes[slot] is None:
+                        free.append(slot)
+                    else:
+                        inactive.append(slot)
+        except ValueError:
+            # undo, so a bad call leaves the pool as it was
+            for slot in reversed(done):
+                if not ref[slot]:
+                    if hashes[slot] is None:
+                        free.remove(slot)
+                    else:
+                        inactive.remove(slot)
+                ref[slot] += 1
+            raise
+        if inactive:
+            self._policy.released(inactive)
+
+    def remove(self, sequence_hashes: Iterable[int]) -> list[int]:
+        """Drop inactive blocks by hash (e.g. a corrupt copy). Active or unknown ones are kept.
+
+        Returns the hashes that were removed; emits Removed for them.
+        """
+        by_hash, ref = self._by_hash, self._ref
+        slots = [
+            slot
+            for seq in sequence_hashes
+            if (slot := by_hash.get(seq)) is not None and not ref[slot]
+        ]
+        if not slots:
+            return []
+        self._policy.forget(slots)
+        return self._drop(slots)
+
+    def _evict(self, count: int) -> None:
+        victims = self._policy.pick_victims(count)
+        if victims:
+            self._drop(victims)
+
+    def _drop(self, slots: list[int]) -> list[int]:
+        by_hash, hashes = self._by_hash, self._hash
+        gone: list[int] = []
+        for slot in slots:
+            seq = hashes[slot]
+            assert seq is not None
+            del by_hash[seq]
+            hashes[slot] = None
+            gone.append(seq)
+        self._free.extend(slots)
+        if self._held_removed is not None:
+            self._held_removed.extend(gone)
+        else:
+            self.emitter.removed(self.tier, gone)
+        return gone
+
+    @contextmanager
+    def hold_removed(self) -> Iterator[None]:
+        """Report every eviction inside the block as one ``Removed`` at its end.
+
+        Lets a caller that allocates several times for one request publish its ``Stored``
+        first and the evictions it caused after, as routers expect.
+        """
+        if self._held_removed is not None:
+            yield
+            return
+        held: list[int] = []
+        self._held_removed = held
+        try:
+            yield
+        finally:
+            self._held_removed = None
+            self.emitter.removed(self.tier, held)
+
+    def clear(self) -> None:
+        """Drop every cached block. Refuses while any block is in use."""
+        busy = self.num_active
+        if busy:
+            raise PoolBusy(f"cannot clear {self.tier.name}: {busy} blocks are in use")
+        self._policy.clear()
+        self._by_hash.clear()
+        self._hash = [None] * self.capacity
+        self._parent = [None] * self.capacity
+        self._free = list(range(self.capacity - 1, -1, -1))
+        self.emitter.cleared(self.tier)
