@@ -126,9 +126,9 @@ def test_bad_block_size_is_named(block_size: object) -> None:
 
 
 def test_bad_chain_input_is_named() -> None:
-    with pytest.raises(ValueError, match="block 1 local hash -5"):
+    with pytest.raises(ValueError, match="local hash 1 is -5"):
         chain_sequence_hashes([1, -5])
-    with pytest.raises(ValueError, match="parent=-1"):
+    with pytest.raises(ValueError, match="parent is -1"):
         chain_sequence_hashes([1], parent=-1)
 
 

@@ -1,0 +1,59 @@
+"""Hashing a 4096-token prompt: kvledger vs Dynamo's Rust ``compute_block_hash_for_seq``.
+
+Both sides start from the same Python list of token ids, so both pay for turning it into u32s.
+Two comparisons per block size:
+- local hashes: ours vs ``compute_block_hash_for_seq`` (ratio > 1 means we are faster);
+- local + sequence hashes: ours vs Dynamo's local hashes followed by a chain. ai-dynamo-runtime
+  exposes no chaining function, so its chain is our ``chain_sequence_hashes`` too; this row
+  shows what a Python caller of Dynamo would pay for the full set of hashes.
+
+Run: .venv/bin/python bench/hash_bench.py
+"""
+
+from __future__ import annotations
+
+import random
+import sys
+import timeit
+from collections.abc import Callable
+
+from kvledger.registry.hashing import TokenBlockSequence, chain_sequence_hashes, local_hashes
+
+PROMPT_TOKENS = 4096
+BLOCK_SIZES = (16, 64)
+
+
+def best_us(fn: Callable[[], object], number: int = 2000, repeat: int = 7) -> float:
+    """Best-of-``repeat`` mean time per call in microseconds (least disturbed by neighbours)."""
+    return min(timeit.repeat(fn, number=number, repeat=repeat)) / number * 1e6
+
+
+def main() -> int:
+    try:
+        from dynamo.llm import compute_block_hash_for_seq
+    except ImportError:
+        print("ai-dynamo-runtime is not installed: pip install ai-dynamo-runtime==1.6.1")
+        return 1
+    rng = random.Random(0)
+    tokens = [rng.randrange(150_000) for _ in range(PROMPT_TOKENS)]
+    print(f"hashing a {PROMPT_TOKENS}-token prompt (Python list of ints), best of 7 x 2000 calls")
+    print(f"{'block':>5} {'what':<22} {'kvledger us':>12} {'dynamo us':>10} {'ratio':>6}")
+    for bs in BLOCK_SIZES:
+        assert local_hashes(tokens, bs) == compute_block_hash_for_seq(tokens, bs)
+        ours_local = best_us(lambda bs=bs: local_hashes(tokens, bs))
+        theirs_local = best_us(lambda bs=bs: compute_block_hash_for_seq(tokens, bs))
+        ours_full = best_us(lambda bs=bs: TokenBlockSequence(tokens, bs))
+        theirs_full = best_us(
+            lambda bs=bs: chain_sequence_hashes(compute_block_hash_for_seq(tokens, bs))
+        )
+        for what, ours, theirs in (
+            ("local hashes", ours_local, theirs_local),
+            ("local + sequence", ours_full, theirs_full),
+        ):
+            print(f"{bs:>5} {what:<22} {ours:>12.1f} {theirs:>10.1f} {theirs / ours:>6.2f}")
+    print("ratio = dynamo time / kvledger time (>= 1: kvledger is no slower)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
