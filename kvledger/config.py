@@ -1,0 +1,151 @@
+"""Settings, from the environment (prefix ``KVLEDGER_``) or keyword arguments.
+
+Dynamo's KVBM variables are accepted as aliases so a deployment can switch without renaming:
+``DYN_KVBM_CPU_CACHE_GB``, ``DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS``,
+``DYN_KVBM_DISK_CACHE_GB`` and ``DYN_KVBM_DISK_CACHE_OVERRIDE_NUM_BLOCKS``. As in Dynamo, a
+block-count override wins over a size in GB, a value of 0 means "no such tier", and a disk
+cache without a CPU cache makes G1 offload straight to G3.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import AliasChoices, Field, ValidationError, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from kvledger.events.types import Tier
+
+GIB = 1 << 30
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "uint8": 1}
+
+
+class SettingsError(ValueError):
+    """One or more settings are invalid; the message names each and what is allowed."""
+
+
+def _env(field: str, *aliases: str) -> Any:
+    """Accept the field name (keyword use), its KVLEDGER_ variable and Dynamo's aliases."""
+    return AliasChoices(field, f"KVLEDGER_{field.upper()}", *aliases)
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(
+        env_prefix="KVLEDGER_", extra="forbid", populate_by_name=True, frozen=True
+    )
+
+    block_size: int = Field(16, gt=0, le=1 << 16, description="tokens per KV block")
+    # Model geometry, for bytes per block (turns GB into block counts, sizes tier buffers).
+    num_layers: int = Field(32, gt=0)
+    outer_dim: Literal[1, 2] = Field(2, description="2 for separate K and V, 1 for MLA")
+    inner_dim: int = Field(1024, gt=0, description="kv heads x head size")
+    dtype: Literal["float32", "float16", "bfloat16", "float8_e4m3fn", "uint8"] = "bfloat16"
+
+    g1_blocks: int = Field(4096, gt=0, description="G1 (GPU) pool size in blocks")
+    g2_gb: float = Field(0.0, ge=0, validation_alias=_env("g2_gb", "DYN_KVBM_CPU_CACHE_GB"))
+    g2_blocks: int = Field(
+        0, ge=0, validation_alias=_env("g2_blocks", "DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS")
+    )
+    g3_gb: float = Field(0.0, ge=0, validation_alias=_env("g3_gb", "DYN_KVBM_DISK_CACHE_GB"))
+    g3_blocks: int = Field(
+        0, ge=0, validation_alias=_env("g3_blocks", "DYN_KVBM_DISK_CACHE_OVERRIDE_NUM_BLOCKS")
+    )
+
+    eviction_policy: Literal["lru", "lineage", "multi_lru"] = "lineage"
+    offload_filter: Literal["always", "seen_twice", "never"] = Field(
+        "seen_twice", description="which blocks go down to G3 (G2 is write-through)"
+    )
+    data_dir: Path = Path("kvledger-data")
+    event_log_url: str | None = Field(
+        None, description="SQLAlchemy URL of the event log; default: SQLite under data_dir"
+    )
+    redis_url: str | None = None
+    worker_id: int = Field(0, ge=0)
+    dp_rank: int = Field(0, ge=0)
+    chain_seed: int = Field(1337, ge=0, lt=1 << 64, description="seed of the sequence-hash chain")
+
+    @model_validator(mode="after")
+    def _check(self) -> Settings:
+        if self.event_log_url is not None and "://" not in self.event_log_url:
+            raise ValueError(
+                f"event_log_url must be a URL such as sqlite:///path.db, got {self.event_log_url!r}"
+            )
+        return self
+
+    @classmethod
+    def load(cls, **overrides: Any) -> Settings:
+        """Build settings, turning pydantic's report into one message per bad setting."""
+        try:
+            return cls(**overrides)
+        except ValidationError as exc:
+            raise SettingsError(_describe(exc)) from None
+
+    # -- derived -------------------------------------------------------------------------
+
+    @property
+    def bytes_per_block(self) -> int:
+        return (
+            self.num_layers
+            * self.outer_dim
+            * self.block_size
+            * self.inner_dim
+            * DTYPE_BYTES[self.dtype]
+        )
+
+    def _blocks(self, override: int, gb: float) -> int:
+        return override if override else int(gb * GIB) // self.bytes_per_block
+
+    @property
+    def g2_capacity(self) -> int:
+        """G2 blocks: the override if set, else the size in GB; 0 means no G2."""
+        return self._blocks(self.g2_blocks, self.g2_gb)
+
+    @property
+    def g3_capacity(self) -> int:
+        return self._blocks(self.g3_blocks, self.g3_gb)
+
+    @property
+    def offload_path(self) -> tuple[Tier, ...]:
+        """The tiers a block goes through on its way down, starting at G1.
+
+        A disk cache with no CPU cache means G1 -> G3 directly (Dynamo's bypass rule).
+        """
+        path = [Tier.G1]
+        if self.g2_capacity:
+            path.append(Tier.G2)
+        if self.g3_capacity:
+            path.append(Tier.G3)
+        return tuple(path)
+
+    @property
+    def log_url(self) -> str:
+        if self.event_log_url:
+            return self.event_log_url
+        return f"sqlite:///{self.data_dir / 'events.db'}"
+
+
+def _env_names(field: str) -> str:
+    info = Settings.model_fields.get(field)
+    names = [f"KVLEDGER_{field.upper()}"]
+    alias = info.validation_alias if info is not None else None
+    if isinstance(alias, AliasChoices):
+        names += [c for c in alias.choices if isinstance(c, str) and c.startswith("DYN_")]
+    return " / ".join(names)
+
+
+def _describe(exc: ValidationError) -> str:
+    lines = ["invalid kvledger settings:"]
+    for err in exc.errors():
+        loc = [str(part) for part in err["loc"]]
+        field = loc[0] if loc else "settings"
+        for name, info in Settings.model_fields.items():
+            alias = info.validation_alias
+            if isinstance(alias, AliasChoices) and field in alias.choices:
+                field = name
+        field = field.removeprefix("KVLEDGER_").lower() if field.isupper() else field
+        shown = f"{field} ({_env_names(field)})" if field in Settings.model_fields else field
+        value = err.get("input")
+        got = "" if isinstance(value, dict) else f", got {value!r}"
+        lines.append(f"  {shown}: {err['msg']}{got}")
+    return "\n".join(lines)

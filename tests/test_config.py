@@ -1,0 +1,75 @@
+"""Settings: defaults, Dynamo's aliases, the G2 bypass rule, and errors that name the setting."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvledger.config import Settings, SettingsError
+from kvledger.events.types import Tier
+
+
+@pytest.fixture(autouse=True)
+def clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    import os
+
+    for name in list(os.environ):
+        if name.startswith(("KVLEDGER_", "DYN_KVBM_")):
+            monkeypatch.delenv(name)
+
+
+def test_defaults_need_nothing_installed():
+    s = Settings.load()
+    assert s.block_size == 16
+    assert s.offload_path == (Tier.G1,)
+    assert s.log_url == "sqlite:///kvledger-data/events.db"
+    assert s.bytes_per_block == 32 * 2 * 16 * 1024 * 2
+
+
+def test_prefix_and_keywords(monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setenv("KVLEDGER_BLOCK_SIZE", "32")
+    monkeypatch.setenv("KVLEDGER_EVICTION_POLICY", "multi_lru")
+    s = Settings.load()
+    assert (s.block_size, s.eviction_policy) == (32, "multi_lru")
+    assert Settings.load(block_size=64).block_size == 64
+
+
+def test_dynamo_aliases_and_override_wins(monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setenv("DYN_KVBM_CPU_CACHE_GB", "2")
+    s = Settings.load()
+    assert s.g2_capacity == 2 * (1 << 30) // s.bytes_per_block
+    monkeypatch.setenv("DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS", "77")
+    monkeypatch.setenv("DYN_KVBM_DISK_CACHE_OVERRIDE_NUM_BLOCKS", "500")
+    s = Settings.load()
+    assert (s.g2_capacity, s.g3_capacity) == (77, 500)
+    assert s.offload_path == (Tier.G1, Tier.G2, Tier.G3)
+
+
+def test_disk_without_cpu_cache_offloads_straight_to_disk(monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setenv("DYN_KVBM_DISK_CACHE_GB", "1")
+    monkeypatch.setenv("DYN_KVBM_CPU_CACHE_GB", "0")  # zero counts as unset, as in Dynamo
+    assert Settings.load().offload_path == (Tier.G1, Tier.G3)
+
+
+@pytest.mark.parametrize(
+    ("env", "value", "named"),
+    [
+        ("KVLEDGER_BLOCK_SIZE", "abc", "block_size (KVLEDGER_BLOCK_SIZE)"),
+        ("KVLEDGER_BLOCK_SIZE", "0", "block_size"),
+        ("KVLEDGER_EVICTION_POLICY", "fifo", "'lru', 'lineage' or 'multi_lru'"),
+        ("DYN_KVBM_CPU_CACHE_GB", "-1", "DYN_KVBM_CPU_CACHE_GB"),
+        ("DYN_KVBM_DISK_CACHE_OVERRIDE_NUM_BLOCKS", "lots", "g3_blocks"),
+        ("KVLEDGER_EVENT_LOG_URL", "events.db", "event_log_url must be a URL"),
+        ("KVLEDGER_OFFLOAD_FILTER", "sometimes", "'always', 'seen_twice' or 'never'"),
+    ],
+)
+def test_bad_values_name_the_setting(monkeypatch: pytest.MonkeyPatch, env, value, named):
+    monkeypatch.setenv(env, value)
+    with pytest.raises(SettingsError) as info:
+        Settings.load()
+    assert named in str(info.value)
+    assert repr(value) in str(info.value) or "must be a URL" in str(info.value)
+
+
+def test_unknown_keyword_is_refused():
+    with pytest.raises(SettingsError, match="blok_size"):
+        Settings.load(blok_size=16)
