@@ -1,0 +1,306 @@
+"""Events on the wire: our stream record, Dynamo's KvCacheEvent JSON, vLLM's KVEventBatch.
+
+Three audiences read the same transitions:
+- our own consumers (the Redis shared registry's Lua apply, routers reading the Redis stream)
+  read a *stream record*: msgpack with every hash chain packed as one string of big-endian u64s.
+  Redis's Lua has only doubles, so a hash must reach it as bytes; one string per chain is also
+  far cheaper to decode there than one item per hash. Records use msgpack's old "raw" string
+  type because Redis's cmsgpack does not understand the newer bin type.
+- Dynamo's KV router reads ``KvCacheEvent`` JSON (one tier: its radix tree has none);
+- vLLM-native routers read a msgpack ``KVEventBatch``.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import msgpack
+
+from kvledger.events.types import (
+    AnyEvent,
+    BlockInfo,
+    Cleared,
+    Offloaded,
+    Onboarded,
+    Removed,
+    Stored,
+    Tier,
+)
+
+RECORD_VERSION = 1
+KIND_CODES: dict[type[AnyEvent], int] = {
+    Stored: 1,
+    Removed: 2,
+    Offloaded: 3,
+    Onboarded: 4,
+    Cleared: 5,
+}
+KIND_OF_CODE = {code: cls for cls, code in KIND_CODES.items()}
+_U64_MAX = (1 << 64) - 1
+
+
+class WireFormatError(ValueError):
+    """Bytes that are not a record of the expected format (names what is wrong)."""
+
+
+# -- hash chains as bytes ----------------------------------------------------------------
+
+
+def pack_hashes(hashes: Sequence[int]) -> bytes:
+    """Concatenated big-endian u64s; a hash outside u64 is an error, not a wrap-around."""
+    try:
+        return struct.pack(f">{len(hashes)}Q", *hashes)
+    except struct.error:
+        bad = [h for h in hashes if not (isinstance(h, int) and 0 <= h <= _U64_MAX)]
+        raise ValueError(f"hashes must be unsigned 64-bit integers, got {bad[:3]}") from None
+
+
+def unpack_hashes(blob: bytes) -> tuple[int, ...]:
+    if len(blob) % 8:
+        raise WireFormatError(f"a hash chain is a multiple of 8 bytes, got {len(blob)} bytes")
+    return struct.unpack(f">{len(blob) // 8}Q", blob)
+
+
+def hash_key(seq: int) -> bytes:
+    """One hash as the 8 bytes the stream record and the Redis keys use."""
+    return seq.to_bytes(8, "big")
+
+
+# -- our stream record -------------------------------------------------------------------
+
+
+def encode_record(event: AnyEvent) -> bytes:
+    """The stream record of one event: what the Redis apply script and routers decode.
+
+    ``[version, kind, event_id, worker_id, dp_rank, tier, ts, sequence_hashes, body]``
+    """
+    body: Any
+    if isinstance(event, Stored):
+        seqs = pack_hashes([seq for seq, _ in event.blocks])
+        parent = None if event.parent_hash is None else pack_hashes([event.parent_hash])
+        tokens = None if event.token_ids is None else [list(t) for t in event.token_ids]
+        body = [parent, pack_hashes([local for _, local in event.blocks]), tokens]
+    elif isinstance(event, Offloaded | Onboarded):
+        seqs = pack_hashes([b.sequence_hash for b in event.blocks])
+        parents = [None if b.parent_hash is None else hash_key(b.parent_hash) for b in event.blocks]
+        body = [int(event.src_tier), pack_hashes([b.local_hash for b in event.blocks]), parents]
+    elif isinstance(event, Removed):
+        seqs, body = pack_hashes(event.sequence_hashes), None
+    elif isinstance(event, Cleared):
+        seqs, body = b"", None
+    else:
+        raise TypeError(f"not an event: {event!r}")
+    record = [
+        RECORD_VERSION,
+        KIND_CODES[type(event)],
+        event.event_id,
+        event.worker_id,
+        event.dp_rank,
+        int(event.tier),
+        event.ts,
+        seqs,
+        body,
+    ]
+    return msgpack.packb(record, use_bin_type=False)  # type: ignore[no-any-return]
+
+
+def decode_record(data: bytes) -> AnyEvent:
+    """Inverse of ``encode_record``; malformed bytes raise ``WireFormatError``."""
+    try:
+        record = msgpack.unpackb(data, raw=True, use_list=True, strict_map_key=False)
+    except (ValueError, msgpack.UnpackException) as exc:
+        raise WireFormatError(f"stream record is not msgpack: {exc}") from None
+    if not isinstance(record, list) or len(record) != 9:
+        raise WireFormatError(f"stream record must be a 9-item array, got {type(record).__name__}")
+    version, code, event_id, worker_id, dp_rank, tier_num, ts, seq_blob, body = record
+    if version != RECORD_VERSION:
+        raise WireFormatError(
+            f"stream record version {version!r}; this reader knows {RECORD_VERSION}"
+        )
+    kind = KIND_OF_CODE.get(code)
+    if kind is None:
+        raise WireFormatError(f"unknown event kind code {code!r}")
+    try:
+        tier = Tier(tier_num)
+    except ValueError:
+        raise WireFormatError(f"unknown tier {tier_num!r} in stream record") from None
+    common: dict[str, Any] = {
+        "event_id": event_id,
+        "worker_id": worker_id,
+        "dp_rank": dp_rank,
+        "tier": tier,
+        "ts": ts,
+    }
+    seqs = unpack_hashes(seq_blob)
+    if kind is Stored:
+        parent_blob, local_blob, tokens = body
+        locals_ = unpack_hashes(local_blob)
+        if len(locals_) != len(seqs):
+            raise WireFormatError(f"{len(seqs)} sequence hashes but {len(locals_)} local hashes")
+        return Stored(
+            **common,
+            parent_hash=None if parent_blob is None else unpack_hashes(parent_blob)[0],
+            blocks=tuple(zip(seqs, locals_, strict=True)),
+            token_ids=None if tokens is None else tuple(tuple(t) for t in tokens),
+        )
+    if kind is Offloaded or kind is Onboarded:
+        src, local_blob, parents = body
+        locals_ = unpack_hashes(local_blob)
+        if not (len(locals_) == len(parents) == len(seqs)):
+            raise WireFormatError("sequence, local and parent hash lists differ in length")
+        blocks = tuple(
+            BlockInfo(s, loc, None if p is None else int.from_bytes(p, "big"))
+            for s, loc, p in zip(seqs, locals_, parents, strict=True)
+        )
+        return kind(**common, src_tier=Tier(src), blocks=blocks)
+    if kind is Removed:
+        return Removed(**common, sequence_hashes=seqs)
+    return Cleared(**common)
+
+
+# -- chains: both router formats want each stored run as parent + consecutive blocks ------
+
+
+def _chains(blocks: Sequence[BlockInfo]) -> list[tuple[int | None, list[BlockInfo]]]:
+    """Split copied blocks into runs whose every block is the child of the one before."""
+    runs: list[tuple[int | None, list[BlockInfo]]] = []
+    for info in blocks:
+        if runs and runs[-1][1][-1].sequence_hash == info.parent_hash:
+            runs[-1][1].append(info)
+        else:
+            runs.append((info.parent_hash, [info]))
+    return runs
+
+
+def _stored_runs(event: AnyEvent) -> list[tuple[int | None, list[BlockInfo]]]:
+    if isinstance(event, Stored):
+        return [(event.parent_hash, event.infos())]
+    if isinstance(event, Offloaded | Onboarded):
+        return _chains(event.blocks)
+    return []
+
+
+# -- Dynamo KvCacheEvent JSON ------------------------------------------------------------
+
+
+def to_dynamo(event: AnyEvent, *, tier: Tier = Tier.G1) -> list[dict[str, Any]]:
+    """The ``KvCacheEvent`` objects a Dynamo router should see for ``event`` on ``tier``.
+
+    Dynamo's radix tree has no tiers, so one tier is published (G1 by default, what its router
+    scores) and events on other tiers yield nothing. A copy whose blocks are not one chain
+    becomes several stored events, each anchored to its own parent.
+    """
+    if event.tier != tier:
+        return []
+    head = {"event_id": event.event_id, "dp_rank": event.dp_rank}
+    if isinstance(event, Removed):
+        return [{**head, "data": {"removed": {"block_hashes": list(event.sequence_hashes)}}}]
+    if isinstance(event, Cleared):
+        return [{**head, "data": "cleared"}]
+    return [
+        {
+            **head,
+            "data": {
+                "stored": {
+                    "parent_hash": parent,
+                    "blocks": [
+                        {"block_hash": b.sequence_hash, "tokens_hash": b.local_hash} for b in run
+                    ],
+                }
+            },
+        }
+        for parent, run in _stored_runs(event)
+    ]
+
+
+def encode_dynamo(event: AnyEvent, *, tier: Tier = Tier.G1) -> list[bytes]:
+    """``to_dynamo`` as the compact JSON bytes ``RadixTree.apply_event`` takes."""
+    return [json.dumps(obj, separators=(",", ":")).encode() for obj in to_dynamo(event, tier=tier)]
+
+
+# -- vLLM KVEventBatch msgpack -----------------------------------------------------------
+
+VLLM_MEDIA: Mapping[Tier, str] = {Tier.G1: "GPU", Tier.G2: "CPU", Tier.G3: "STORAGE"}
+
+
+def _vllm_events(
+    event: AnyEvent, block_size: int, media: Mapping[Tier, str]
+) -> list[dict[str, Any]]:
+    medium = media.get(event.tier)
+    if medium is None:
+        raise ValueError(
+            f"vLLM has no medium for tier {event.tier.name} (event {event.event_id}); "
+            f"known: {', '.join(t.name for t in media)} -- filter it out with tiers="
+        )
+    if isinstance(event, Removed):
+        return [
+            {"type": "BlockRemoved", "block_hashes": list(event.sequence_hashes), "medium": medium}
+        ]
+    if isinstance(event, Cleared):
+        if event.tier != Tier.G1:
+            # AllBlocksCleared carries no medium: a vLLM router would drop its GPU view too.
+            raise ValueError(
+                f"vLLM's AllBlocksCleared means the GPU cache; cannot express Cleared on "
+                f"{event.tier.name} (event {event.event_id}) -- filter it out with tiers="
+            )
+        return [{"type": "AllBlocksCleared"}]
+    tokens: list[int] = []
+    if isinstance(event, Stored) and event.token_ids is not None:
+        for i, block_tokens in enumerate(event.token_ids):
+            if len(block_tokens) != block_size:
+                raise ValueError(
+                    f"event {event.event_id}: block {i} has {len(block_tokens)} token ids, "
+                    f"block_size is {block_size}"
+                )
+            tokens.extend(block_tokens)
+    # Copies carry no token ids; vLLM's own offload events then send an empty list too.
+    return [
+        {
+            "type": "BlockStored",
+            "block_hashes": [b.sequence_hash for b in run],
+            "parent_block_hash": parent,
+            "token_ids": tokens,
+            "block_size": block_size,
+            "lora_id": None,
+            "medium": medium,
+            "lora_name": None,
+        }
+        for parent, run in _stored_runs(event)
+    ]
+
+
+def encode_vllm_batch(
+    events: Iterable[AnyEvent],
+    *,
+    block_size: int,
+    ts: float | None = None,
+    dp_rank: int | None = None,
+    tiers: Iterable[Tier] | None = None,
+    media: Mapping[Tier, str] = VLLM_MEDIA,
+) -> bytes:
+    """One ``KVEventBatch`` (``[ts, [events...], dp_rank]``) as vLLM's msgspec writes it.
+
+    ``tiers`` selects which tiers are published (default: every tier with a medium); events
+    on any other tier are left out on purpose. ``ts`` defaults to the newest event's time and
+    ``dp_rank`` to the events' own (they must agree); a batch with no rank omits it as vLLM does.
+    """
+    wanted = set(media) if tiers is None else set(tiers)
+    out: list[dict[str, Any]] = []
+    newest = 0.0
+    ranks: set[int] = set()
+    for event in events:
+        newest = max(newest, event.ts)
+        ranks.add(event.dp_rank)
+        if event.tier in wanted:
+            out.extend(_vllm_events(event, block_size, media))
+    if dp_rank is None and ranks:
+        if len(ranks) > 1:
+            raise ValueError(f"a vLLM batch has one dp rank; events carry {sorted(ranks)}")
+        dp_rank = ranks.pop()
+    batch: list[Any] = [float(newest if ts is None else ts), out]
+    if dp_rank is not None:
+        batch.append(dp_rank)
+    return msgpack.packb(batch, use_bin_type=True)  # type: ignore[no-any-return]
