@@ -14,6 +14,7 @@ from collections.abc import Sequence
 
 COMMAND_MODULES = (
     "kvledger.commands.demo",
+    "kvledger.commands.worker",
 )
 
 

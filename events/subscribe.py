@@ -1,0 +1,84 @@
+"""Routers reading the shared registry's event stream with a consumer group.
+
+Several router replicas can share one group (each entry goes to one of them) or use one group
+each (each sees every entry). An entry is acknowledged only after its event was applied, so a
+router that dies mid-batch gets the unacknowledged entries again (``claim_pending``); applying an
+event twice is harmless because consumers skip ids they have already applied.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import redis
+
+from kvledger.events.shared_registry import SharedRegistry
+from kvledger.events.types import AnyEvent
+from kvledger.events.wire import decode_record
+
+
+class StreamSubscriber:
+    """Feeds ``on_event`` from the stream and ``on_purge(worker_id)`` when a lease lapsed."""
+
+    def __init__(
+        self,
+        registry: SharedRegistry,
+        group: str,
+        consumer: str,
+        *,
+        on_event: Callable[[AnyEvent], object],
+        on_purge: Callable[[int], object],
+        start_id: str = "0",
+    ) -> None:
+        self.client = registry.client
+        self.stream = registry.stream_key
+        self.group = group
+        self.consumer = consumer
+        self.on_event = on_event
+        self.on_purge = on_purge
+        self.start_id = start_id
+        self._ensure_group()
+
+    def _ensure_group(self) -> None:
+        try:
+            self.client.xgroup_create(self.stream, self.group, id=self.start_id, mkstream=True)
+        except redis.ResponseError as exc:
+            if "BUSYGROUP" not in str(exc):
+                raise
+
+    def poll(self, count: int = 1000, block_ms: int | None = None) -> int:
+        """Apply and acknowledge up to ``count`` new entries; returns how many were handled."""
+        try:
+            reply = self.client.xreadgroup(
+                self.group, self.consumer, {self.stream: ">"}, count=count, block=block_ms
+            )
+        except redis.ResponseError as exc:
+            if "NOGROUP" not in str(exc):
+                raise
+            self._ensure_group()  # the stream was flushed away; start over on the new one
+            return 0
+        return self._handle(reply)
+
+    def claim_pending(self, min_idle_ms: int = 0, count: int = 1000) -> int:
+        """Take over entries another consumer of the group read but never acknowledged."""
+        _next, entries, *_ = self.client.xautoclaim(
+            self.stream, self.group, self.consumer, min_idle_ms, start_id="0-0", count=count
+        )
+        return self._handle([[self.stream, entries]])
+
+    def _handle(self, reply: Any) -> int:
+        handled = 0
+        for _stream, entries in reply or ():
+            ids: list[bytes] = []
+            for entry_id, fields in entries:
+                record = fields.get(b"r")
+                if record is not None:
+                    self.on_event(decode_record(record))
+                elif b"purged" in fields:
+                    self.on_purge(int(fields[b"w"]))
+                ids.append(entry_id)
+            if ids:
+                self.client.xack(self.stream, self.group, *ids)
+                handled += len(ids)
+        return handled

@@ -1,0 +1,125 @@
+"""``kvledger worker``: a mock engine that logs its KV events and publishes them to Redis.
+
+Several of these, each its own process, share one Redis namespace: that is the shared-registry
+setup in miniature. Each worker writes its own durable log first and hands the same events to a
+Redis publisher, so Redis can always be rebuilt from the logs.
+
+It prints one JSON line when its workload is done (``{"done": ...}``) and, with ``--linger``,
+keeps its lease alive until SIGTERM/SIGINT, then drains and exits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import signal
+import sys
+import threading
+from typing import Any
+
+import redis
+
+from kvledger.events.log import EventLog
+from kvledger.events.publish import CallbackPublisher, RedisPublisher
+from kvledger.events.shared_registry import SharedRegistry
+from kvledger.events.types import Tier
+from kvledger.mocker.kv_manager import Deref, FullBlock, KvManager, Use
+from kvledger.registry.hashing import TokenBlockSequence
+
+
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser("worker", help="run a mock engine that publishes to the shared registry")
+    p.add_argument("--worker-id", type=int, required=True)
+    p.add_argument("--dp-rank", type=int, default=0)
+    p.add_argument("--redis-url", default="redis://127.0.0.1:6379/0")
+    p.add_argument("--namespace", default="kvledger")
+    p.add_argument("--log", required=True, help="event log URL or SQLite path of this worker")
+    p.add_argument("--requests", type=int, default=1000)
+    p.add_argument("--blocks", type=int, default=512, help="G1 capacity in blocks")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--prefixes", type=int, default=8, help="distinct shared prompt prefixes")
+    p.add_argument("--interval", type=float, default=0.0, help="seconds between requests")
+    p.add_argument("--lease-ttl", type=float, default=10.0, help="lease TTL in seconds")
+    p.add_argument("--seed", type=int, default=0, help="workload seed (prefixes are shared)")
+    p.add_argument("--linger", action="store_true", help="stay alive until SIGTERM")
+    p.add_argument("--release-on-exit", action="store_true", help="drop entries when leaving")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.requests < 0 or args.blocks < 1 or args.prefixes < 1:
+        raise ValueError("--requests must be >= 0, --blocks and --prefixes >= 1")
+    client = redis.Redis.from_url(args.redis_url)
+    registry = SharedRegistry(client, args.namespace, lease_ttl_s=args.lease_ttl)
+    log = EventLog(args.log)
+    publisher = RedisPublisher(registry, args.worker_id, log=log)
+    mgr = KvManager(
+        args.blocks,
+        args.block_size,
+        eviction="lru",
+        sink=CallbackPublisher(log.append, publisher),
+        worker_id=args.worker_id,
+        dp_rank=args.dp_rank,
+    )
+    # A restarted worker continues its own event ids and says its old cache is gone.
+    resumed_from = log.last_event_id(args.worker_id)
+    mgr.emitter.next_event_id = resumed_from + 1
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    publisher.start()
+    try:
+        if resumed_from >= 0:
+            mgr.emitter.cleared(Tier.G1)
+        _workload(mgr, args, stop)
+        log.flush()
+        drained = publisher.wait_applied(timeout=30.0)
+        _report(
+            done=True,
+            worker_id=args.worker_id,
+            last_event_id=mgr.emitter.next_event_id - 1,
+            applied_id=publisher.applied_id,
+            drained=drained,
+            caught_up=publisher.caught_up,
+            outages=publisher.outages,
+            dropped=publisher.dropped,
+        )
+        if args.linger:
+            stop.wait()
+    finally:
+        publisher.stop(drain_timeout=10.0)
+        if args.release_on_exit:
+            registry.release(args.worker_id)
+        log.close()
+    if publisher.error is not None:
+        print(f"kvledger worker: publisher failed: {publisher.error}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _workload(mgr: KvManager, args: argparse.Namespace, stop: threading.Event) -> None:
+    """Requests that share a few long prompt prefixes, each with its own random tail."""
+    shared = random.Random(args.seed)
+    prefixes = [
+        [shared.randrange(32000) for _ in range(args.block_size * shared.randrange(4, 32))]
+        for _ in range(args.prefixes)
+    ]
+    rng = random.Random(args.seed * 1_000_003 + args.worker_id)
+    for _ in range(args.requests):
+        if stop.is_set():
+            return
+        tail = [rng.randrange(32000) for _ in range(args.block_size * rng.randrange(1, 16))]
+        tokens = rng.choice(prefixes) + tail
+        seq = TokenBlockSequence(tokens, args.block_size)
+        blocks = [FullBlock(h) for h in seq.sequence_hashes]
+        size = args.block_size
+        token_ids = [tokens[i * size : (i + 1) * size] for i in range(len(blocks))]
+        placed = mgr.process(Use(blocks, local_hashes=seq.local_hashes, token_ids=token_ids))
+        mgr.process(Deref(blocks[:placed]))
+        if args.interval:
+            stop.wait(args.interval)
+
+
+def _report(**fields: Any) -> None:
+    print(json.dumps(fields), flush=True)
