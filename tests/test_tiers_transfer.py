@@ -1,0 +1,275 @@
+"""Copies between every pair of tiers, on CPU: random bytes in, poisoned destination, bytes out.
+
+G1 runs on CPU tensors here (the same code as on a GPU), G2 is pageable, G3 is a real file.
+Small staging buffers force transfers to span several chunks.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvledger.events.types import BlockInfo, Offloaded, Onboarded, Tier
+from kvledger.registry.emitter import EventEmitter
+from kvledger.tiers import (
+    BlockShape,
+    DeviceTier,
+    DiskTier,
+    HostTier,
+    MemoryTier,
+    StorageTier,
+    TransferEngine,
+    TransferHandle,
+    TransferResult,
+)
+from kvledger.tiers.layout import FullyContiguous, LayerSeparate
+
+SHAPE = BlockShape(num_layers=3, outer_dim=2, page_size=4, inner_dim=8, dtype=torch.bfloat16)
+SLOTS = 24
+POISON = 0xA5
+
+
+@pytest.fixture
+def engine() -> Iterator[TransferEngine]:
+    eng = TransferEngine(staging_blocks=5)
+    yield eng
+    eng.close()
+
+
+def make_tier(kind: str, tmp_path: Path) -> StorageTier:
+    if kind == "G1-layer-separate":
+        return DeviceTier(SHAPE, SLOTS, layout="layer_separate", device="cpu")
+    if kind == "G1-fully-contiguous":
+        return DeviceTier(SHAPE, SLOTS, layout="fully_contiguous", device="cpu")
+    if kind == "G2":
+        return HostTier(SHAPE, SLOTS, pin=False)
+    if kind == "G3":
+        return DiskTier(tmp_path / "g3", SHAPE, SLOTS, io_threads=3)
+    raise AssertionError(kind)
+
+
+def fill_random(tier: StorageTier, engine: TransferEngine, seed: int) -> dict[int, bytes]:
+    """Random bytes in every slot; returns them by slot. G3 is filled through a host tier."""
+    gen = torch.Generator().manual_seed(seed)
+    if isinstance(tier, MemoryTier):
+        for layer in range(SHAPE.num_layers):
+            view = tier.layout.layer(layer)
+            view.view(torch.uint8).copy_(
+                torch.randint(
+                    0, 256, view.view(torch.uint8).shape, dtype=torch.uint8, generator=gen
+                )
+            )
+        return {s: block_bytes(tier, s) for s in range(SLOTS)}
+    host = HostTier(SHAPE, SLOTS, pin=False)
+    expected = fill_random(host, engine, seed)
+    engine.copy(host, range(SLOTS), tier, range(SLOTS)).wait()
+    return expected
+
+
+def poison(tier: StorageTier, engine: TransferEngine) -> None:
+    if isinstance(tier, MemoryTier):
+        for layer in range(SHAPE.num_layers):
+            tier.layout.layer(layer).view(torch.uint8).fill_(POISON)
+        return
+    host = HostTier(SHAPE, SLOTS, pin=False)
+    host.layout.tensor.view(torch.uint8).fill_(POISON)
+    engine.copy(host, range(SLOTS), tier, range(SLOTS)).wait()
+
+
+def block_bytes(tier: StorageTier, slot: int, engine: TransferEngine | None = None) -> bytes:
+    if isinstance(tier, MemoryTier):
+        return b"".join(
+            v.contiguous().view(torch.uint8).numpy().tobytes() for v in tier.layout.block(slot)
+        )
+    assert engine is not None
+    host = HostTier(SHAPE, 1, pin=False)
+    result = engine.copy(tier, [slot], host, [0]).wait()
+    assert not result.failed, f"G3 slot {slot} did not read back"
+    return block_bytes(host, 0)
+
+
+KINDS = ["G1-layer-separate", "G1-fully-contiguous", "G2", "G3"]
+PAIRS = [(a, b) for a in KINDS for b in KINDS if a != b and not (a == b == "G3")]
+
+
+@pytest.mark.parametrize(("src_kind", "dst_kind"), PAIRS)
+@pytest.mark.parametrize("seed", [1, 2])
+def test_every_tier_pair_copies_exact_bytes(
+    src_kind: str, dst_kind: str, seed: int, tmp_path: Path, engine: TransferEngine
+) -> None:
+    rng = random.Random(seed)
+    src, dst = make_tier(src_kind, tmp_path / "a"), make_tier(dst_kind, tmp_path / "b")
+    expected = fill_random(src, engine, seed)
+    poison(dst, engine)
+    count = rng.randint(1, SLOTS - 4)
+    src_slots = rng.sample(range(SLOTS), count)
+    dst_slots = rng.sample(range(SLOTS), count)
+
+    result = engine.copy(src, src_slots, dst, dst_slots).wait()
+
+    assert result.copied == list(zip(src_slots, dst_slots, strict=True))
+    assert result.failed == []
+    for s, d in result.copied:
+        assert block_bytes(dst, d, engine) == expected[s], f"slot {s} -> {d}"
+    untouched = sorted(set(range(SLOTS)) - set(dst_slots))
+    for d in untouched[:3]:
+        assert block_bytes(dst, d, engine) == bytes([POISON]) * SHAPE.block_bytes
+    for tier in (src, dst):
+        tier.close()
+
+
+def test_contiguous_runs_and_single_blocks(tmp_path: Path, engine: TransferEngine) -> None:
+    """Runs of consecutive slots take the one-copy path; a single block takes the smallest."""
+    g1 = make_tier("G1-layer-separate", tmp_path)
+    g2 = make_tier("G2", tmp_path)
+    expected = fill_random(g1, engine, 7)
+    poison(g2, engine)
+    engine.offload(g1, [4, 5, 6, 7, 8, 9, 10], g2, [10, 11, 12, 13, 14, 15, 16]).wait()
+    engine.offload(g1, [0], g2, [23]).wait()
+    for s, d in [*zip(range(4, 11), range(10, 17), strict=True), (0, 23)]:
+        assert block_bytes(g2, d) == expected[s]
+
+
+def test_round_trip_through_every_tier_returns_the_original(
+    tmp_path: Path, engine: TransferEngine
+) -> None:
+    g1 = make_tier("G1-layer-separate", tmp_path)
+    g2, g3 = make_tier("G2", tmp_path), make_tier("G3", tmp_path)
+    expected = fill_random(g1, engine, 3)
+    engine.offload(g1, [2, 9, 17], g2, [0, 1, 2])
+    engine.offload(g2, [0, 1, 2], g3, [20, 3, 11])  # queued after the first: same worker
+    handle = engine.onboard(g3, [20, 3, 11], g1, [5, 6, 7])
+    assert handle.wait().dst_slots == [5, 6, 7]
+    for s, d in [(2, 5), (9, 6), (17, 7)]:
+        assert block_bytes(g1, d) == expected[s]
+
+
+def test_listener_hears_offloaded_and_onboarded_with_block_identities(
+    tmp_path: Path,
+) -> None:
+    events: list[object] = []
+    emitter = EventEmitter(events.append, worker_id=3)
+    engine = TransferEngine(listener=emitter, staging_blocks=4)
+    g1, g2 = make_tier("G1-layer-separate", tmp_path), make_tier("G2", tmp_path)
+    fill_random(g1, engine, 5)
+    blocks = [BlockInfo(100, 10, None), BlockInfo(101, 11, 100)]
+
+    engine.offload(g1, [1, 2], g2, [8, 9], blocks=blocks).wait()
+    engine.onboard(g2, [8, 9], g1, [3, 4], blocks=blocks).wait()
+    engine.offload(g1, [5], g2, [10]).wait()  # no identities: nothing to tell
+    engine.close()
+
+    assert [type(e) for e in events] == [Offloaded, Onboarded]
+    off, on = events
+    assert isinstance(off, Offloaded) and isinstance(on, Onboarded)
+    assert (off.src_tier, off.tier, off.blocks) == (Tier.G1, Tier.G2, tuple(blocks))
+    assert (on.src_tier, on.tier, on.blocks) == (Tier.G2, Tier.G1, tuple(blocks))
+    assert (off.event_id, on.event_id, off.worker_id) == (0, 1, 3)
+
+
+def test_callbacks_run_once_the_copy_is_done(tmp_path: Path, engine: TransferEngine) -> None:
+    g1, g2 = make_tier("G1-layer-separate", tmp_path), make_tier("G2", tmp_path)
+    fill_random(g1, engine, 9)
+    seen: list[tuple[bool, list[int]]] = []
+
+    def on_done(h: TransferHandle) -> None:
+        seen.append((h.done(), h.wait().dst_slots))
+
+    handle = engine.offload(g1, [0, 1, 2], g2, [3, 4, 5], callback=on_done)
+    handle.wait()
+    late: list[bool] = []
+    handle.add_done_callback(lambda h: late.append(h.done()))  # after the fact: runs at once
+    assert seen == [(True, [3, 4, 5])]
+    assert late == [True]
+    assert handle.exception() is None
+
+
+def test_on_copied_sees_every_result(tmp_path: Path) -> None:
+    results: list[TransferResult] = []
+    engine = TransferEngine(on_copied=results.append)
+    g1, g2 = make_tier("G1-layer-separate", tmp_path), make_tier("G2", tmp_path)
+    engine.offload(g1, [0], g2, [1]).wait()
+    engine.close()
+    assert [(r.src_tier, r.dst_tier, r.copied) for r in results] == [(Tier.G1, Tier.G2, [(0, 1)])]
+
+
+def test_empty_copy_completes_and_tells_nobody(tmp_path: Path) -> None:
+    events: list[object] = []
+    engine = TransferEngine(listener=EventEmitter(events.append))
+    g1, g2 = make_tier("G1-layer-separate", tmp_path), make_tier("G2", tmp_path)
+    assert engine.offload(g1, [], g2, [], blocks=[]).wait().copied == []
+    engine.close()
+    assert events == []
+
+
+@pytest.mark.parametrize(
+    ("src_slots", "dst_slots", "message", "error"),
+    [
+        ([0, 1], [0], "2 source slots but 1 destination slots", ValueError),
+        ([0, 24], [0, 1], "source slot 24 is outside G1's 24 slots", IndexError),
+        ([0, 1], [-1, 2], "destination slot -1 is outside G2's 24 slots", IndexError),
+        ([0, 1], [5, 5], "destination slot 5 on G2 appears twice", ValueError),
+    ],
+)
+def test_bad_slot_lists_are_refused_before_anything_moves(
+    src_slots: list[int],
+    dst_slots: list[int],
+    message: str,
+    error: type[Exception],
+    tmp_path: Path,
+    engine: TransferEngine,
+) -> None:
+    g1, g2 = make_tier("G1-layer-separate", tmp_path), make_tier("G2", tmp_path)
+    poison(g2, engine)
+    with pytest.raises(error, match=message):
+        engine.offload(g1, src_slots, g2, dst_slots)
+    assert all(block_bytes(g2, d) == bytes([POISON]) * SHAPE.block_bytes for d in range(SLOTS))
+
+
+def test_wrong_direction_shape_or_pairing_is_refused(
+    tmp_path: Path, engine: TransferEngine
+) -> None:
+    g1, g2 = make_tier("G1-layer-separate", tmp_path), make_tier("G2", tmp_path)
+    g3 = make_tier("G3", tmp_path / "x")
+    other = HostTier(BlockShape(3, 2, 4, 16, torch.bfloat16), 4, pin=False)
+    with pytest.raises(ValueError, match="offload goes to a slower tier; G2 -> G1"):
+        engine.offload(g2, [0], g1, [0])
+    with pytest.raises(ValueError, match="onboard copies from G2/G3 into G1; got G1 -> G2"):
+        engine.onboard(g1, [0], g2, [0])
+    with pytest.raises(ValueError, match=r"G1 holds blocks of .* but G2 of"):
+        engine.copy(g1, [0], other, [0])
+    with pytest.raises(ValueError, match="same G2 tier"):
+        engine.copy(g2, [0], g2, [1])
+    with pytest.raises(ValueError, match="disk-to-disk"):
+        engine.copy(g3, [0], make_tier("G3", tmp_path / "y"), [0])
+    with pytest.raises(ValueError, match="1 blocks named for 2 slot pairs"):
+        engine.offload(g1, [0, 1], g2, [0, 1], blocks=[BlockInfo(1, 1, None)])
+    with pytest.raises(ValueError, match="staging_blocks must be at least 1"):
+        TransferEngine(staging_blocks=0)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the machine without CUDA")
+def test_pinned_host_tier_without_cuda_is_refused_clearly() -> None:
+    with pytest.raises(ValueError, match="pin=True needs CUDA"):
+        HostTier(SHAPE, 2, pin=True)
+    assert HostTier(SHAPE, 2).pinned is False
+
+
+def test_unknown_g1_layout_is_refused() -> None:
+    with pytest.raises(ValueError, match="unknown G1 layout 'paged'"):
+        DeviceTier(SHAPE, 2, layout="paged", device="cpu")  # type: ignore[arg-type]
+
+
+def test_engine_wraps_an_engines_own_tensors(tmp_path: Path, engine: TransferEngine) -> None:
+    """G1 as engines hand it over: their per-layer tensors, not a copy of them."""
+    layers = [torch.randn(SLOTS, *SHAPE.layer_shape).to(SHAPE.dtype) for _ in range(3)]
+    g1 = DeviceTier.from_layout(LayerSeparate(SHAPE, layers))
+    g2 = make_tier("G2", tmp_path)
+    engine.offload(g1, [6], g2, [0]).wait()
+    assert isinstance(g2, HostTier) and isinstance(g2.layout, FullyContiguous)
+    for layer, t in enumerate(layers):
+        assert torch.equal(g2.layout.tensor[0, layer], t[6])
