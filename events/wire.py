@@ -283,24 +283,37 @@ def encode_vllm_batch(
 ) -> bytes:
     """One ``KVEventBatch`` (``[ts, [events...], dp_rank]``) as vLLM's msgspec writes it.
 
-    ``tiers`` selects which tiers are published (default: every tier with a medium); events
-    on any other tier are left out on purpose. ``ts`` defaults to the newest event's time and
-    ``dp_rank`` to the events' own (they must agree); a batch with no rank omits it as vLLM does.
+    ``tiers`` selects which tiers are published; events on any other tier are left out on
+    purpose. By default every event is published, and one vLLM cannot express is an error.
+    ``ts`` defaults to the newest event's time and ``dp_rank`` to the events' own (they must
+    agree); an empty batch has none (nil).
     """
-    wanted = set(media) if tiers is None else set(tiers)
+    wanted = None if tiers is None else set(tiers)
     out: list[dict[str, Any]] = []
     newest = 0.0
     ranks: set[int] = set()
     for event in events:
         newest = max(newest, event.ts)
         ranks.add(event.dp_rank)
-        if event.tier in wanted:
+        if wanted is None or event.tier in wanted:
             out.extend(_vllm_events(event, block_size, media))
     if dp_rank is None and ranks:
         if len(ranks) > 1:
             raise ValueError(f"a vLLM batch has one dp rank; events carry {sorted(ranks)}")
         dp_rank = ranks.pop()
-    batch: list[Any] = [float(newest if ts is None else ts), out]
-    if dp_rank is not None:
-        batch.append(dp_rank)
-    return msgpack.packb(batch, use_bin_type=True)  # type: ignore[no-any-return]
+    packer = msgpack.Packer(use_bin_type=True)
+    parts = [
+        packer.pack_array_header(3),
+        packer.pack(float(newest if ts is None else ts)),
+        packer.pack_array_header(len(out)),
+    ]
+    for obj in out:
+        if obj["type"] == "BlockStored":
+            # msgspec sizes a struct's map header by how many fields it could have: BlockStored
+            # has 16 with the tag, so vLLM always writes a map16 header, however few are set.
+            parts.append(b"\xde" + len(obj).to_bytes(2, "big"))
+            parts.extend(packer.pack(k) + packer.pack(v) for k, v in obj.items())
+        else:
+            parts.append(packer.pack(obj))
+    parts.append(packer.pack(dp_rank))
+    return b"".join(parts)

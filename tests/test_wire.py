@@ -1,0 +1,303 @@
+"""Wire formats, checked against the real decoders: Dynamo's RadixTree and msgspec/vLLM."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import msgpack
+import msgspec
+import pytest
+from event_streams import prompt_pool, worker_events
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvledger.events.types import BlockInfo, Cleared, Offloaded, Removed, Stored, Tier
+from kvledger.events.wire import (
+    WireFormatError,
+    decode_record,
+    encode_dynamo,
+    encode_record,
+    encode_vllm_batch,
+    pack_hashes,
+)
+from kvledger.mocker.kv_manager import Deref, FullBlock, KvManager, Use
+from kvledger.registry.hashing import TokenBlockSequence
+from kvledger.registry.index import RouterIndex, overlap_scores
+
+U64 = st.integers(0, 2**64 - 1)
+COMMON = {"worker_id": 7, "dp_rank": 1, "tier": Tier.G2, "ts": 12.5}
+
+
+# -- our stream record -------------------------------------------------------------------
+
+
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 10_000), ops=st.integers(1, 60))
+def test_record_round_trip_of_streams(seed: int, ops: int) -> None:
+    for event in worker_events(seed, 2, ops, prompt_pool(seed)):
+        assert decode_record(encode_record(event)) == event
+
+
+@given(
+    eid=st.integers(0, 2**53),
+    parent=st.none() | U64,
+    blocks=st.lists(st.tuples(U64, U64), min_size=1, max_size=8),
+    with_tokens=st.booleans(),
+)
+def test_record_round_trip_of_extremes(eid, parent, blocks, with_tokens) -> None:
+    tokens = tuple((2**32 - 1, 0, 5) for _ in blocks) if with_tokens else None
+    stored = Stored(
+        event_id=eid, **COMMON, parent_hash=parent, blocks=tuple(blocks), token_ids=tokens
+    )
+    assert decode_record(encode_record(stored)) == stored
+    infos = tuple(BlockInfo(s, loc, parent) for s, loc in blocks)
+    off = Offloaded(event_id=eid, **COMMON, src_tier=Tier.G1, blocks=infos)
+    assert decode_record(encode_record(off)) == off
+
+
+def test_record_errors_name_the_problem() -> None:
+    good = encode_record(Removed(event_id=1, **COMMON, sequence_hashes=(1, 2)))
+    with pytest.raises(ValueError, match="unsigned 64-bit"):
+        encode_record(Removed(event_id=1, **COMMON, sequence_hashes=(2**64,)))
+    with pytest.raises(ValueError, match="unsigned 64-bit"):
+        pack_hashes([-1])
+    with pytest.raises(WireFormatError, match="not msgpack"):
+        decode_record(b"\xc1")
+    with pytest.raises(WireFormatError, match="9-item array"):
+        decode_record(msgpack.packb([1, 2]))
+    record = msgpack.unpackb(good, raw=True)
+    for index, value, message in [
+        (0, 9, "version 9"),
+        (1, 42, "unknown event kind code 42"),
+        (5, 7, "unknown tier 7"),
+        (7, b"\x00" * 5, "multiple of 8 bytes"),
+    ]:
+        bad = list(record)
+        bad[index] = value
+        with pytest.raises(WireFormatError, match=message):
+            decode_record(msgpack.packb(bad, use_bin_type=False))
+
+
+# -- Dynamo ------------------------------------------------------------------------------
+
+
+def test_dynamo_json_shape() -> None:
+    stored = Stored(
+        event_id=3, **{**COMMON, "tier": Tier.G1}, parent_hash=None, blocks=((10, 1), (11, 2))
+    )
+    assert json.loads(encode_dynamo(stored)[0]) == {
+        "event_id": 3,
+        "dp_rank": 1,
+        "data": {
+            "stored": {
+                "parent_hash": None,
+                "blocks": [
+                    {"block_hash": 10, "tokens_hash": 1},
+                    {"block_hash": 11, "tokens_hash": 2},
+                ],
+            }
+        },
+    }
+    assert encode_dynamo(stored, tier=Tier.G2) == []  # another tier: nothing for this router
+    cleared = Cleared(event_id=4, **{**COMMON, "tier": Tier.G1})
+    assert json.loads(encode_dynamo(cleared)[0])["data"] == "cleared"
+    # a copy of two unrelated blocks is two stored events, each with its own parent
+    copy = Offloaded(
+        event_id=5,
+        **COMMON,
+        src_tier=Tier.G1,
+        blocks=(BlockInfo(10, 1, None), BlockInfo(11, 2, 10), BlockInfo(30, 3, 29)),
+    )
+    parts = [json.loads(b)["data"]["stored"] for b in encode_dynamo(copy, tier=Tier.G2)]
+    assert [(p["parent_hash"], len(p["blocks"])) for p in parts] == [(None, 2), (29, 1)]
+
+
+def test_dynamo_radix_tree_scores_match_our_index() -> None:
+    """Three mock engines' G1 streams, fed to Dynamo's RadixTree and to our index, give the
+    same overlap scores for every prompt, at many points of the stream."""
+    from dynamo.llm import RadixTree
+
+    rng = random.Random(5)
+    heads = [[rng.randrange(32000) for _ in range(16 * rng.randrange(2, 10))] for _ in range(6)]
+    prompts = [
+        rng.choice(heads) + [rng.randrange(32000) for _ in range(16 * rng.randrange(1, 8))]
+        for _ in range(60)
+    ]
+    tree, index = RadixTree(), RouterIndex()
+    sent = removed = 0
+
+    def check() -> None:
+        for tokens in prompts[::3]:
+            local = TokenBlockSequence(tokens, 16).local_hashes
+            ours = overlap_scores(index.find_matches(local), Tier.G1)
+            assert tree.find_matches(local).scores == ours
+
+    streams: list[list] = [[], [], []]
+    managers = [
+        KvManager(64, 16, eviction="lineage", sink=streams[w].append, worker_id=w, dp_rank=w % 2)
+        for w in range(3)
+    ]
+    for step in range(150):
+        w = step % 3
+        tokens = rng.choice(prompts)
+        seq = TokenBlockSequence(tokens, 16)
+        blocks = [FullBlock(h) for h in seq.sequence_hashes]
+        placed = managers[w].process(Use(blocks, local_hashes=seq.local_hashes))
+        managers[w].process(Deref(blocks[:placed]))
+        for event in streams[w]:
+            for payload in encode_dynamo(event):
+                tree.apply_event(w, payload)
+            index.apply(event)
+            sent += 1
+            removed += isinstance(event, Removed)
+        streams[w].clear()
+        if step % 10 == 9:
+            check()
+    assert sent > 150 and removed > 0
+    managers[1].emitter.cleared(Tier.G1)
+    (cleared,) = streams[1]
+    tree.apply_event(1, encode_dynamo(cleared)[0])
+    index.apply(cleared)
+    check()
+    tree.remove_worker(2)
+    index.remove_worker(2)
+    check()
+
+
+# -- vLLM --------------------------------------------------------------------------------
+
+
+# vLLM's documented schema (vLLM 0.33 ``vllm/distributed/kv_events.py``: field names, order and
+# defaults), used when vllm itself does not import here.
+class _KVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
+    pass
+
+
+class BlockStored(_KVCacheEvent):
+    block_hashes: list[bytes | int]
+    parent_block_hash: bytes | int | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+    lora_name: str | None
+    extra_keys: list[tuple | None] | None = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
+    session_id: str | None = None
+    lookahead_token_ids: list[list[int]] | None = None
+
+
+class BlockRemoved(_KVCacheEvent):
+    block_hashes: list[bytes | int]
+    medium: str | None
+    group_idx: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
+
+
+class AllBlocksCleared(_KVCacheEvent):
+    pass
+
+
+class KVEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    ts: float
+    events: list[BlockStored | BlockRemoved | AllBlocksCleared]
+    data_parallel_rank: int | None = None
+
+
+def _vllm_classes():
+    """vLLM's own msgspec classes when vllm imports here, otherwise the schema above."""
+    try:
+        from vllm.distributed.kv_events import (  # type: ignore[import-not-found]
+            AllBlocksCleared as VAllBlocksCleared,
+        )
+        from vllm.distributed.kv_events import BlockRemoved as VBlockRemoved
+        from vllm.distributed.kv_events import BlockStored as VBlockStored
+        from vllm.distributed.kv_events import KVEventBatch as VKVEventBatch
+    except Exception:
+        return KVEventBatch, BlockStored, BlockRemoved, AllBlocksCleared
+    return VKVEventBatch, VBlockStored, VBlockRemoved, VAllBlocksCleared
+
+
+def test_vllm_batch_decodes_and_matches_msgspec_bytes() -> None:
+    KVEventBatch, BlockStored, BlockRemoved, AllBlocksCleared = _vllm_classes()
+    g1 = {**COMMON, "tier": Tier.G1}
+    events = [
+        Stored(
+            event_id=0,
+            **g1,
+            parent_hash=None,
+            blocks=((2**64 - 1, 1), (5, 2)),
+            token_ids=((1, 2), (3, 4)),
+        ),
+        Stored(event_id=1, **g1, parent_hash=5, blocks=((6, 3),)),
+        Offloaded(event_id=2, **COMMON, src_tier=Tier.G1, blocks=(BlockInfo(5, 2, 2**64 - 1),)),
+        Removed(event_id=3, **{**COMMON, "tier": Tier.G3}, sequence_hashes=(9,)),
+        Cleared(event_id=4, **g1),
+    ]
+    data = encode_vllm_batch(events, block_size=2)
+    batch = msgspec.msgpack.decode(data, type=KVEventBatch)
+    assert batch.ts == 12.5 and batch.data_parallel_rank == 1
+    expected = [
+        BlockStored(
+            block_hashes=[2**64 - 1, 5],
+            parent_block_hash=None,
+            token_ids=[1, 2, 3, 4],
+            block_size=2,
+            lora_id=None,
+            medium="GPU",
+            lora_name=None,
+        ),
+        BlockStored(
+            block_hashes=[6],
+            parent_block_hash=5,
+            token_ids=[],
+            block_size=2,
+            lora_id=None,
+            medium="GPU",
+            lora_name=None,
+        ),
+        BlockStored(
+            block_hashes=[5],
+            parent_block_hash=2**64 - 1,
+            token_ids=[],
+            block_size=2,
+            lora_id=None,
+            medium="CPU",
+            lora_name=None,
+        ),
+        BlockRemoved(block_hashes=[9], medium="STORAGE"),
+        AllBlocksCleared(),
+    ]
+    assert batch.events == expected
+    assert (
+        msgspec.msgpack.encode(KVEventBatch(ts=12.5, events=expected, data_parallel_rank=1)) == data
+    )
+    # an empty batch has no rank: nil, as vLLM writes it
+    plain = encode_vllm_batch([], block_size=2, ts=1.0)
+    assert plain == msgspec.msgpack.encode(KVEventBatch(ts=1.0, events=[]))
+
+
+def test_vllm_refuses_what_it_cannot_express() -> None:
+    g2 = {**COMMON}
+    with pytest.raises(ValueError, match="AllBlocksCleared means the GPU cache"):
+        encode_vllm_batch([Cleared(event_id=0, **g2)], block_size=2)
+    assert encode_vllm_batch(
+        [Cleared(event_id=0, **g2)], block_size=2, tiers=[Tier.G1]
+    ) == msgpack.packb([12.5, [], 1])
+    g4 = {**COMMON, "tier": Tier.G4}
+    with pytest.raises(ValueError, match="no medium for tier G4"):
+        encode_vllm_batch([Removed(event_id=0, **g4, sequence_hashes=(1,))], block_size=2)
+    stored = Stored(
+        event_id=0, **COMMON, parent_hash=None, blocks=((1, 1),), token_ids=((1, 2, 3),)
+    )
+    with pytest.raises(ValueError, match="block 0 has 3 token ids, block_size is 2"):
+        encode_vllm_batch([stored], block_size=2)
+    other_rank = Removed(event_id=1, **{**COMMON, "dp_rank": 0}, sequence_hashes=(1,))
+    with pytest.raises(ValueError, match="one dp rank"):
+        encode_vllm_batch([stored, other_rank], block_size=3)
