@@ -1,0 +1,285 @@
+"""The Redis shared registry, publisher and stream subscriber against a real Redis server."""
+
+from __future__ import annotations
+
+import random
+import shutil
+import socket
+import subprocess
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import redis
+from event_streams import prompt_pool, worker_events
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from kvledger.events.log import EventLog
+from kvledger.events.publish import CallbackPublisher, RedisPublisher
+from kvledger.events.shared_registry import SharedRegistry
+from kvledger.events.subscribe import StreamSubscriber
+from kvledger.events.wire import decode_record, encode_record
+from kvledger.registry.hashing import TokenBlockSequence
+from kvledger.registry.index import RouterIndex, holders_from_state
+from kvledger.registry.state import RegistryState
+
+pytestmark = pytest.mark.redis
+REDIS_URL = "redis://127.0.0.1:6379/0"
+
+
+def _client(url: str = REDIS_URL) -> redis.Redis:
+    client = redis.Redis.from_url(url)
+    try:
+        client.ping()
+    except redis.ConnectionError:
+        pytest.skip(f"no Redis at {url} (run .ci/services)")
+    return client
+
+
+@pytest.fixture
+def registry() -> Iterator[SharedRegistry]:
+    reg = SharedRegistry(_client(), f"t-{uuid.uuid4().hex[:12]}", lease_ttl_s=5)
+    yield reg
+    reg.delete_namespace()
+
+
+def _stream_ids(reg: SharedRegistry) -> dict[int, list[int]]:
+    out: dict[int, list[int]] = {}
+    for _id, fields in reg.client.xrange(reg.stream_key):
+        if b"r" in fields:
+            event = decode_record(fields[b"r"])
+            out.setdefault(event.worker_id, []).append(event.event_id)
+    return out
+
+
+def test_apply_is_idempotent_and_stops_at_gaps(registry: SharedRegistry) -> None:
+    events = worker_events(3, 4, 40, prompt_pool(3))
+    first = registry.apply(4, events[:10])
+    assert (first.applied, first.repeated, first.last_event_id, first.gap_at) == (10, 0, 9, None)
+    before = registry.snapshot()
+    again = registry.apply(4, events[:10])
+    assert (again.applied, again.repeated) == (0, 10)
+    assert registry.snapshot() == before
+    gap = registry.apply(4, events[5:8] + events[12:20])  # 10 and 11 are missing
+    assert (gap.applied, gap.repeated, gap.last_event_id, gap.gap_at) == (0, 3, 9, 12)
+    assert registry.snapshot() == before  # nothing past the gap was applied
+    registry.apply(4, events[10:])
+    assert registry.snapshot() == holders_from_state(RegistryState.from_events(events))
+    assert registry.applied_count(4) == len(events)
+    assert _stream_ids(registry) == {4: list(range(len(events)))}
+    with pytest.raises(ValueError, match="is from worker 4, not 5"):
+        registry.apply(5, events[:1])
+    with pytest.raises(redis.ResponseError, match="record of worker 4 sent as worker 5"):
+        registry.apply_records(5, [encode_record(events[0])])
+
+
+@settings(max_examples=15, deadline=None)
+@given(seed=st.integers(0, 10_000), ops=st.integers(1, 60), workers=st.integers(1, 3))
+def test_any_batching_with_replays_equals_the_fold(seed: int, ops: int, workers: int) -> None:
+    """Streams cut into random batches, some sent twice, interleaved across workers: the
+    shared index equals the fold of the streams and no event is applied twice."""
+    reg = SharedRegistry(_client(), f"h-{uuid.uuid4().hex[:12]}")
+    try:
+        rng = random.Random(seed)
+        prompts = prompt_pool(seed)
+        streams = {w: worker_events(seed, w, ops, prompts) for w in range(workers)}
+        cursors = dict.fromkeys(streams, 0)
+        while any(cursors[w] < len(s) for w, s in streams.items()):
+            w = rng.choice([w for w in streams if cursors[w] < len(streams[w])])
+            start = max(0, cursors[w] - rng.randrange(0, 4))  # overlap: some repeats
+            end = min(len(streams[w]), cursors[w] + rng.randrange(1, 12))
+            result = reg.apply(w, streams[w][start:end])
+            assert result.gap_at is None and result.last_event_id == end - 1
+            cursors[w] = end
+        every = [e for s in streams.values() for e in s]
+        assert reg.snapshot() == holders_from_state(RegistryState.from_events(every))
+        for w, s in streams.items():
+            assert reg.applied_count(w) == len(s)
+        assert _stream_ids(reg) == {w: list(range(len(s))) for w, s in streams.items()}
+    finally:
+        reg.delete_namespace()
+
+
+def test_who_has_and_prefix_depths(registry: SharedRegistry) -> None:
+    prompts = prompt_pool(11)
+    every = []
+    for w in range(3):
+        events = worker_events(11, w, 50, prompts)
+        registry.apply(w, events)
+        every += events
+    index = RouterIndex.from_events(every)
+    holders = index.holders()
+    for tokens in prompts:
+        seqs = TokenBlockSequence(tokens, 4).sequence_hashes
+        assert registry.who_has(seqs) == [holders.get(s, {}) for s in seqs]
+        expected = {
+            worker: per_tier
+            for (worker, _dp), per_tier in index.find_matches(seqs, kind="sequence").items()
+        }
+        assert registry.prefix_depths(seqs) == expected
+    assert registry.who_has([]) == []
+    assert registry.who_has([1, 2], stop_at_miss=True) == []
+
+
+def test_lease_expiry_purges_only_that_worker(registry: SharedRegistry) -> None:
+    short = SharedRegistry(registry.client, registry.namespace, lease_ttl_s=0.2)
+    prompts = prompt_pool(2)
+    a, b = worker_events(2, 1, 40, prompts), worker_events(2, 2, 40, prompts)
+    registry.apply(1, a)  # 5 s lease
+    short.apply(2, b)  # 0.2 s lease
+    assert registry.workers() == {1, 2}
+    assert registry.purge_expired() == {}
+    time.sleep(0.3)
+    purged = registry.purge_expired()
+    assert list(purged) == [2] and purged[2] > 0
+    assert registry.snapshot() == holders_from_state(RegistryState.from_events(a))
+    assert registry.workers() == {1} and registry.applied_event_id(2) == -1
+    # the purged worker's next batch finds a gap at its start: it must re-send from its log
+    assert short.apply(2, b[-1:]).gap_at == b[-1].event_id
+    assert registry.release(1) > 0
+    assert registry.snapshot() == {}
+
+
+def test_bad_configuration_is_refused() -> None:
+    client = _client()
+    with pytest.raises(ValueError, match="namespace"):
+        SharedRegistry(client, "has space")
+    with pytest.raises(ValueError, match="lease_ttl_s"):
+        SharedRegistry(client, "ok", lease_ttl_s=0)
+    with pytest.raises(ValueError, match="decode_responses=False"):
+        SharedRegistry(redis.Redis.from_url(REDIS_URL, decode_responses=True), "ok")
+
+
+def test_subscriber_feeds_a_router_index_and_acks(registry: SharedRegistry) -> None:
+    prompts = prompt_pool(4)
+    streams = {w: worker_events(4, w, 40, prompts) for w in (1, 2)}
+    for w, events in streams.items():
+        registry.apply(w, events)
+    index = RouterIndex()
+    fails = {"left": 1}
+
+    def flaky(event):
+        if fails["left"]:
+            fails["left"] -= 1
+            raise RuntimeError("router crashed")
+        index.apply(event)
+
+    crashing = StreamSubscriber(
+        registry, "routers", "r1", on_event=flaky, on_purge=index.remove_worker
+    )
+    with pytest.raises(RuntimeError):
+        crashing.poll()
+    sub = StreamSubscriber(
+        registry, "routers", "r2", on_event=index.apply, on_purge=index.remove_worker
+    )
+    assert sub.claim_pending() > 0  # r1's unacknowledged entries
+    while sub.poll(count=7):
+        pass
+    assert index.holders() == registry.snapshot()
+    assert registry.client.xpending(registry.stream_key, "routers")["pending"] == 0
+    registry.release(2)
+    sub.poll()
+    assert index.holders() == registry.snapshot()
+    assert all(w == 1 for w, _dp in index.workers())
+
+
+def test_publisher_catches_up_from_the_log(registry: SharedRegistry, tmp_path: Path) -> None:
+    """A queue too small for a burst drops events; the publisher reads them back from the log."""
+    log = EventLog(str(tmp_path / "w.db"))
+    publisher = RedisPublisher(registry, 6, log=log, batch_size=8, max_pending=16)
+    sink = CallbackPublisher(log.append, publisher)
+    replay = worker_events(6, 6, 300, prompt_pool(6))
+    for event in replay:  # a burst before the publishing thread even runs
+        sink(event)
+    assert publisher.dropped > 0
+    publisher.start()
+    log.flush()
+    assert publisher.stop(drain_timeout=20)
+    assert publisher.caught_up >= publisher.dropped and publisher.error is None
+    assert registry.snapshot() == holders_from_state(RegistryState.from_events(replay))
+    assert registry.applied_count(6) == len(replay)
+    log.close()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _start_redis(port: int, workdir: Path) -> subprocess.Popen[bytes]:
+    proc = subprocess.Popen(
+        [
+            shutil.which("redis-server") or "redis-server",
+            "--port",
+            str(port),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dir",
+            str(workdir),
+        ],
+        stdout=subprocess.DEVNULL,
+    )
+    client = redis.Redis(port=port)
+    for _ in range(100):
+        try:
+            client.ping()
+            return proc
+        except redis.ConnectionError:
+            time.sleep(0.05)
+    proc.kill()
+    raise RuntimeError("private redis-server did not start")
+
+
+@pytest.mark.skipif(shutil.which("redis-server") is None, reason="needs the redis-server binary")
+def test_publisher_survives_a_redis_restart(tmp_path: Path) -> None:
+    """A private Redis is killed mid-run and started again empty: publishing never blocks the
+    engine, and afterwards the registry is whole again, with no event applied twice."""
+    port = _free_port()
+    server = _start_redis(port, tmp_path)
+    try:
+        reg = SharedRegistry(
+            redis.Redis(
+                port=port,
+                socket_timeout=0.5,
+                socket_connect_timeout=0.5,
+                retry=Retry(NoBackoff(), 0),  # let the publisher see the outage itself
+            ),
+            "restart",
+            lease_ttl_s=2,
+        )
+        log = EventLog(str(tmp_path / "w.db"))
+        publisher = RedisPublisher(reg, 9, log=log, batch_size=16, retry_s=0.05).start()
+        sink = CallbackPublisher(log.append, publisher)
+        stream = worker_events(9, 9, 400, prompt_pool(9))
+        for event in stream[:150]:
+            sink(event)
+        assert publisher.wait_applied(10)
+        server.kill()
+        server.wait()
+        for event in stream[150:300]:  # Redis is gone: the engine carries on
+            sink(event)
+        time.sleep(0.5)  # long enough for the publisher to notice (redis-py retries first)
+        server = _start_redis(port, tmp_path)
+        for event in stream[300:]:
+            sink(event)
+        log.flush()
+        assert publisher.wait_applied(20), (publisher.applied_id, publisher.error)
+        publisher.stop()
+        assert publisher.outages > 0 and publisher.caught_up >= 150  # re-sent what Redis lost
+        assert reg.snapshot() == holders_from_state(RegistryState.from_events(stream))
+        assert reg.applied_count(9) == len(stream)  # the new server applied each event once
+        assert _stream_ids(reg) == {9: list(range(len(stream)))}
+        log.close()
+    finally:
+        server.kill()
+        server.wait()
