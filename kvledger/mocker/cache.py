@@ -1,0 +1,138 @@
+"""The simulator's view of a worker's KV cache: tiers without bytes, copies that finish at once.
+
+It runs the same bookkeeping as ``kvledger.BlockManager`` (the same ``TieredRegistry``, so
+the same events and the same log) but a copy between tiers is completed immediately and
+only its size is recorded, for the mock engine's bandwidth model to charge.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from kvledger.events.types import Tier
+from kvledger.registry.emitter import EventEmitter
+from kvledger.registry.tiered import MatchResult, TieredRegistry, Transfer
+
+
+@dataclass(slots=True)
+class Admission:
+    """What admitting a prompt did: the G1 slots it holds and where its hits came from."""
+
+    slots: list[int]
+    match: MatchResult
+    #: blocks actually brought into G1 from each lower tier
+    onboarded: dict[Tier, int] = field(default_factory=dict)
+    #: blocks placed: hits + onboarded + new; fewer than the prompt means G1 ran out
+    placed: int = 0
+
+    @property
+    def hit_blocks(self) -> int:
+        return self.match.g1 + sum(self.onboarded.values())
+
+
+class SimulatedCache:
+    """Admit, grow and finish requests against a ``TieredRegistry``; count what moved."""
+
+    def __init__(self, registry: TieredRegistry) -> None:
+        self.registry = registry
+        self.copied: Counter[tuple[Tier, Tier]] = Counter()  # blocks per (src, dst)
+
+    @classmethod
+    def build(
+        cls,
+        g1_blocks: int,
+        g2_blocks: int = 0,
+        g3_blocks: int = 0,
+        *,
+        policy: str = "lineage",
+        offload_filter: str = "seen_twice",
+        emitter: EventEmitter | None = None,
+    ) -> SimulatedCache:
+        return cls(
+            TieredRegistry(
+                g1_blocks,
+                g2_blocks,
+                g3_blocks,
+                policy=policy,
+                offload_filter=offload_filter,
+                emitter=emitter,
+            )
+        )
+
+    def _run(self, transfers: list[Transfer]) -> None:
+        while transfers:
+            transfer = transfers.pop()
+            self.copied[(transfer.src_tier, transfer.dst_tier)] += len(transfer)
+            transfers.extend(self.registry.complete(transfer))
+
+    def admit(
+        self,
+        sequence_hashes: Sequence[int],
+        local_hashes: Sequence[int],
+        *,
+        limit: int | None = None,
+    ) -> Admission:
+        """Hold the first ``limit`` (default: all) blocks of a prompt on G1.
+
+        Cached blocks are reused (G1) or onboarded (G2/G3); the rest are allocated and
+        registered as computed. With too little G1, a prefix is placed: ``placed`` says how much.
+        """
+        reg = self.registry
+        g1 = reg.g1
+        wanted = len(sequence_hashes) if limit is None else min(limit, len(sequence_hashes))
+        hashes = sequence_hashes[:wanted]
+        match = reg.match(hashes)
+        reg.note_request(hashes)
+        with g1.hold_removed():
+            slots = g1.match(hashes[: match.g1])
+            onboard = reg.plan_onboard(hashes, match)
+            onboarded: dict[Tier, int] = {}
+            for transfer in onboard:
+                onboarded[transfer.src_tier] = len(transfer)
+            self._run(list(onboard))
+            for transfer in onboard:
+                slots.extend(transfer.landed)
+            start = len(slots)
+            fresh = g1.allocate_upto(wanted - start) if start == match.total else []
+            if fresh:
+                blocks = list(zip(hashes[start:], local_hashes[start:wanted], strict=False))
+                parent = hashes[start - 1] if start else None
+                registered = g1.register(fresh, blocks[: len(fresh)], parent)
+                slots.extend(registered)
+                self._run(reg.plan_offload(registered))
+        return Admission(slots, match, onboarded, len(slots))
+
+    def extend(
+        self,
+        admission: Admission,
+        sequence_hashes: Sequence[int],
+        local_hashes: Sequence[int],
+    ) -> int:
+        """Add newly completed blocks (decode) to a held request; returns how many fit."""
+        g1 = self.registry.g1
+        start = len(admission.slots)
+        new = sequence_hashes[start:]
+        if not new:
+            return 0
+        with g1.hold_removed():
+            hit = g1.match(new)
+            fresh = g1.allocate_upto(len(new) - len(hit))
+            admission.slots.extend(hit)
+            if fresh:
+                at = start + len(hit)
+                blocks = list(zip(new[len(hit) :], local_hashes[at:], strict=False))
+                registered = g1.register(
+                    fresh, blocks[: len(fresh)], sequence_hashes[at - 1] if at else None
+                )
+                admission.slots.extend(registered)
+                self._run(self.registry.plan_offload(registered))
+        admission.placed = len(admission.slots)
+        return len(admission.slots) - start
+
+    def finish(self, admission: Admission) -> None:
+        """Let go of a request's blocks, last block first, so suffixes are evicted before
+        the prefixes other requests share."""
+        self.registry.g1.release(reversed(admission.slots))
+        admission.slots = []

@@ -1,0 +1,141 @@
+"""Workloads for the simulator: Mooncake JSONL traces and a built-in synthetic generator.
+
+Both become ``TraceRequest``s whose prompt is given as block ids of ``trace_block_size``
+tokens (Mooncake's ``hash_ids``: equal ids mean equal prefixes). ``request_hashes`` turns
+them into the engine's own block size: each trace block splits into ``trace_block_size /
+block_size`` engine blocks, so the simulator never needs the token ids themselves.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvledger.registry.hashing import chain_sequence_hashes, local_hashes
+
+MOONCAKE_BLOCK_TOKENS = 512
+
+
+@dataclass(frozen=True, slots=True)
+class TraceRequest:
+    arrival_ms: float
+    input_length: int
+    output_length: int
+    block_ids: tuple[int, ...]
+    trace_block_size: int = MOONCAKE_BLOCK_TOKENS
+
+
+class TraceError(ValueError):
+    """A trace file that cannot be read; the message names the file and line."""
+
+
+def load_mooncake(path: str | Path) -> list[TraceRequest]:
+    """Read a Mooncake trace: one JSON object per line with ``timestamp`` (ms),
+    ``input_length``, ``output_length`` and ``hash_ids`` (512-token blocks)."""
+    requests: list[TraceRequest] = []
+    path = Path(path)
+    try:
+        lines = path.read_text().splitlines()
+    except OSError as exc:
+        raise TraceError(f"cannot read trace {path}: {exc.strerror}") from None
+    for lineno, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+            req = TraceRequest(
+                arrival_ms=float(row["timestamp"]),
+                input_length=int(row["input_length"]),
+                output_length=int(row["output_length"]),
+                block_ids=tuple(int(h) for h in row["hash_ids"]),
+            )
+        except (ValueError, KeyError, TypeError) as exc:
+            what = f"missing field {exc}" if isinstance(exc, KeyError) else str(exc)
+            raise TraceError(f"{path}:{lineno}: not a Mooncake trace row ({what})") from None
+        needed = -(-req.input_length // MOONCAKE_BLOCK_TOKENS)
+        if req.input_length <= 0 or len(req.block_ids) != needed:
+            raise TraceError(
+                f"{path}:{lineno}: input_length {req.input_length} needs {needed} hash_ids, "
+                f"got {len(req.block_ids)}"
+            )
+        requests.append(req)
+    if not requests:
+        raise TraceError(f"{path}: no requests in trace")
+    return requests
+
+
+def synthetic(
+    num_requests: int = 2000,
+    *,
+    block_size: int = 16,
+    system_prompts: int = 8,
+    system_blocks: int = 32,
+    sessions: int = 200,
+    turn_blocks: tuple[int, int] = (4, 24),
+    output_tokens: tuple[int, int] = (16, 256),
+    rate_per_s: float = 50.0,
+    seed: int = 0,
+) -> list[TraceRequest]:
+    """Chat-like traffic: a few shared system prompts and multi-turn sessions.
+
+    Each turn of a session resends the whole conversation so far (system prompt + earlier
+    turns) plus a new user message, which is what makes prefix caching pay off.
+    """
+    rng = random.Random(seed)
+    next_id = 0
+
+    def fresh(n: int) -> list[int]:
+        nonlocal next_id
+        ids = list(range(next_id, next_id + n))
+        next_id += n
+        return ids
+
+    prompts = [fresh(system_blocks) for _ in range(system_prompts)]
+    history: list[list[int]] = [list(rng.choice(prompts)) for _ in range(sessions)]
+    out: list[TraceRequest] = []
+    now_ms = 0.0
+    for _ in range(num_requests):
+        now_ms += rng.expovariate(rate_per_s) * 1000.0
+        s = rng.randrange(sessions)
+        history[s] = history[s] + fresh(rng.randint(*turn_blocks))
+        ids = history[s]
+        out.append(
+            TraceRequest(
+                arrival_ms=round(now_ms, 3),
+                input_length=len(ids) * block_size - rng.randrange(block_size),
+                output_length=rng.randint(*output_tokens),
+                block_ids=tuple(ids),
+                trace_block_size=block_size,
+            )
+        )
+        if rng.random() < 0.1:  # the conversation ends; a new one starts in this slot
+            history[s] = list(rng.choice(prompts))
+    return out
+
+
+def request_hashes(req: TraceRequest, block_size: int) -> tuple[list[int], list[int]]:
+    """(sequence hashes, local hashes) of a request's blocks at the engine's ``block_size``.
+
+    The last block may be partial; it is hashed like the rest because trace block ids
+    already name it uniquely (Mooncake hashes partial tail blocks too).
+    """
+    if req.trace_block_size % block_size:
+        raise TraceError(
+            f"block size {block_size} must divide the trace's {req.trace_block_size}-token blocks"
+        )
+    split = req.trace_block_size // block_size
+    if split == 1:
+        local = list(req.block_ids)
+    else:
+        n_blocks = -(-req.input_length // block_size)
+        ids = [bid * split + i for bid in req.block_ids for i in range(split)][:n_blocks]
+        local = local_hashes(ids, 1)
+    return chain_sequence_hashes(local), local
+
+
+def iter_arrivals(requests: list[TraceRequest]) -> Iterator[TraceRequest]:
+    """Requests in arrival order (stable for equal timestamps)."""
+    return iter(sorted(requests, key=lambda r: r.arrival_ms))

@@ -1,0 +1,132 @@
+"""Run a workload through a simulated worker and collect what capacity planning needs.
+
+``replay_cache`` is the engine-off mode: requests in arrival order, each one matched,
+admitted in full and released, with no timing. The mock engine (``kvledger.mocker.engine``)
+drives the same ``SimulatedCache`` with a scheduler and a clock.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvledger.events.types import AnyEvent, Offloaded, Onboarded, Removed, Stored, Tier
+from kvledger.mocker.cache import Admission, SimulatedCache
+from kvledger.mocker.traces import TraceRequest, iter_arrivals, request_hashes
+
+TIERS = (Tier.G1, Tier.G2, Tier.G3)
+
+
+class EventCounter:
+    """A sink that counts events by kind and tier, then passes them on."""
+
+    def __init__(self, downstream: Callable[[AnyEvent], None] | None = None) -> None:
+        self.downstream = downstream
+        self.events = 0
+        self.removed_blocks: Counter[Tier] = Counter()
+        self.stored_blocks: Counter[Tier] = Counter()
+        self.offloaded_blocks: Counter[Tier] = Counter()
+        self.onboarded_blocks: Counter[Tier] = Counter()
+
+    def __call__(self, event: AnyEvent) -> None:
+        self.events += 1
+        if isinstance(event, Removed):
+            self.removed_blocks[event.tier] += len(event.sequence_hashes)
+        elif isinstance(event, Stored):
+            self.stored_blocks[event.tier] += len(event.blocks)
+        elif isinstance(event, Offloaded):
+            self.offloaded_blocks[event.tier] += len(event.blocks)
+        elif isinstance(event, Onboarded):
+            self.onboarded_blocks[event.src_tier] += len(event.blocks)
+        if self.downstream is not None:
+            self.downstream(event)
+
+
+@dataclass
+class SimStats:
+    """Totals of a run; ``summary()`` is what ``--json`` prints."""
+
+    requests: int = 0
+    blocks_requested: int = 0
+    blocks_hit: int = 0
+    hits_by_tier: Counter[Tier] = field(default_factory=Counter)
+    tokens_requested: int = 0
+    tokens_hit: int = 0
+    blocks_unplaced: int = 0
+    #: (request index, cumulative hit rate, blocks per tier) samples for plots
+    timeline: list[tuple[int, float, dict[str, int]]] = field(default_factory=list)
+    ttft_ms: list[float] = field(default_factory=list)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def record(
+        self, req: TraceRequest, admission: Admission, block_size: int, n_blocks: int
+    ) -> None:
+        self.requests += 1
+        self.blocks_requested += n_blocks
+        hit = admission.hit_blocks
+        self.blocks_hit += hit
+        self.hits_by_tier[Tier.G1] += admission.match.g1
+        for tier, n in admission.onboarded.items():
+            self.hits_by_tier[tier] += n
+        self.tokens_requested += req.input_length
+        self.tokens_hit += min(hit * block_size, req.input_length)
+        self.blocks_unplaced += n_blocks - admission.placed
+
+    @property
+    def hit_rate(self) -> float:
+        return self.blocks_hit / self.blocks_requested if self.blocks_requested else 0.0
+
+    @property
+    def token_hit_rate(self) -> float:
+        return self.tokens_hit / self.tokens_requested if self.tokens_requested else 0.0
+
+    def summary(self, cache: SimulatedCache, counter: EventCounter) -> dict[str, Any]:
+        pools = cache.registry.pools
+        out: dict[str, Any] = {
+            "requests": self.requests,
+            "blocks_requested": self.blocks_requested,
+            "blocks_hit": self.blocks_hit,
+            "hit_rate": round(self.hit_rate, 6),
+            "token_hit_rate": round(self.token_hit_rate, 6),
+            "hits_by_tier": {t.name: self.hits_by_tier.get(t, 0) for t in TIERS},
+            "blocks_unplaced": self.blocks_unplaced,
+            "evictions": {t.name: counter.removed_blocks.get(t, 0) for t in TIERS},
+            "offloaded_blocks": {t.name: counter.offloaded_blocks.get(t, 0) for t in TIERS},
+            "onboarded_blocks": {t.name: counter.onboarded_blocks.get(t, 0) for t in TIERS},
+            "events_written": counter.events,
+            "final_blocks": {t.name: (pools[t].num_registered if t in pools else 0) for t in TIERS},
+        }
+        if self.ttft_ms:
+            ordered = sorted(self.ttft_ms)
+            out["ttft_ms_p50"] = round(ordered[len(ordered) // 2], 3)
+            out["ttft_ms_p99"] = round(ordered[min(len(ordered) - 1, int(len(ordered) * 0.99))], 3)
+        out.update(self.extra)
+        return out
+
+
+def occupancy(cache: SimulatedCache) -> dict[str, int]:
+    return {tier.name: pool.num_registered for tier, pool in cache.registry.pools.items()}
+
+
+def replay_cache(
+    requests: Iterable[TraceRequest],
+    cache: SimulatedCache,
+    block_size: int,
+    *,
+    progress: Callable[[int], None] | None = None,
+    sample_every: int = 0,
+) -> SimStats:
+    """Engine off: match, admit and release every request in arrival order."""
+    stats = SimStats()
+    for i, req in enumerate(iter_arrivals(list(requests))):
+        seq, local = request_hashes(req, block_size)
+        admission = cache.admit(seq, local)
+        stats.record(req, admission, block_size, len(seq))
+        cache.finish(admission)
+        if progress is not None:
+            progress(i + 1)
+        if sample_every and (i + 1) % sample_every == 0:
+            stats.timeline.append((i + 1, stats.hit_rate, occupancy(cache)))
+    return stats
