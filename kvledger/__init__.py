@@ -7,3 +7,16 @@
 __path__ = __import__("pkgutil").extend_path(__path__, __name__)
 
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> object:
+    # Lazy: importing kvledger for its CLI or settings should not pay for torch.
+    if name == "BlockManager":
+        from kvledger.manager import BlockManager
+
+        return BlockManager
+    if name == "Settings":
+        from kvledger.config import Settings
+
+        return Settings
+    raise AttributeError(f"module 'kvledger' has no attribute {name!r}")

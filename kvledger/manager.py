@@ -1,0 +1,309 @@
+"""``BlockManager``: the library API an inference engine uses.
+
+It wires the bookkeeping (``TieredRegistry``: pools, dedup, eviction, offload rules) to the
+bytes (``tiers``: G1 tensors, G2 host memory, G3 file; ``TransferEngine``: batched copies),
+and every transition to the durable event log and any other sinks (publishers, metrics).
+
+Thread safety: every public method may be called from any thread; one lock serialises the
+bookkeeping, and copies run on the transfer engine's own thread, which takes the same lock
+only to record a finished copy. ``aonboard`` is the asyncio form of ``onboard``.
+
+Typical engine loop::
+
+    seq = manager.sequence(prompt_tokens)
+    held = manager.onboard(seq)                  # cached prefix, now on G1 (slots)
+    fresh = manager.allocate(len(seq.blocks) - len(held))
+    ... compute the KV of the uncached blocks into G1 slots ``fresh`` ...
+    held += manager.register(fresh, seq, start=len(held))
+    ... decode ...
+    manager.release(held)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import torch
+
+from kvledger.config import Settings
+from kvledger.events.log import EventLog
+from kvledger.events.types import AnyEvent, Tier
+from kvledger.registry.emitter import EventEmitter
+from kvledger.registry.hashing import TokenBlockSequence
+from kvledger.registry.tiered import MatchResult, TieredRegistry, Transfer
+from kvledger.tiers.base import StorageTier
+from kvledger.tiers.device.tier import DeviceTier
+from kvledger.tiers.disk.tier import DiskTier
+from kvledger.tiers.host.tier import HostTier
+from kvledger.tiers.layout import BlockShape, KVLayout
+from kvledger.tiers.transfer import TransferEngine, TransferHandle, TransferResult
+
+log = logging.getLogger(__name__)
+
+TORCH_DTYPES = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float8_e4m3fn": torch.float8_e4m3fn,
+    "uint8": torch.uint8,
+}
+
+
+class FanOut:
+    """Hands each event to several sinks, in order (log first: it is the record)."""
+
+    def __init__(self, sinks: Iterable[Callable[[AnyEvent], None]]) -> None:
+        self.sinks = list(sinks)
+
+    def __call__(self, event: AnyEvent) -> None:
+        for sink in self.sinks:
+            sink(event)
+
+
+class BlockManager:
+    """G1/G2/G3 KV blocks of one worker, with offload, onboard and an event log."""
+
+    def __init__(
+        self,
+        settings: Settings | None = None,
+        *,
+        g1_layout: KVLayout | None = None,
+        device: torch.device | str | None = None,
+        event_log: EventLog | None = None,
+        log_events: bool = True,
+        sinks: Sequence[Callable[[AnyEvent], None]] = (),
+    ) -> None:
+        self.settings = s = settings if settings is not None else Settings.load()
+        self.shape = BlockShape(
+            s.num_layers, s.outer_dim, s.block_size, s.inner_dim, TORCH_DTYPES[s.dtype]
+        )
+        self._own_log = event_log is None and log_events
+        self.event_log = EventLog(s.log_url) if self._own_log else event_log
+        first_id = 0
+        if self.event_log is not None:
+            first_id = self.event_log.last_event_id(s.worker_id) + 1
+        all_sinks = ([self.event_log.append] if self.event_log is not None else []) + list(sinks)
+        self.emitter = EventEmitter(
+            FanOut(all_sinks) if all_sinks else None,
+            worker_id=s.worker_id,
+            dp_rank=s.dp_rank,
+            first_event_id=first_id,
+        )
+        g1_blocks = g1_layout.num_blocks if g1_layout is not None else s.g1_blocks
+        self.registry = TieredRegistry(
+            g1_blocks,
+            s.g2_capacity,
+            s.g3_capacity,
+            policy=s.eviction_policy,
+            offload_filter=s.offload_filter,
+            emitter=self.emitter,
+        )
+        if g1_layout is not None:
+            if g1_layout.shape != self.shape:
+                raise ValueError(
+                    f"the engine's G1 blocks are {g1_layout.shape}, settings say {self.shape}"
+                )
+            g1: StorageTier = DeviceTier.from_layout(g1_layout)
+        else:
+            g1 = DeviceTier(self.shape, g1_blocks, device=device)
+        self.tiers: dict[Tier, StorageTier] = {Tier.G1: g1}
+        if s.g2_capacity:
+            self.tiers[Tier.G2] = HostTier(self.shape, s.g2_capacity)
+        if s.g3_capacity:
+            self.tiers[Tier.G3] = DiskTier(s.data_dir, self.shape, s.g3_capacity)
+        self.transfers = TransferEngine()
+        self._lock = threading.RLock()
+        self._in_flight: set[TransferHandle] = set()
+        self._idle = threading.Condition(self._lock)
+        self.failed_copies = 0
+        if first_id:
+            # A restarted worker starts with empty tiers: say so, so replay agrees with it.
+            for tier in self.registry.pools:
+                self.emitter.cleared(tier)
+
+    # -- sequences and lookups -----------------------------------------------------------
+
+    def sequence(self, tokens: Sequence[int]) -> TokenBlockSequence:
+        """Cut ``tokens`` into hashed blocks with this worker's block size and chain seed."""
+        return TokenBlockSequence(
+            tokens, self.settings.block_size, chain_seed=self.settings.chain_seed
+        )
+
+    def match(self, sequence: TokenBlockSequence) -> MatchResult:
+        """How much of ``sequence`` is cached: blocks on G1, then continuing on G2, then G3."""
+        with self._lock:
+            return self.registry.match(sequence.sequence_hashes)
+
+    @property
+    def g1(self) -> StorageTier:
+        return self.tiers[Tier.G1]
+
+    # -- onboarding ----------------------------------------------------------------------
+
+    def onboard(self, sequence: TokenBlockSequence) -> list[int]:
+        """Take the cached prefix of ``sequence`` onto G1 and return its G1 slots, held.
+
+        G2/G3 hits are copied into fresh G1 blocks first. A copy that fails (a corrupt G3
+        slot, an I/O error) ends the prefix there: the caller computes the rest, and the
+        registry never names bytes that did not arrive.
+        """
+        hashes = sequence.sequence_hashes
+        with self._lock:
+            reg = self.registry
+            match = reg.match(hashes)
+            reg.note_request(hashes)
+            with reg.g1.hold_removed():
+                held = reg.g1.match(hashes[: match.g1])
+                plans = reg.plan_onboard(hashes, match)
+            started = [(plan, self._start(plan)) for plan in plans]
+        broken = False
+        for plan, handle in started:
+            landed = self._finish(plan, handle)
+            if broken:  # after a hole: these blocks are cached on G1 but not part of the prefix
+                with self._lock:
+                    self.registry.g1.release(landed)
+                continue
+            held.extend(landed)
+            broken = len(landed) < len(plan)
+        return held
+
+    async def aonboard(self, sequence: TokenBlockSequence) -> list[int]:
+        """``onboard`` without blocking the event loop."""
+        return await asyncio.get_running_loop().run_in_executor(None, self.onboard, sequence)
+
+    # -- allocation and registration -----------------------------------------------------
+
+    def allocate(self, count: int) -> list[int]:
+        """``count`` fresh G1 slots for the engine to fill; raises ``PoolExhausted``."""
+        with self._lock:
+            return self.registry.g1.allocate(count)
+
+    def register(
+        self, slots: Sequence[int], sequence: TokenBlockSequence, *, start: int
+    ) -> list[int]:
+        """Name filled G1 ``slots`` as blocks ``start..`` of ``sequence``; starts their offload.
+
+        Returns the slots holding the blocks (a block another request registered meanwhile
+        is shared and the duplicate slot freed).
+        """
+        blocks = sequence.blocks[start : start + len(slots)]
+        if len(blocks) != len(slots):
+            raise ValueError(
+                f"register: {len(slots)} slots but the sequence has {len(blocks)} full blocks "
+                f"from position {start}"
+            )
+        parent = sequence.sequence_hashes[start - 1] if start else None
+        with self._lock:
+            held = self.registry.g1.register(
+                slots, [(b.sequence_hash, b.local_hash) for b in blocks], parent
+            )
+            for plan in self.registry.plan_offload(held):
+                self._start(plan)
+        return held
+
+    def release(self, slots: Iterable[int]) -> None:
+        """Let go of G1 blocks, last first; registered ones stay cached until evicted."""
+        with self._lock:
+            self.registry.g1.release(reversed(list(slots)))
+
+    # -- copies --------------------------------------------------------------------------
+
+    def _start(self, plan: Transfer) -> TransferHandle:
+        """Queue the bytes of a planned copy; its completion is recorded on the copy thread."""
+        src, dst = self.tiers[plan.src_tier], self.tiers[plan.dst_tier]
+        handle = self.transfers.copy(src, plan.src_slots, dst, plan.dst_slots)
+        self._in_flight.add(handle)
+        if plan.dst_tier is not Tier.G1:
+            handle.add_done_callback(lambda h: self._record_offload(plan, h))
+        return handle
+
+    def _record_offload(self, plan: Transfer, handle: TransferHandle) -> None:
+        self._record(plan, handle)
+
+    def _record(self, plan: Transfer, handle: TransferHandle) -> list[int]:
+        """Register what arrived, abort what did not; start follow-up copies."""
+        error = handle.exception()
+        with self._lock:
+            try:
+                if error is not None:
+                    log.warning(
+                        "%s -> %s copy of %d blocks failed: %s",
+                        plan.src_tier.name,
+                        plan.dst_tier.name,
+                        len(plan),
+                        error,
+                    )
+                    self.failed_copies += 1
+                    self.registry.abort(plan)
+                    return []
+                result: TransferResult = handle.wait()
+                good = _good_prefix(plan, result)
+                if good < len(plan):
+                    self.failed_copies += 1
+                    bad = plan.blocks[good:]
+                    ok_part = Transfer(
+                        plan.src_tier,
+                        plan.dst_tier,
+                        plan.src_slots[:good],
+                        plan.dst_slots[:good],
+                        plan.blocks[:good],
+                    )
+                    rest = Transfer(
+                        plan.src_tier,
+                        plan.dst_tier,
+                        plan.src_slots[good:],
+                        plan.dst_slots[good:],
+                        bad,
+                    )
+                    self.registry.abort(rest)
+                    if plan.src_tier is Tier.G3:  # the disk copy is corrupt: forget it
+                        self.registry.pools[Tier.G3].remove([b.sequence_hash for b in bad])
+                    plan = ok_part
+                if not len(plan):
+                    return []
+                for follow in self.registry.complete(plan):
+                    self._start(follow)
+                return plan.landed
+            finally:
+                self._in_flight.discard(handle)
+                self._idle.notify_all()
+
+    def _finish(self, plan: Transfer, handle: TransferHandle) -> list[int]:
+        """Wait for a local copy (they cannot hang: memory and file I/O) and record it."""
+        handle.exception()  # waits; an error is recorded as a failed copy
+        return self._record(plan, handle)
+
+    def wait_idle(self, timeout: float | None = None) -> bool:
+        """Wait until no copy is in flight (offloads included). False on timeout."""
+        with self._idle:
+            return self._idle.wait_for(lambda: not self._in_flight, timeout)
+
+    def close(self) -> None:
+        """Finish copies, flush the log (when this manager opened it) and close the tiers."""
+        self.wait_idle(timeout=120)
+        self.transfers.close()
+        for tier in self.tiers.values():
+            tier.close()
+        if self.event_log is not None:
+            self.event_log.flush()
+            if self._own_log:
+                self.event_log.close()
+
+    def __enter__(self) -> BlockManager:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def _good_prefix(plan: Transfer, result: TransferResult) -> int:
+    """How many leading pairs of ``plan`` arrived intact."""
+    failed = {d for _, d in result.failed}
+    for i, dst in enumerate(plan.dst_slots):
+        if dst in failed:
+            return i
+    return len(plan)
