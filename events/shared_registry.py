@@ -10,7 +10,8 @@ exactly once, in order per worker.
 Keys, all under ``kvl:{<namespace>}:`` (the braces are a hash tag: Redis Cluster keeps a whole
 namespace on one slot, which the scripts need because they touch keys they derive):
 
-- ``b:<8-byte sequence hash>``  hash  worker id -> tier mask (G1=1, G2=2, G3=4, G4=8)
+- ``b:<8-byte sequence hash>``  string of 5-byte entries: u32 worker id, u8 tier mask
+                                (G1=1, G2=2, G3=4, G4=8); one MGET answers a whole prefix
 - ``w:<worker>:<tier>``         set   the worker's sequence hashes on that tier (Cleared, purge)
 - ``applied`` / ``count``       hash  worker id -> last applied event id / events applied
 - ``lease:<worker>``            string with a TTL; refreshed by every apply and by heartbeats
@@ -21,6 +22,7 @@ namespace on one slot, which the scripts need because they touch keys they deriv
 from __future__ import annotations
 
 import re
+import struct
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -30,26 +32,79 @@ from kvledger.events.types import AnyEvent, Tier
 from kvledger.events.wire import encode_record, hash_key
 from kvledger.registry.index import prefix_depths
 
+_ENTRY = struct.Struct(">IB")
 _NAMESPACE = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
 
 # Shared by the scripts: drop one worker's bit for one tier from a block, then the worker's
 # field when no tier is left.
-_LUA_DROP = """
-local function drop(prefix, wid, s, b)
-  local k = prefix .. 'b:' .. s
-  local m = redis.call('HGET', k, wid)
-  if m then
-    local left = bit.band(tonumber(m), bit.bnot(b))
-    if left == 0 then redis.call('HDEL', k, wid) else redis.call('HSET', k, wid, left) end
+_LUA_COMMON = """
+-- A block's value is a run of 5-byte entries: 4-byte big-endian worker id, 1-byte tier mask.
+local function locate(v, wk)
+  local i = 1
+  while true do
+    local j = string.find(v, wk, i, true)
+    if not j then return nil end
+    if (j - 1) % 5 == 0 then return j end
+    i = j + 1
   end
 end
+-- New value of a block after this worker's mask becomes fn(old mask); nil when unchanged.
+local function remask(v, wk, fn)
+  local j = v and locate(v, wk)
+  local old = j and string.byte(v, j + 4) or 0
+  local new = fn(old)
+  if new == old then return nil end
+  if not v then return wk .. string.char(new) end
+  if not j then return v .. wk .. string.char(new) end
+  if new == 0 then return string.sub(v, 1, j - 1) .. string.sub(v, j + 5) end
+  return string.sub(v, 1, j + 3) .. string.char(new) .. string.sub(v, j + 5)
+end
+-- Change the masks of a chunk (<= 1024) of blocks: one MGET, one MSET, one DEL at most.
+local function remask_all(prefix, wk, chunk, fn)
+  local keys = {}
+  for j, s in ipairs(chunk) do keys[j] = prefix .. 'b:' .. s end
+  local values = redis.call('MGET', unpack(keys))
+  local sets, dels = {}, {}
+  for j, k in ipairs(keys) do
+    local nv = remask(values[j] or nil, wk, fn)
+    if nv == '' then
+      dels[#dels + 1] = k
+      values[j] = false
+    elseif nv then
+      sets[#sets + 1] = k
+      sets[#sets + 1] = nv
+      values[j] = nv  -- a hash repeated within the chunk sees the update
+    end
+  end
+  if #sets > 0 then redis.call('MSET', unpack(sets)) end
+  if #dels > 0 then redis.call('DEL', unpack(dels)) end
+end
+local function chunks(list)
+  local out, chunk = {}, {}
+  for _, s in ipairs(list) do
+    chunk[#chunk + 1] = s
+    if #chunk == 1024 then
+      out[#out + 1] = chunk
+      chunk = {}
+    end
+  end
+  if #chunk > 0 then out[#out + 1] = chunk end
+  return out
+end
+local function split(seqs)
+  local list = {}
+  for p = 1, #seqs, 8 do list[#list + 1] = string.sub(seqs, p, p + 7) end
+  return list
+end
 local function purge(prefix, wid)
+  local wk = struct.pack('>I4', tonumber(wid))
   local n = 0
   for tier = 1, 4 do
     local wset = prefix .. 'w:' .. wid .. ':' .. tier
-    for _, s in ipairs(redis.call('SMEMBERS', wset)) do
-      redis.call('HDEL', prefix .. 'b:' .. s, wid)
-      n = n + 1
+    local members = redis.call('SMEMBERS', wset)
+    n = n + #members
+    for _, chunk in ipairs(chunks(members)) do
+      remask_all(prefix, wk, chunk, function(m) return 0 end)
     end
     redis.call('DEL', wset)
   end
@@ -66,11 +121,12 @@ end
 # ARGV: prefix, worker id, stream maxlen, lease ttl ms, record...
 # Returns {applied, repeated, last applied id, id at which a gap was found or -1}.
 _LUA_APPLY = (
-    _LUA_DROP
+    _LUA_COMMON
     + """
 local prefix, wid, maxlen = ARGV[1], ARGV[2], ARGV[3]
 local ttl = tonumber(ARGV[4])
 local wnum = tonumber(wid)
+local wk = struct.pack('>I4', wnum)
 local last = tonumber(redis.call('HGET', KEYS[1], wid) or '-1')
 local applied, repeated, gap = 0, 0, -1
 for i = 5, #ARGV do
@@ -89,27 +145,19 @@ for i = 5, #ARGV do
     local b = bit.lshift(1, tier - 1)
     local wset = prefix .. 'w:' .. wid .. ':' .. tier
     if kind == 1 or kind == 3 or kind == 4 then
-      local members = {}
-      for p = 1, #seqs, 8 do
-        local s = string.sub(seqs, p, p + 7)
-        local k = prefix .. 'b:' .. s
-        local m = redis.call('HGET', k, wid)
-        redis.call('HSET', k, wid, bit.bor(tonumber(m or '0'), b))
-        members[#members + 1] = s
-        if #members == 512 then
-          redis.call('SADD', wset, unpack(members))
-          members = {}
-        end
+      for _, chunk in ipairs(chunks(split(seqs))) do
+        remask_all(prefix, wk, chunk, function(m) return bit.bor(m, b) end)
+        redis.call('SADD', wset, unpack(chunk))
       end
-      if #members > 0 then redis.call('SADD', wset, unpack(members)) end
     elseif kind == 2 then
-      for p = 1, #seqs, 8 do
-        local s = string.sub(seqs, p, p + 7)
-        drop(prefix, wid, s, b)
-        redis.call('SREM', wset, s)
+      for _, chunk in ipairs(chunks(split(seqs))) do
+        remask_all(prefix, wk, chunk, function(m) return bit.band(m, bit.bnot(b)) end)
+        redis.call('SREM', wset, unpack(chunk))
       end
     elseif kind == 5 then
-      for _, s in ipairs(redis.call('SMEMBERS', wset)) do drop(prefix, wid, s, b) end
+      for _, chunk in ipairs(chunks(redis.call('SMEMBERS', wset))) do
+        remask_all(prefix, wk, chunk, function(m) return bit.band(m, bit.bnot(b)) end)
+      end
       redis.call('DEL', wset)
     else
       return redis.error_reply('unknown event kind ' .. tostring(kind))
@@ -134,7 +182,7 @@ return {applied, repeated, last, gap}
 # KEYS: workers. ARGV: prefix, worker id ('' = every worker whose lease is gone), maxlen.
 # Returns the purged workers and how many entries each lost, flattened.
 _LUA_PURGE = (
-    _LUA_DROP
+    _LUA_COMMON
     + """
 local prefix = ARGV[1]
 local out = {}
@@ -149,19 +197,6 @@ end
 return out
 """
 )
-
-# KEYS: workers (slot routing only). ARGV: prefix, stop at first miss (1/0), hash...
-# Returns one flat [worker, mask, ...] list per hash (up to the first miss when asked).
-_LUA_WHO_HAS = """
-local prefix, stop = ARGV[1], ARGV[2] == '1'
-local out = {}
-for i = 3, #ARGV do
-  local fields = redis.call('HGETALL', prefix .. 'b:' .. ARGV[i])
-  if stop and #fields == 0 then break end
-  out[#out + 1] = fields
-end
-return out
-"""
 
 
 @dataclass(frozen=True, slots=True)
@@ -203,7 +238,6 @@ class SharedRegistry:
         self.workers_key = self.prefix + "workers"
         self._apply = client.register_script(_LUA_APPLY)
         self._purge = client.register_script(_LUA_PURGE)
-        self._who_has = client.register_script(_LUA_WHO_HAS)
 
     # -- writing -------------------------------------------------------------------------
 
@@ -218,6 +252,8 @@ class SharedRegistry:
 
     def apply_records(self, worker_id: int, records: Sequence[bytes]) -> ApplyResult:
         """``apply`` for records already encoded with ``wire.encode_record``."""
+        if not 0 <= worker_id < 1 << 32:
+            raise ValueError(f"worker ids must fit in 32 bits, got {worker_id}")
         wid = str(int(worker_id))
         keys = [
             self.prefix + "applied",
@@ -265,14 +301,22 @@ class SharedRegistry:
 
         With ``stop_at_miss`` the answer ends at the first block nobody holds (a prefix lookup).
         """
-        args: list[bytes | str] = [self.prefix, "1" if stop_at_miss else "0"]
-        args.extend(hash_key(h) for h in sequence_hashes)
-        rows = self._who_has(keys=[self.workers_key], args=args)
-        return [{int(row[i]): int(row[i + 1]) for i in range(0, len(row), 2)} for row in rows]
+        if not sequence_hashes:
+            return []
+        values = self.client.mget([self._block_key(h) for h in sequence_hashes])
+        out = [_holders(v) for v in values]
+        if stop_at_miss:
+            for position, holders in enumerate(out):
+                if not holders:
+                    return out[:position]
+        return out
 
     def prefix_depths(self, sequence_hashes: Sequence[int]) -> dict[int, dict[Tier, int]]:
         """Per worker and tier, how many leading blocks of the prefix it holds."""
         return prefix_depths(self.who_has(sequence_hashes, stop_at_miss=True))
+
+    def _block_key(self, sequence_hash: int) -> bytes:
+        return self.prefix.encode() + b"b:" + hash_key(sequence_hash)
 
     def applied_event_id(self, worker_id: int) -> int:
         """The last event id applied for a worker, -1 when Redis knows nothing of it."""
@@ -294,13 +338,10 @@ class SharedRegistry:
         start = len(self.prefix) + 2
         keys = list(self.client.scan_iter(match=self.prefix + "b:*", count=1000))
         for chunk in _chunks(keys, 1000):
-            pipe = self.client.pipeline(transaction=False)
-            for key in chunk:
-                pipe.hgetall(key)
-            for key, fields in zip(chunk, pipe.execute(), strict=True):
-                if fields:
-                    seq = int.from_bytes(key[start:], "big")
-                    out[seq] = {int(w): int(m) for w, m in fields.items()}
+            for key, value in zip(chunk, self.client.mget(chunk), strict=True):
+                holders = _holders(value)
+                if holders:
+                    out[int.from_bytes(key[start:], "big")] = holders
         return out
 
     def delete_namespace(self) -> int:
@@ -309,6 +350,15 @@ class SharedRegistry:
         for chunk in _chunks(keys, 1000):
             self.client.delete(*chunk)
         return len(keys)
+
+
+def _holders(value: bytes | str | None) -> dict[int, int]:
+    """A block's value (5-byte entries: u32 worker id, u8 tier mask) as {worker: mask}."""
+    if not value:
+        return {}
+    if isinstance(value, str):  # only a client decoding replies gives str, refused in __init__
+        raise TypeError("block values must be bytes")
+    return {worker: mask for worker, mask in _ENTRY.iter_unpack(value)}
 
 
 def _chunks(items: list[bytes], size: int) -> Iterable[list[bytes]]:
