@@ -192,6 +192,11 @@ def to_dynamo(event: AnyEvent, *, tier: Tier = Tier.G1) -> list[dict[str, Any]]:
     Dynamo's radix tree has no tiers, so one tier is published (G1 by default, what its router
     scores) and events on other tiers yield nothing. A copy whose blocks are not one chain
     becomes several stored events, each anchored to its own parent.
+
+    Dynamo's tree (1.6.1) forgets a worker's whole subtree when one of its blocks is removed,
+    and rejects a later removal of a forgotten descendant. Our registry keeps the descendants
+    (the worker still holds them). The two agree when parents outlive their children, which the
+    ``lineage`` eviction policy guarantees; under plain ``lru`` a Dynamo router can under-count.
     """
     if event.tier != tier:
         return []
