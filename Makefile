@@ -35,8 +35,10 @@ lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
+# Run from inside the venv folder: from the repository root, the kvledger/ folder would shadow
+# the installed package and mypy would see only the face, not registry/, events/, tiers/.
 typecheck: dev
-	$(BIN)/mypy -p kvledger
+	cd $(VENV) && bin/mypy --config-file ../pyproject.toml -p kvledger
 
 pytest: dev
 	$(BIN)/pytest -q
