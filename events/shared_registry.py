@@ -35,8 +35,8 @@ from kvledger.registry.index import prefix_depths
 _ENTRY = struct.Struct(">IB")
 _NAMESPACE = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
 
-# Shared by the scripts: drop one worker's bit for one tier from a block, then the worker's
-# field when no tier is left.
+# Shared by the scripts: change one worker's tier mask on many blocks with one MGET and one
+# MSET, and purge a worker.
 _LUA_COMMON = """
 -- A block's value is a run of 5-byte entries: 4-byte big-endian worker id, 1-byte tier mask.
 local function locate(v, wk)
