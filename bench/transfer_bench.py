@@ -3,10 +3,11 @@
 Default workload (issue 4): 256 blocks of 2 MiB (32 layers x 2 x 16 tokens x 1024 x bf16),
 G1 LayerSeparate, random source and destination slots.
 
-- G1->G2 and G2->G1 against one plain copy of the same byte count: pinned ``copy_`` on a GPU,
-  a contiguous tensor ``copy_`` (memcpy) on CPU.
+- G1->G2 and G2->G1 against one plain copy of the same byte count between a device buffer and
+  G2's own memory: pinned ``copy_`` on a GPU, a contiguous tensor ``copy_`` (memcpy) on CPU.
 - G2->G3 and G3->G2 (checksums on) against sequential ``os.pwritev``/``os.preadv`` with O_DIRECT
-  of the same bytes into a separate preallocated file (best of 2 MiB and 16 MiB requests).
+  of the same bytes into a separate preallocated file, in 16 MiB requests.
+- Engine and reference runs alternate, and each figure is the median of ``--reps`` runs.
 - Single-block onboard latency G2->G1 and G3->G1 (submit to ``wait()`` returning).
 
 Run: ``.venv/bin/python bench/transfer_bench.py`` (``--help`` for sizes and the G3 folder).
@@ -31,7 +32,7 @@ import torch
 from kvledger.tiers import BlockShape, DeviceTier, DiskTier, HostTier, TransferEngine
 
 
-def median_seconds(fn: Callable[[], None], reps: int, sync: Callable[[], None]) -> float:
+def median_seconds(fn: Callable[[], object], reps: int, sync: Callable[[], object]) -> float:
     fn()  # warm-up: staging buffers, streams, page faults
     sync()
     times = []
@@ -42,6 +43,19 @@ def median_seconds(fn: Callable[[], None], reps: int, sync: Callable[[], None]) 
         sync()
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
+
+
+def paired_medians(
+    a: Callable[[], object], b: Callable[[], object], reps: int, sync: Callable[[], object]
+) -> tuple[float, float]:
+    """Medians of ``a`` and ``b`` timed alternately, so drift of the machine (a shared disk,
+    clocks) falls on both alike."""
+    ta: list[float] = []
+    tb: list[float] = []
+    for _ in range(reps):
+        ta.append(median_seconds(a, 1, sync))
+        tb.append(median_seconds(b, 1, sync))
+    return statistics.median(ta), statistics.median(tb)
 
 
 def gbps(nbytes: int, seconds: float) -> float:
@@ -77,16 +91,25 @@ def memory_bench(args: argparse.Namespace, shape: BlockShape, rows: list[tuple[s
     src, dst = rng.sample(range(2 * n), n), rng.sample(range(2 * n), n)
     engine = TransferEngine(staging_blocks=args.staging_blocks)
 
-    # Reference: one plain copy of the same byte count between the same kinds of memory.
+    # Reference: one plain copy of the same byte count into and out of G2's own memory (pinned
+    # buffers of the same size were seen to copy at 32 to 55 GB/s on one machine, so a separate
+    # buffer would measure the buffer, not the engine).
     ref_dev = torch.empty(nbytes, dtype=torch.uint8, device=dev)
-    ref_host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=cuda)
+    ref_host = g2.layout.block_bytes_view()[:n].reshape(-1)
     fill_random(ref_dev, gen)
-    down_ref = median_seconds(lambda: ref_host.copy_(ref_dev, non_blocking=True), args.reps, sync)
-    up_ref = median_seconds(lambda: ref_dev.copy_(ref_host, non_blocking=True), args.reps, sync)
     ref_name = "pinned copy_" if cuda else "memcpy (copy_)"
-
-    down = median_seconds(lambda: engine.offload(g1, src, g2, dst).wait(), args.reps, sync)
-    up = median_seconds(lambda: engine.onboard(g2, dst, g1, src).wait(), args.reps, sync)
+    down_ref, down = paired_medians(
+        lambda: ref_host.copy_(ref_dev, non_blocking=True),
+        lambda: engine.offload(g1, src, g2, dst).wait(),
+        args.reps,
+        sync,
+    )
+    up_ref, up = paired_medians(
+        lambda: ref_dev.copy_(ref_host, non_blocking=True),
+        lambda: engine.onboard(g2, dst, g1, src).wait(),
+        args.reps,
+        sync,
+    )
     for label, t, ref in [("G1->G2", down, down_ref), ("G2->G1", up, up_ref)]:
         rows.append(
             (
@@ -103,26 +126,20 @@ def memory_bench(args: argparse.Namespace, shape: BlockShape, rows: list[tuple[s
     args.g1, args.g2, args.engine, args.sync = g1, g2, engine, sync
 
 
-def direct_reference(path: Path, buf: torch.Tensor, chunk: int, reps: int) -> tuple[float, float]:
-    """Sequential O_DIRECT pwritev then preadv of ``buf`` in ``chunk``-byte requests."""
-    view = memoryview(buf.numpy()).cast("B")
+def direct_io(path: Path, buf: torch.Tensor, chunk: int, *, write: bool) -> None:
+    """Sequential O_DIRECT ``pwritev`` (or ``preadv``) of ``buf`` in ``chunk``-byte requests,
+    into a preallocated file, as G3's own file is."""
+    view = buf.numpy().data.cast("B")
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_DIRECT, 0o600)
     try:
-        os.posix_fallocate(fd, 0, len(view))
-
-        def write() -> None:
-            for off in range(0, len(view), chunk):
-                os.pwritev(fd, [view[off : off + chunk]], off)
-
-        def read() -> None:
-            for off in range(0, len(view), chunk):
-                os.preadv(fd, [view[off : off + chunk]], off)
-
-        nothing = lambda: None  # noqa: E731
-        return median_seconds(write, reps, nothing), median_seconds(read, reps, nothing)
+        if write:
+            os.posix_fallocate(fd, 0, len(view))
+        for off in range(0, len(view), chunk):
+            part = [view[off : off + chunk]]
+            n = os.pwritev(fd, part, off) if write else os.preadv(fd, part, off)
+            assert n == len(part[0]), "short reference I/O"
     finally:
         os.close(fd)
-        path.unlink()
 
 
 def disk_bench(args: argparse.Namespace, shape: BlockShape, rows: list[tuple[str, ...]]) -> None:
@@ -138,17 +155,21 @@ def disk_bench(args: argparse.Namespace, shape: BlockShape, rows: list[tuple[str
     area = mmap.mmap(-1, nbytes)
     ref = torch.frombuffer(area, dtype=torch.uint8)
     ref.copy_(torch.randint(0, 256, (nbytes,), dtype=torch.uint8))
-    refs = [direct_reference(folder / "ref.bin", ref, c << 20, args.reps) for c in (2, 16)]
-    w_ref, r_ref = min(w for w, _ in refs), min(r for _, r in refs)
-    del ref
-
     nothing = lambda: None  # noqa: E731
-    write = median_seconds(
-        lambda: engine.offload(g2, g2_slots, g3, g3_slots).wait(), args.reps, nothing
+    ref_file = folder / "ref.bin"
+    w_ref, write = paired_medians(
+        lambda: direct_io(ref_file, ref, 16 << 20, write=True),
+        lambda: engine.offload(g2, g2_slots, g3, g3_slots).wait(),
+        args.reps,
+        nothing,
     )
-    read = median_seconds(
-        lambda: engine.copy(g3, g3_slots, g2, g2_slots).wait(), args.reps, nothing
+    r_ref, read = paired_medians(
+        lambda: direct_io(ref_file, ref, 16 << 20, write=False),
+        lambda: engine.copy(g3, g3_slots, g2, g2_slots).wait(),
+        args.reps,
+        nothing,
     )
+    ref_file.unlink()
     assert engine.copy(g3, g3_slots, g2, g2_slots).wait().failed == []
     ref_name = "seq O_DIRECT pwritev/preadv"
     for label, t, r in [("G2->G3", write, w_ref), ("G3->G2", read, r_ref)]:

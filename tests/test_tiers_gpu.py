@@ -36,14 +36,15 @@ def block_bytes(tier: DeviceTier | HostTier, slot: int) -> bytes:
 
 @pytest.mark.parametrize("layout", ["layer_separate", "fully_contiguous"])
 @pytest.mark.parametrize("pin", [True, False])
-def test_device_host_round_trip(layout: str, pin: bool) -> None:
+@pytest.mark.parametrize("count", [3, 37])  # direct per-layer copies, and staged chunks
+def test_device_host_round_trip(layout: str, pin: bool, count: int) -> None:
     rng = random.Random(11)
     engine = TransferEngine(staging_blocks=3)  # several chunks: both staging buffers in play
     g1, g2 = random_g1(layout, 1), HostTier(SHAPE, SLOTS, pin=pin)
     assert g2.pinned is pin
     g2.layout.tensor.view(torch.uint8).fill_(0xA5)
     expected = {s: block_bytes(g1, s) for s in range(SLOTS)}
-    src, mid = rng.sample(range(SLOTS), 17), rng.sample(range(SLOTS), 17)
+    src, mid = rng.sample(range(SLOTS), count), rng.sample(range(SLOTS), count)
 
     engine.offload(g1, src, g2, mid).wait()
     for s, m in zip(src, mid, strict=True):
@@ -51,7 +52,7 @@ def test_device_host_round_trip(layout: str, pin: bool) -> None:
 
     for i in range(SHAPE.num_layers):  # poison G1, then bring the blocks back elsewhere
         g1.layout.layer(i).view(torch.uint8).fill_(0x3C)
-    back = rng.sample(range(SLOTS), 17)
+    back = rng.sample(range(SLOTS), count)
     assert engine.onboard(g2, mid, g1, back).wait().dst_slots == back
     for s, b in zip(src, back, strict=True):
         assert block_bytes(g1, b) == expected[s]

@@ -35,6 +35,9 @@ from kvledger.tiers.layout import BlockShape, FullyContiguous, KVLayout
 
 Pairs = list[tuple[int, int]]
 
+DIRECT_PIECES = 128
+"""Device<->host copies of at most this many (block, layer) pieces skip staging (see _direct)."""
+
 # torch's CUDA Event and Stream constructors carry no annotations; typed aliases keep mypy quiet.
 _new_event: Callable[[], torch.cuda.Event] = torch.cuda.Event
 _new_stream: Callable[[torch.device], torch.cuda.Stream] = torch.cuda.Stream
@@ -238,7 +241,10 @@ class TransferEngine:
     def _memory_to_memory(
         self, src: KVLayout, dst: KVLayout, pairs: Pairs, ready: torch.cuda.Event | None
     ) -> None:
-        if src.device.type == "cuda" and dst.device.type == "cpu":
+        crossing = src.device.type != dst.device.type
+        if crossing and len(pairs) * src.shape.num_layers <= DIRECT_PIECES:
+            self._direct(src, dst, pairs, ready)
+        elif src.device.type == "cuda" and dst.device.type == "cpu":
             self._device_to_host(src, _host_layout(dst), pairs, ready)
         elif src.device.type == "cpu" and dst.device.type == "cuda":
             self._host_to_device(_host_layout(src), dst, pairs, ready)
@@ -280,6 +286,20 @@ class TransferEngine:
                 _gather(src, _index(s_slots, src.device), rows)
                 _scatter(rows, dst, _index(d_slots, dst.device))
 
+    def _direct(
+        self, src: KVLayout, dst: KVLayout, pairs: Pairs, ready: torch.cuda.Event | None
+    ) -> None:
+        """A few blocks: copy each layer of each block straight across, with no staging and no
+        index kernels, which is what single-block onboard latency is made of."""
+        dev = src.device if src.device.type == "cuda" else dst.device
+        copy_stream = self._stream_pair(dev)[1]
+        with torch.cuda.device(dev), torch.cuda.stream(copy_stream):
+            _wait(copy_stream, ready)
+            dst_views = [v for _, d in pairs for v in _layer_views(dst, d)]
+            src_views = [v for s, _ in pairs for v in _layer_views(src, s)]
+            _copy_all(dst_views, src_views)
+        copy_stream.synchronize()
+
     def _device_to_host(
         self, src: KVLayout, dst: FullyContiguous, pairs: Pairs, ready: torch.cuda.Event | None
     ) -> None:
@@ -302,10 +322,11 @@ class TransferEngine:
                     gathered[n % 2].record(gather_stream)
                 copy_stream.wait_event(gathered[n % 2])
                 with torch.cuda.stream(copy_stream):
-                    for row, slot, count in _runs([d for _, d in chunk]):
-                        dst.tensor[slot : slot + count].copy_(
-                            rows[row : row + count], non_blocking=True
-                        )
+                    runs = _runs([d for _, d in chunk])
+                    _copy_all(
+                        [dst.tensor[slot : slot + count] for _, slot, count in runs],
+                        [rows[row : row + count] for row, _, count in runs],
+                    )
                     free[n % 2].record(copy_stream)
             copy_stream.synchronize()
 
@@ -328,10 +349,11 @@ class TransferEngine:
                 rows = buffers[n % 2][: len(chunk)]
                 copy_stream.wait_event(free[n % 2])
                 with torch.cuda.stream(copy_stream):
-                    for row, slot, count in _runs([s for s, _ in chunk]):
-                        rows[row : row + count].copy_(
-                            src.tensor[slot : slot + count], non_blocking=True
-                        )
+                    runs = _runs([s for s, _ in chunk])
+                    _copy_all(
+                        [rows[row : row + count] for row, _, count in runs],
+                        [src.tensor[slot : slot + count] for _, slot, count in runs],
+                    )
                     landed[n % 2].record(copy_stream)
                 scatter_stream.wait_event(landed[n % 2])
                 with torch.cuda.stream(scatter_stream):
@@ -411,6 +433,18 @@ def _record_ready(src: StorageTier, dst: StorageTier) -> torch.cuda.Event | None
             event.record(torch.cuda.current_stream(tier.device))
             return event
     return None
+
+
+def _copy_all(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
+    """``dst[i].copy_(src[i])`` for all i in one call: the loop runs in C++, so issuing many
+    host<->device copies costs microseconds each instead of a Python call each."""
+    torch._foreach_copy_(dst, src, non_blocking=True)
+
+
+def _layer_views(layout: KVLayout, slot: int) -> list[torch.Tensor]:
+    if isinstance(layout, FullyContiguous):
+        return list(layout.tensor[slot].unbind(0))
+    return [layout.layer(i)[slot] for i in range(layout.shape.num_layers)]
 
 
 def _wait(stream: torch.cuda.Stream, event: torch.cuda.Event | None) -> None:
