@@ -1,0 +1,173 @@
+"""Event-log throughput against raw sqlite3 on the same rows, same file system, same run.
+
+Append: our EventLog (encode + queue + group-committed writer) against raw
+``sqlite3.executemany`` of the already-encoded msgpack rows, in batches of 10k, WAL mode,
+same table. Replay: read + decode + fold into a RegistryState against raw
+``SELECT`` + ``msgpack.unpackb`` of the same rows. Each figure is the best of --repeat runs.
+
+    .venv/bin/python bench/eventlog_bench.py [--events 200000] [--repeat 3] [--dir DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import shutil
+import sqlite3
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import msgpack
+
+from kvledger.events.codec import KIND_NAMES, encode
+from kvledger.events.log import EventLog
+from kvledger.events.replay import replay
+from kvledger.events.types import AnyEvent, BlockInfo, Tier
+from kvledger.registry.emitter import EventEmitter
+
+BATCH = 10_000
+
+
+def workload(n_events: int, seed: int = 7) -> list[AnyEvent]:
+    """A mocker-like mix: sequences stored in 1-4 block runs, evictions, offloads to G2."""
+    rng = random.Random(seed)
+    out: list[AnyEvent] = []
+    emitter = EventEmitter(out.append, worker_id=0)
+    resident: list[BlockInfo] = []
+    parent: int | None = None
+    while len(out) < n_events:
+        roll = rng.random()
+        if roll < 0.55 or len(resident) < 8:
+            if rng.random() < 0.2:
+                parent = None
+            blocks = []
+            for _ in range(rng.randint(1, 4)):
+                seq, local = rng.getrandbits(64), rng.getrandbits(64)
+                blocks.append((seq, local))
+                resident.append(BlockInfo(seq, local, parent))
+                parent = seq
+            emitter.stored(Tier.G1, resident[-len(blocks)].parent_hash, blocks)
+        elif roll < 0.85:
+            gone = [resident.pop(rng.randrange(len(resident))) for _ in range(rng.randint(1, 3))]
+            emitter.removed(Tier.G1, [b.sequence_hash for b in gone])
+        else:
+            emitter.copied(Tier.G1, Tier.G2, rng.sample(resident, rng.randint(1, 3)))
+    return out[:n_events]
+
+
+def best_of(repeat: int, run: Callable[[int], float]) -> float:
+    return min(run(i) for i in range(repeat))
+
+
+RAW_DDL = """
+CREATE TABLE events (
+    id INTEGER PRIMARY KEY AUTOINCREMENT, worker BIGINT NOT NULL, event_id BIGINT NOT NULL,
+    kind VARCHAR(16) NOT NULL, tier SMALLINT NOT NULL, ts FLOAT NOT NULL, payload BLOB NOT NULL,
+    CONSTRAINT uq_events_worker_event_id UNIQUE (worker, event_id))
+"""
+
+
+def raw_append(path: Path, rows: list[tuple[int, int, str, int, float, bytes]]) -> float:
+    conn = sqlite3.connect(path)
+    conn.execute("PRAGMA journal_mode=WAL")
+    conn.execute("PRAGMA synchronous=NORMAL")
+    conn.execute(RAW_DDL)
+    conn.commit()
+    t0 = time.perf_counter()
+    for start in range(0, len(rows), BATCH):
+        conn.executemany(
+            "INSERT INTO events (worker, event_id, kind, tier, ts, payload) VALUES (?,?,?,?,?,?)",
+            rows[start : start + BATCH],
+        )
+        conn.commit()
+    elapsed = time.perf_counter() - t0
+    conn.close()
+    return elapsed
+
+
+def raw_read(path: Path) -> float:
+    conn = sqlite3.connect(path)
+    t0 = time.perf_counter()
+    unpackb = msgpack.unpackb
+    for _id, _ts, payload in conn.execute("SELECT id, ts, payload FROM events ORDER BY id"):
+        unpackb(payload, use_list=False)
+    elapsed = time.perf_counter() - t0
+    conn.close()
+    return elapsed
+
+
+def our_append(path: Path, events: list[AnyEvent]) -> float:
+    log = EventLog(str(path), batch_size=BATCH)
+    append = log.append
+    t0 = time.perf_counter()
+    for event in events:
+        append(event)
+    log.close()
+    return time.perf_counter() - t0
+
+
+def our_append_many(path: Path, events: list[AnyEvent]) -> float:
+    log = EventLog(str(path), batch_size=BATCH)
+    t0 = time.perf_counter()
+    for start in range(0, len(events), BATCH):
+        log.append_many(events[start : start + BATCH])
+    log.close()
+    return time.perf_counter() - t0
+
+
+def our_replay(path: Path, n: int) -> float:
+    with EventLog(str(path), read_only=True) as log:
+        t0 = time.perf_counter()
+        state = replay(log, use_checkpoints=False, checkpoint_every=None)
+        elapsed = time.perf_counter() - t0
+    assert state.last_event_id[0] == n - 1
+    return elapsed
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--events", type=int, default=200_000)
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--dir", default="kvledger-data", help="where the bench files go")
+    args = parser.parse_args()
+    n = args.events
+    events = workload(n)
+    rows = [
+        (e.worker_id, e.event_id, KIND_NAMES[type(e)], int(e.tier), e.ts, encode(e)) for e in events
+    ]
+    Path(args.dir).mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="eventlog-bench-", dir=args.dir))
+    try:
+
+        def fresh(name: str, i: int) -> Path:
+            return work / f"{name}-{i}.db"
+
+        raw_a = best_of(args.repeat, lambda i: raw_append(fresh("raw", i), rows))
+        ours_a = best_of(args.repeat, lambda i: our_append(fresh("ours", i), events))
+        ours_m = best_of(args.repeat, lambda i: our_append_many(fresh("many", i), events))
+        raw_r = best_of(args.repeat, lambda i: raw_read(fresh("raw", 0)))
+        ours_r = best_of(args.repeat, lambda i: our_replay(fresh("ours", 0), n))
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+    def rate(seconds: float) -> str:
+        return f"{n / seconds / 1e6:6.3f} M events/s"
+
+    print(f"events: {n}, batch {BATCH}, WAL, synchronous=NORMAL, best of {args.repeat}")
+    print(f"append  raw sqlite3.executemany (pre-encoded): {rate(raw_a)}")
+    print(
+        f"append  EventLog.append (one by one):          {rate(ours_a)}  ratio {raw_a / ours_a:.2f}"
+    )
+    print(
+        f"append  EventLog.append_many (10k):            {rate(ours_m)}  ratio {raw_a / ours_m:.2f}"
+    )
+    print(f"read    raw SELECT + msgpack.unpackb:          {rate(raw_r)}")
+    print(
+        f"replay  read + decode + fold (no checkpoint):  {rate(ours_r)}  ratio {raw_r / ours_r:.2f}"
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,380 @@
+"""The durable event log on real databases: a SQLite file and the PostgreSQL server.
+
+Every test here runs against both backends (the ``backend`` fixture), so the two pass the
+same module.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sqlite3
+import threading
+import time
+
+import pytest
+import sqlalchemy as sa
+
+from kvledger.events.codec import CodecError
+from kvledger.events.log import EventLog, EventLogError
+from kvledger.events.replay import replay, replay_report, verify
+from kvledger.events.schema import SchemaError
+from kvledger.events.types import BlockInfo, Removed, Stored, Tier
+from kvledger.migrations import runner
+from kvledger.registry.emitter import EventEmitter
+from kvledger.registry.state import EventOrderError, RegistryState
+
+pytest_plugins = ("eventlog_backends",)  # the backend/log_url fixtures
+
+
+def emit_some(emitter: EventEmitter, n: int, start: int = 0) -> None:
+    """Stored runs, removals and offloads, in a pattern that leaves a non-trivial state."""
+    for i in range(start, start + n):
+        emitter.stored(Tier.G1, None if i % 4 == 0 else i - 1, [(i, i * 7 + 1)])
+        if i % 3 == 0:
+            emitter.removed(Tier.G1, [i])
+        if i % 5 == 0:
+            emitter.copied(Tier.G1, Tier.G2, [BlockInfo(i, i * 7 + 1, None)])
+
+
+class Clock:
+    """A deterministic timestamp source (one second per event)."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        self.now += 1.0
+        return self.now
+
+
+def test_append_read_flush_in_order(log_url: str) -> None:
+    seen: list = []
+    with EventLog(log_url, batch_size=7, queue_size=50) as log:
+        for worker in (0, 1):
+            emitter = EventEmitter(lambda e: (log.append(e), seen.append(e)), worker_id=worker)
+            emit_some(emitter, 40)
+        log.flush()
+        assert list(log.read()) == seen
+        assert list(log.read(worker_id=1)) == [e for e in seen if e.worker_id == 1]
+        assert list(log.read(worker_id=0, after_event_id=5, until_event_id=9)) == [
+            e for e in seen if e.worker_id == 0 and 5 < e.event_id <= 9
+        ]
+        assert log.last_event_id(0) == max(e.event_id for e in seen if e.worker_id == 0)
+        assert log.last_event_id(7) == -1
+    with EventLog(log_url, read_only=True) as again:
+        assert list(again.read()) == seen
+        assert again.last_event_id(1) == max(e.event_id for e in seen if e.worker_id == 1)
+        summary = again.summary()
+        assert summary.rows == len(seen)
+        assert set(summary.workers) == {0, 1}
+        assert sum(summary.by_kind_tier.values()) == len(seen)
+
+
+def test_append_many_and_until_ts(log_url: str) -> None:
+    batch: list = []
+    emit_some(EventEmitter(batch.append, clock=Clock()), 30)
+    with EventLog(log_url) as log:
+        log.append_many(batch)
+        log.flush()
+        cut = batch[len(batch) // 2].ts
+        assert list(log.read(until_ts=cut)) == [e for e in batch if e.ts <= cut]
+        assert replay(log, until_ts=cut) == RegistryState.from_events(
+            e for e in batch if e.ts <= cut
+        )
+
+
+def test_close_commits_and_is_idempotent(log_url: str) -> None:
+    log = EventLog(log_url, max_delay=10.0)
+    emit_some(EventEmitter(log.append), 10)
+    log.close()
+    log.close()
+    with pytest.raises(EventLogError, match="closed"):
+        log.append(
+            Removed(event_id=99, worker_id=0, dp_rank=0, tier=Tier.G1, ts=0.0, sequence_hashes=(1,))
+        )
+    with EventLog(log_url, read_only=True) as reader:
+        assert reader.last_event_id(0) >= 9
+
+
+@pytest.mark.parametrize("bad_id", [0, 2, 5])
+def test_repeats_and_gaps_are_refused_and_the_log_goes_on(log_url: str, bad_id: int) -> None:
+    with EventLog(log_url) as log:
+        emitter = EventEmitter(log.append)
+        for i in range(3):
+            emitter.stored(Tier.G1, None, [(i, i)])
+        event = Removed(
+            event_id=bad_id, worker_id=0, dp_rank=0, tier=Tier.G1, ts=0.0, sequence_hashes=(1,)
+        )
+        with pytest.raises(ValueError, match=f"worker 0: event {bad_id} .*expects event 3 next"):
+            log.append(event)
+        with pytest.raises(ValueError, match=f"event {bad_id} .*expects event 4 next"):
+            log.append_many(
+                [
+                    Removed(
+                        event_id=3,
+                        worker_id=0,
+                        dp_rank=0,
+                        tier=Tier.G1,
+                        ts=0.0,
+                        sequence_hashes=(1,),
+                    ),
+                    event,
+                ]
+            )
+        emitter.removed(Tier.G1, [1])  # id 3: nothing of the refused batch was queued
+        log.flush()
+        assert [e.event_id for e in log.read()] == [0, 1, 2, 3]
+
+
+def test_bad_event_is_refused_at_append(log_url: str) -> None:
+    with EventLog(log_url) as log:
+        bad = Stored(
+            event_id=0,
+            worker_id=0,
+            dp_rank=0,
+            tier=Tier.G1,
+            ts=0.0,
+            parent_hash=None,
+            blocks=((1.5, 1),),
+        )  # type: ignore[arg-type]
+        with pytest.raises(CodecError):
+            log.append(bad)
+        EventEmitter(log.append).removed(Tier.G1, [1])
+        log.flush()
+        assert log.last_event_id(0) == 0
+
+
+@pytest.mark.parametrize("durability", ["batch", "fsync", "none"])
+def test_durability_modes(new_log_url, durability: str) -> None:  # type: ignore[no-untyped-def]
+    url = new_log_url()
+    with EventLog(url, durability=durability) as log:  # type: ignore[arg-type]
+        emit_some(EventEmitter(log.append), 5)
+    assert replay(url).last_event_id == {0: log.last_event_id(0)}
+
+
+def test_bad_settings_are_refused(log_url: str, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(
+        ValueError, match="unknown durability 'sometimes'; expected one of batch, fsync, none"
+    ):
+        EventLog(log_url, durability="sometimes")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="batch_size <= queue_size"):
+        EventLog(log_url, batch_size=10, queue_size=5)
+    with pytest.raises(ValueError, match="in-memory"):
+        EventLog("sqlite:///:memory:")
+    with pytest.raises(FileNotFoundError, match="no event log at"):
+        EventLog(str(tmp_path / "missing.db"), read_only=True)
+
+
+def _hold_write_lock(url: str):  # type: ignore[no-untyped-def]
+    """Another connection that holds the events table's write lock until released."""
+    engine = sa.create_engine(url)
+    conn = engine.connect()
+    if engine.dialect.name == "sqlite":
+        conn.exec_driver_sql("BEGIN IMMEDIATE")
+    else:
+        conn.exec_driver_sql("LOCK TABLE events IN EXCLUSIVE MODE")
+    return engine, conn
+
+
+def test_full_queue_slows_the_caller_and_drops_nothing(log_url: str) -> None:
+    with EventLog(log_url, batch_size=5, queue_size=20, max_delay=0.01) as log:
+        emitter = EventEmitter(log.append)
+        emitter.stored(Tier.G1, None, [(0, 0)])
+        log.flush()
+        engine, blocker = _hold_write_lock(log_url)
+        done = threading.Event()
+
+        def produce() -> None:
+            emit_some(emitter, 60, start=1)
+            done.set()
+
+        producer = threading.Thread(target=produce)
+        producer.start()
+        time.sleep(0.5)
+        assert not done.is_set(), "append did not block on a full queue"
+        blocker.rollback()
+        blocker.close()
+        engine.dispose()
+        producer.join(30)
+        assert done.is_set()
+        log.flush()
+        ids = [e.event_id for e in log.read()]
+        assert ids == list(range(emitter.next_event_id))
+
+
+def test_writer_failure_is_reported_not_swallowed(log_url: str) -> None:
+    log = EventLog(log_url, max_delay=0.01)
+    emitter = EventEmitter(log.append)
+    emitter.stored(Tier.G1, None, [(1, 1)])
+    log.flush()
+    # Another writer steals the worker's next id: the database refuses our row.
+    engine = sa.create_engine(log_url)
+    with engine.begin() as conn:
+        conn.exec_driver_sql(
+            "INSERT INTO events (worker, event_id, kind, tier, ts, payload) "
+            "VALUES (0, 1, 'removed', 1, 0.0, '')"
+            if engine.dialect.name == "sqlite"
+            else "INSERT INTO events (worker, event_id, kind, tier, ts, payload) "
+            "VALUES (0, 1, 'removed', 1, 0.0, ''::bytea)"
+        )
+    engine.dispose()
+    emitter.removed(Tier.G1, [1])
+    with pytest.raises(
+        EventLogError,
+        match=r"(?s)writer failed \(IntegrityError.*1 appended events were not stored",
+    ):
+        log.flush()
+    with pytest.raises(EventLogError, match="writer failed"):
+        emitter.removed(Tier.G1, [1])
+    with pytest.raises(EventLogError):
+        log.close()
+
+
+# -- schema ---------------------------------------------------------------------------------
+
+
+def test_older_schema_names_the_upgrade_command(log_url: str) -> None:
+    runner.upgrade(log_url, "0001")
+    with pytest.raises(
+        SchemaError, match=r"revision 0001, older .* Run `kvledger db upgrade --url"
+    ):
+        EventLog(log_url)
+    runner.upgrade(log_url)
+    with EventLog(log_url) as log:
+        assert log.last_event_id(0) == -1
+
+
+def test_newer_schema_is_refused(log_url: str) -> None:
+    runner.upgrade(log_url)
+    engine = sa.create_engine(log_url)
+    with engine.begin() as conn:
+        conn.exec_driver_sql("UPDATE kvledger_schema_version SET version_num = '0099'")
+    engine.dispose()
+    with pytest.raises(
+        SchemaError, match=r"revision '0099'.*newer kvledger.*kvledger db downgrade 0002"
+    ):
+        EventLog(log_url)
+
+
+def test_foreign_table_is_refused(log_url: str) -> None:
+    engine = sa.create_engine(log_url)
+    with engine.begin() as conn:
+        conn.exec_driver_sql("CREATE TABLE events (x INTEGER)")
+    engine.dispose()
+    with pytest.raises(SchemaError, match="not created by kvledger"):
+        EventLog(log_url)
+
+
+def test_blank_database_is_created_but_not_when_read_only(new_log_url) -> None:  # type: ignore[no-untyped-def]
+    url = new_log_url()
+    if url.startswith("postgresql"):
+        with pytest.raises(SchemaError, match="holds no event log; run `kvledger db upgrade"):
+            EventLog(url, read_only=True)
+    with EventLog(url) as log:
+        assert log.last_position() == 0
+    assert runner.current(url) == runner.head() == "0002"
+
+
+def test_migrations_go_down_and_up(log_url: str) -> None:
+    with EventLog(log_url) as log:
+        emit_some(EventEmitter(log.append), 5)
+    runner.downgrade(log_url, "0001")
+    assert runner.current(log_url) == "0001"
+    runner.upgrade(log_url)
+    with EventLog(log_url, read_only=True) as log:
+        assert log.last_event_id(0) > 0
+    assert [rev for rev, _down, _doc in runner.history()] == ["0001", "0002"]
+
+
+# -- replay ---------------------------------------------------------------------------------
+
+
+def test_replay_to_event_and_checkpoints(log_url: str) -> None:
+    seen: list = []
+    with EventLog(log_url) as log:
+        emit_some(EventEmitter(lambda e: (log.append(e), seen.append(e)), clock=Clock()), 200)
+        log.flush()
+        full = RegistryState.from_events(seen)
+        first = replay_report(log, checkpoint_every=100)
+        assert first.state == full and first.start_position == 0
+        assert len(first.checkpoints_written) == len(seen) // 100
+        again = replay_report(log, checkpoint_every=100)
+        assert again.start_position == first.checkpoints_written[-1]
+        assert again.rows_folded == len(seen) - again.start_position
+        assert again.state == full
+        assert again.state.last_event_id == full.last_event_id
+        for cut in (0, 57, 150, len(seen) - 1):
+            want = RegistryState.from_events(e for e in seen if e.event_id <= cut)
+            report = replay_report(log, until_event_id=cut)
+            assert report.state == want
+            assert report.start_position <= cut + 1
+            assert not report.checkpoints_written
+        ts = seen[120].ts
+        assert replay(log, until_ts=ts) == RegistryState.from_events(e for e in seen if e.ts <= ts)
+        assert replay(log, use_checkpoints=False) == full
+        assert verify(replay(log), full) == []
+        del full.tiers[(0, Tier.G1)]
+        assert verify(replay(log), full) != []
+
+
+def test_corrupt_row_stops_replay_naming_its_position(log_url: str) -> None:
+    with EventLog(log_url) as log:
+        emit_some(EventEmitter(log.append), 20)
+    engine = sa.create_engine(log_url)
+    with engine.begin() as conn:
+        conn.execute(sa.text("UPDATE events SET payload = :p WHERE id = 9"), {"p": b"\x91\x07"})
+    engine.dispose()
+    with pytest.raises(CodecError, match="event at position 9: "):
+        replay(log_url, checkpoint_every=None)
+
+
+def test_replay_refuses_a_gap_naming_its_position(log_url: str) -> None:
+    with EventLog(log_url) as log:
+        emit_some(EventEmitter(log.append), 20)
+    engine = sa.create_engine(log_url)
+    with engine.begin() as conn:
+        conn.exec_driver_sql("DELETE FROM events WHERE id = 5")
+    engine.dispose()
+    with pytest.raises(EventOrderError, match="position 6: worker 0: event 5 follows 3"):
+        replay(log_url)
+
+
+# -- asyncio variant ------------------------------------------------------------------------
+
+
+def test_async_log_round_trip(log_url: str) -> None:
+    from kvledger.events.async_log import AsyncEventLog
+
+    if log_url.startswith("sqlite:"):
+        async_url = log_url.replace("sqlite:", "sqlite+aiosqlite:", 1)
+    else:
+        async_url = log_url
+    batch: list = []
+    emit_some(EventEmitter(batch.append), 25)
+
+    async def run() -> list:
+        async with AsyncEventLog(async_url, batch_size=4, queue_size=8) as log:
+            for event in batch[:10]:
+                await log.append(event)
+            await log.append_many(batch[10:])
+            with pytest.raises(ValueError, match="repeats"):
+                await log.append(batch[0])
+            await log.flush()
+            assert await log.last_event_id(0) == batch[-1].event_id
+            return [e async for e in log.read()]
+
+    assert asyncio.run(run()) == batch
+    with EventLog(log_url, read_only=True) as sync_log:
+        assert list(sync_log.read()) == batch
+
+
+def test_sqlite_log_is_wal_and_readable_by_sqlite3(backend: str, log_url: str) -> None:
+    if backend != "sqlite":
+        pytest.skip("SQLite file specifics")
+    with EventLog(log_url) as log:
+        emit_some(EventEmitter(log.append), 3)
+    path = log_url.removeprefix("sqlite:///")
+    conn = sqlite3.connect(path)
+    assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+    assert conn.execute("SELECT count(*) FROM events").fetchone()[0] > 3
+    conn.close()
