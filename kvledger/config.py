@@ -56,6 +56,13 @@ class Settings(BaseSettings):
     offload_filter: Literal["always", "seen_twice", "never"] = Field(
         "seen_twice", description="which blocks go down to G3 (G2 is write-through)"
     )
+    # Mock engine: scheduler limits, and copy bandwidths (GB/s, both directions) for its costs.
+    max_num_batched_tokens: int = Field(8192, gt=0, description="tokens one engine step computes")
+    max_num_seqs: int = Field(256, gt=0, description="sequences one engine step runs")
+    watermark: float = Field(0.01, ge=0, lt=1, description="fraction of G1 kept free to admit")
+    g1_g2_gbps: float = Field(25.0, gt=0, description="G1<->G2 bandwidth (PCIe), GB/s")
+    g2_g3_gbps: float = Field(6.0, gt=0, description="G2<->G3 bandwidth (NVMe), GB/s")
+    g1_g3_gbps: float = Field(6.0, gt=0, description="G1<->G3 bandwidth (GDS), GB/s")
     data_dir: Path = Path("kvledger-data")
     event_log_url: str | None = Field(
         None, description="SQLAlchemy URL of the event log; default: SQLite under data_dir"

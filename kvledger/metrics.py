@@ -1,0 +1,176 @@
+"""Prometheus metrics of a worker's block manager, all named ``kvbm_*``.
+
+Every ``Metrics`` has its own ``CollectorRegistry`` (never the process-wide default), so a
+process may hold several (one per run, one per test) without name clashes, and ``serve``
+exposes exactly one of them.
+
+Most figures come from the event stream: pass ``observe_event`` as an event sink (after the
+log in a fan-out) and stores, evictions, offloads and onboards are counted per tier. What
+events do not carry is fed directly: prefix lookups (``observe_match``), pool occupancy
+(``refresh``, from the pools themselves), latencies (``alloc_latency``,
+``transfer_latency``), bytes really moved (``transfer_bytes``) and the event log's queue
+(``watch_queue``).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Mapping
+from typing import Protocol
+from wsgiref.simple_server import WSGIServer
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+from kvledger.events.types import AnyEvent, Offloaded, Onboarded, Removed, Stored, Tier
+
+#: latency buckets from 10 microseconds (a bookkeeping call) to 10 seconds (a slow disk copy)
+LATENCY_BUCKETS = (1e-5, 5e-5, 1e-4, 5e-4, 1e-3, 5e-3, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 10.0)
+
+
+class PoolView(Protocol):
+    """What ``refresh`` reads of a pool (``kvledger.registry.pool.BlockPool`` has it)."""
+
+    capacity: int
+
+    @property
+    def num_free(self) -> int: ...
+
+    @property
+    def num_active(self) -> int: ...
+
+    @property
+    def num_inactive(self) -> int: ...
+
+
+class Metrics:
+    """The ``kvbm_*`` metrics of one worker, on a registry of their own.
+
+    ``bytes_per_block`` turns block counts from events into bytes for the offload/onboard
+    byte counters (0 leaves them at zero).
+    """
+
+    def __init__(self, *, bytes_per_block: int = 0, registry: CollectorRegistry | None = None):
+        self.registry = registry if registry is not None else CollectorRegistry()
+        self.bytes_per_block = bytes_per_block
+        r = self.registry
+        self.blocks = Gauge(
+            "kvbm_blocks",
+            "Blocks per tier by state: total (capacity), active, inactive (cached), free",
+            ["tier", "state"],
+            registry=r,
+        )
+        self.allocations = Counter(
+            "kvbm_allocated_blocks",
+            "Blocks newly placed on a tier (computed and stored, or copied there)",
+            ["tier"],
+            registry=r,
+        )
+        self.stored = Counter(
+            "kvbm_stored_blocks", "Computed blocks registered on a tier", ["tier"], registry=r
+        )
+        self.evictions = Counter(
+            "kvbm_evicted_blocks", "Blocks removed from a tier", ["tier"], registry=r
+        )
+        self.hits = Counter(
+            "kvbm_prefix_hit_blocks",
+            "Prompt blocks found cached, by the tier that held them",
+            ["tier"],
+            registry=r,
+        )
+        self.misses = Counter(
+            "kvbm_prefix_miss_blocks", "Prompt blocks found on no tier", registry=r
+        )
+        self.offload_blocks = Counter(
+            "kvbm_offload_blocks", "Blocks copied down a tier", ["src", "dst"], registry=r
+        )
+        self.offload_bytes = Counter(
+            "kvbm_offload_bytes", "Bytes copied down a tier", ["src", "dst"], registry=r
+        )
+        self.onboard_blocks = Counter(
+            "kvbm_onboard_blocks", "Blocks copied up a tier", ["src", "dst"], registry=r
+        )
+        self.onboard_bytes = Counter(
+            "kvbm_onboard_bytes", "Bytes copied up a tier", ["src", "dst"], registry=r
+        )
+        self.transfer_bytes = Counter(
+            "kvbm_transfer_bytes",
+            "Bytes moved by the transfer engine (measured, not derived from block counts)",
+            ["src", "dst"],
+            registry=r,
+        )
+        self.events = Counter(
+            "kvbm_events_appended", "Events handed to the event log and publishers", registry=r
+        )
+        self.log_queue_depth = Gauge(
+            "kvbm_event_log_queue_depth",
+            "Events appended to the log and not yet committed",
+            registry=r,
+        )
+        self.alloc_latency = Histogram(
+            "kvbm_alloc_latency_seconds",
+            "Time to place a request's blocks on G1 (match, onboard, allocate, register)",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.transfer_latency = Histogram(
+            "kvbm_transfer_latency_seconds",
+            "Time of one batched copy between tiers",
+            ["src", "dst"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+
+    # -- feeding --------------------------------------------------------------------------
+
+    def observe_event(self, event: AnyEvent) -> None:
+        """An event sink: counts the event and the blocks it moved, by tier."""
+        self.events.inc()
+        tier = event.tier.name
+        if isinstance(event, Stored):
+            n = len(event.blocks)
+            self.stored.labels(tier).inc(n)
+            self.allocations.labels(tier).inc(n)
+        elif isinstance(event, Removed):
+            self.evictions.labels(tier).inc(len(event.sequence_hashes))
+        elif isinstance(event, Offloaded | Onboarded):
+            n = len(event.blocks)
+            src = event.src_tier.name
+            self.allocations.labels(tier).inc(n)
+            if isinstance(event, Offloaded):
+                blocks, nbytes = self.offload_blocks, self.offload_bytes
+            else:
+                blocks, nbytes = self.onboard_blocks, self.onboard_bytes
+            blocks.labels(src, tier).inc(n)
+            nbytes.labels(src, tier).inc(n * self.bytes_per_block)
+
+    __call__ = observe_event
+
+    def observe_match(self, by_tier: Mapping[Tier, int], requested: int) -> None:
+        """One prompt lookup: cached blocks per tier out of ``requested``."""
+        found = 0
+        for tier, n in by_tier.items():
+            if n:
+                self.hits.labels(tier.name).inc(n)
+                found += n
+        if requested > found:
+            self.misses.inc(requested - found)
+
+    def refresh(self, pools: Mapping[Tier, PoolView]) -> None:
+        """Set the per-tier block gauges from the pools as they are now."""
+        for tier, pool in pools.items():
+            name = tier.name
+            self.blocks.labels(name, "total").set(pool.capacity)
+            self.blocks.labels(name, "active").set(pool.num_active)
+            self.blocks.labels(name, "inactive").set(pool.num_inactive)
+            self.blocks.labels(name, "free").set(pool.num_free)
+
+    def watch_queue(self, depth: Callable[[], float]) -> None:
+        """Read the log's queue depth at every scrape from ``depth()``."""
+        self.log_queue_depth.set_function(depth)
+
+    # -- exposing -------------------------------------------------------------------------
+
+    def serve(self, port: int, addr: str = "127.0.0.1") -> tuple[WSGIServer, threading.Thread]:
+        """Serve ``/metrics`` on ``addr:port`` from a daemon thread. Port 0 picks a free one
+        (``server.server_port`` says which); ``server.shutdown()`` stops it."""
+        return start_http_server(port, addr=addr, registry=self.registry)

@@ -1,0 +1,403 @@
+"""The mock engine: a continuous-batching scheduler over a ``SimulatedCache``, on a simulated clock.
+
+It behaves like an inference engine's scheduler without running a model, so that cache
+policies and capacities can be judged by what an engine would feel (time to first token,
+preemptions), not only by hit rates:
+
+- requests join a waiting queue when the clock reaches their arrival time;
+- every step has a token budget (``max_num_batched_tokens``) and a seat limit
+  (``max_num_seqs``); running sequences are served first, oldest first, then waiting ones
+  are admitted first come, first served while budget, seats and the G1 watermark allow;
+- a prompt is prefilled in chunks that fit the budget; its cached prefix (G1 hits, G2/G3
+  onboards) costs no compute, only the copy time of the bandwidth model;
+- a decoding sequence computes one token per step, and takes a new G1 block each time one
+  fills (decode blocks get hashes derived from the request, so they never collide with
+  another request's);
+- when G1 cannot supply a block, the newest running sequence is preempted: its blocks are
+  released (they stay cached, so its resumption hits them) and it goes back to the front of
+  the waiting queue, to recompute prompt + generated tokens (vLLM's recompute preemption).
+
+The cost of a step is ``StepCosts`` plus the copy time of the onboards it did. Time is
+simulated: a step advances the clock by its cost; with a speed-up factor the run also
+sleeps so that simulated time runs ``speedup`` times faster than the wall clock.
+"""
+
+from __future__ import annotations
+
+import struct
+import time
+from collections import deque
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from xxhash import xxh3_64_intdigest
+
+from kvledger.config import Settings
+from kvledger.events.types import Tier
+from kvledger.mocker.cache import Admission, SimulatedCache
+from kvledger.mocker.traces import TraceRequest, iter_arrivals, request_hashes
+from kvledger.registry.hashing import sequence_hash
+from kvledger.simulate import SimStats, occupancy
+
+_PACK_DECODE = struct.Struct("<QQ").pack
+
+
+@dataclass(frozen=True, slots=True)
+class StepCosts:
+    """What one engine step costs in simulated milliseconds.
+
+    The defaults are round figures for an 8B-parameter model on one H100-class GPU: prefill
+    runs at roughly 25k tokens/s, a forward pass has a fixed floor of a few milliseconds
+    (kernel launches, sampling, scheduling), and each sequence in a batch adds its KV reads.
+    They only need to be plausible: the simulator compares policies and capacities, and
+    every one of them is charged by the same model.
+    """
+
+    #: compute for each prompt token that is not cached
+    prefill_ms_per_token: float = 0.02
+    #: fixed cost of any forward pass
+    step_ms: float = 5.0
+    #: added per sequence in the step's batch (decode attention over its KV)
+    per_seq_ms: float = 0.02
+
+
+@dataclass(frozen=True, slots=True)
+class Bandwidth:
+    """Copy times between tiers: ``bytes_per_block`` over a GB/s figure per tier pair."""
+
+    bytes_per_block: int
+    gbps: dict[frozenset[Tier], float]
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> Bandwidth:
+        return cls(
+            settings.bytes_per_block,
+            {
+                frozenset((Tier.G1, Tier.G2)): settings.g1_g2_gbps,
+                frozenset((Tier.G2, Tier.G3)): settings.g2_g3_gbps,
+                frozenset((Tier.G1, Tier.G3)): settings.g1_g3_gbps,
+            },
+        )
+
+    def copy_ms(self, src: Tier, dst: Tier, blocks: int) -> float:
+        gbps = self.gbps[frozenset((src, dst))]
+        return blocks * self.bytes_per_block / (gbps * 1e9) * 1e3
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    block_size: int
+    max_num_batched_tokens: int
+    max_num_seqs: int
+    watermark: float
+    bandwidth: Bandwidth
+    costs: StepCosts = StepCosts()
+    #: 0: as fast as possible; otherwise simulated seconds per wall-clock second
+    speedup: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.speedup < 0:
+            raise ValueError(f"speedup must be >= 0 (0 = as fast as possible), got {self.speedup}")
+
+    @classmethod
+    def from_settings(
+        cls, settings: Settings, *, speedup: float = 0.0, costs: StepCosts | None = None
+    ) -> EngineConfig:
+        return cls(
+            block_size=settings.block_size,
+            max_num_batched_tokens=settings.max_num_batched_tokens,
+            max_num_seqs=settings.max_num_seqs,
+            watermark=settings.watermark,
+            bandwidth=Bandwidth.from_settings(settings),
+            costs=costs if costs is not None else StepCosts(),
+            speedup=speedup,
+        )
+
+
+class StepRecord(NamedTuple):
+    """What one step did: when it ended, its cost, sequences and tokens it computed."""
+
+    end_ms: float
+    step_ms: float
+    seqs: int
+    tokens: int
+    prefill_tokens: int
+
+
+@dataclass(slots=True, eq=False)
+class _Sequence:
+    """One request's progress through the engine."""
+
+    index: int
+    req: TraceRequest
+    seq: list[int]  # sequence hashes: prompt blocks, then decode blocks as they are needed
+    local: list[int]
+    output_length: int
+    generated: int = 0
+    computed: int = 0  # tokens whose KV is on G1
+    admission: Admission | None = None
+    recorded: bool = False  # its prefix hits were counted (first admission only)
+    first_token_ms: float | None = None
+
+    @property
+    def tokens(self) -> int:
+        """Tokens that exist: the prompt and what was generated so far."""
+        return self.req.input_length + self.generated
+
+
+class MockEngine:
+    """Drives a ``SimulatedCache`` with a scheduler; ``run`` returns the run's ``SimStats``.
+
+    Events emitted while the engine runs are stamped with simulated time (the cache's
+    emitter gets the engine's clock), so a log can be replayed up to a simulated instant.
+    """
+
+    def __init__(self, cache: SimulatedCache, config: EngineConfig) -> None:
+        self.cache = cache
+        self.config = config
+        self.now_ms = 0.0
+        self.steps = 0
+        self.preemptions = 0
+        self.onboard_ms = 0.0
+        self.latency_ms: list[float] = []
+        #: called after every step with what it did (tests, traces)
+        self.on_step: Callable[[StepRecord], None] | None = None
+        self._epoch = time.time()
+        self._wall_start = time.monotonic()
+        self._sim_start_ms = 0.0
+        cache.registry.emitter.clock = self.clock
+
+    def clock(self) -> float:
+        """Simulated time as Unix seconds (the run starts at the wall-clock time it began)."""
+        return self._epoch + self.now_ms / 1e3
+
+    # -- the run --------------------------------------------------------------------------
+
+    def run(
+        self,
+        requests: Iterable[TraceRequest],
+        *,
+        progress: Callable[[int], None] | None = None,
+        sample_every: int = 0,
+    ) -> SimStats:
+        arrivals = deque(iter_arrivals(list(requests)))
+        bs = self.config.block_size
+        pending = deque(self._sequence(i, req) for i, req in enumerate(arrivals))
+        self._check_fits(pending)
+        stats = SimStats()
+        if pending:
+            self.now_ms = self._sim_start_ms = pending[0].req.arrival_ms
+            self._epoch = time.time() - self.now_ms / 1e3
+        self._wall_start = time.monotonic()
+        waiting: deque[_Sequence] = deque()
+        running: list[_Sequence] = []
+        finished = 0
+        while pending or waiting or running:
+            while pending and pending[0].req.arrival_ms <= self.now_ms:
+                waiting.append(pending.popleft())
+            if not waiting and not running:
+                self.now_ms = pending[0].req.arrival_ms
+                self._pace()
+                continue
+            for _ in self._step(waiting, running, stats, bs):
+                finished += 1
+                if progress is not None:
+                    progress(finished)
+                if sample_every and finished % sample_every == 0:
+                    stats.timeline.append((finished, stats.hit_rate, occupancy(self.cache)))
+        stats.extra.update(self._summary())
+        return stats
+
+    def _sequence(self, index: int, req: TraceRequest) -> _Sequence:
+        seq, local = request_hashes(req, self.config.block_size)
+        return _Sequence(index, req, seq, local, max(1, req.output_length))
+
+    def _check_fits(self, sequences: Iterable[_Sequence]) -> None:
+        """A request whose whole KV exceeds G1 could never finish: refuse it up front."""
+        g1 = self.cache.registry.g1.capacity
+        bs = self.config.block_size
+        for s in sequences:
+            need = -(-(s.req.input_length + s.output_length) // bs)
+            if need > g1:
+                raise ValueError(
+                    f"request {s.index} needs {need} G1 blocks of {bs} tokens "
+                    f"(input {s.req.input_length} + output {s.output_length} tokens) but G1 "
+                    f"holds {g1}; raise --g1-blocks or use a smaller trace"
+                )
+
+    # -- one step -------------------------------------------------------------------------
+
+    def _step(
+        self,
+        waiting: deque[_Sequence],
+        running: list[_Sequence],
+        stats: SimStats,
+        bs: int,
+    ) -> list[_Sequence]:
+        """Schedule, charge and apply one step; returns the sequences that finished."""
+        budget = self.config.max_num_batched_tokens
+        batch: list[tuple[_Sequence, int]] = []
+        i = 0
+        preempted = self.preemptions
+        while i < len(running) and budget > 0:
+            s = running[i]
+            n = min(budget, s.tokens - s.computed)
+            if not self._reserve(s, s.computed + n, running, waiting):
+                continue  # s itself was preempted (and removed from running)
+            batch.append((s, n))
+            budget -= n
+            i += 1
+        onboard_ms = 0.0
+        # After a preemption G1 is short: admit nobody new this step (as vLLM does).
+        admitting = self.preemptions == preempted
+        while admitting and waiting and budget > 0 and len(running) < self.config.max_num_seqs:
+            admitted = self._admit(waiting[0], budget, bool(running), stats)
+            if admitted is None:
+                break
+            s, n, copy_ms = admitted
+            waiting.popleft()
+            running.append(s)
+            batch.append((s, n))
+            budget -= n
+            onboard_ms += copy_ms
+        if not batch:
+            # Only possible when nothing runs and the head of the queue cannot be admitted,
+            # which _check_fits rules out; fail loudly rather than spin.
+            raise RuntimeError("mock engine made no progress: nothing runs and nothing fits")
+
+        costs = self.config.costs
+        # a sequence with more than its last token to feed is prefilling (a decode feeds one)
+        prefill_tokens = sum(n for s, n in batch if s.computed + 1 < s.tokens)
+        step_ms = (
+            costs.step_ms
+            + costs.per_seq_ms * len(batch)
+            + costs.prefill_ms_per_token * prefill_tokens
+            + onboard_ms
+        )
+        self.now_ms += step_ms
+        self.onboard_ms += onboard_ms
+        self.steps += 1
+        if self.on_step is not None:
+            tokens = sum(n for _, n in batch)
+            self.on_step(StepRecord(self.now_ms, step_ms, len(batch), tokens, prefill_tokens))
+        done: list[_Sequence] = []
+        for s, n in batch:
+            s.computed += n
+            if s.computed < s.tokens:
+                continue  # prefill goes on next step
+            s.generated += 1  # the step that feeds the last token samples the next one
+            if s.first_token_ms is None:
+                s.first_token_ms = self.now_ms
+                stats.ttft_ms.append(self.now_ms - s.req.arrival_ms)
+            if s.generated >= s.output_length:
+                done.append(s)
+        for s in done:
+            running.remove(s)
+            assert s.admission is not None
+            self.cache.finish(s.admission)
+            s.admission = None
+            self.latency_ms.append(self.now_ms - s.req.arrival_ms)
+        self._pace()
+        return done
+
+    def _admit(
+        self, s: _Sequence, budget: int, others_run: bool, stats: SimStats
+    ) -> tuple[_Sequence, int, float] | None:
+        """Place a waiting sequence's cached prefix and first chunk on G1, or None to wait."""
+        bs = self.config.block_size
+        cache = self.cache
+        g1 = cache.registry.g1
+        prompt_blocks = -(-s.tokens // bs)
+        self._grow_hashes(s, prompt_blocks)
+        hashes, local = s.seq[:prompt_blocks], s.local[:prompt_blocks]
+        probe = cache.registry.match(hashes)
+        cached = min(probe.total * bs, s.tokens - 1)
+        need = -(-(cached + min(budget, s.tokens - cached)) // bs)
+        limit = max(need, probe.total)
+        if others_run:
+            # keep a fraction of G1 free for the running sequences' next blocks
+            spare = g1.num_free + g1.num_inactive - (limit - probe.g1)
+            if spare < self.config.watermark * g1.capacity:
+                return None
+        admission = cache.admit(hashes, local, limit=limit)
+        copy_ms = sum(
+            self.config.bandwidth.copy_ms(src, Tier.G1, n) for src, n in admission.onboarded.items()
+        )
+        s.computed = min(admission.hit_blocks * bs, s.tokens - 1)
+        n = min(budget, s.tokens - s.computed)
+        if admission.placed < -(-(s.computed + n) // bs):
+            cache.finish(admission)  # G1 is full of running sequences' blocks: wait
+            s.computed = 0
+            return None
+        s.admission = admission
+        if not s.recorded:
+            s.recorded = True
+            stats.record(s.req, admission, bs, prompt_blocks)
+            # the engine places the rest of the prompt chunk by chunk, never leaves it out
+            stats.blocks_unplaced -= prompt_blocks - admission.placed
+        return s, n, copy_ms
+
+    def _reserve(
+        self, s: _Sequence, upto: int, running: list[_Sequence], waiting: deque[_Sequence]
+    ) -> bool:
+        """Hold G1 blocks for ``s``'s first ``upto`` tokens, preempting the newest running
+        sequence until they fit. False when ``s`` itself had to go."""
+        need = -(-upto // self.config.block_size)
+        admission = s.admission
+        assert admission is not None
+        if len(admission.slots) >= need:
+            return True
+        self._grow_hashes(s, need)
+        while True:
+            self.cache.extend(admission, s.seq[:need], s.local[:need])
+            if len(admission.slots) >= need:
+                return True
+            victim = running[-1]
+            self._preempt(victim, running, waiting)
+            if victim is s:
+                return False
+
+    def _preempt(self, s: _Sequence, running: list[_Sequence], waiting: deque[_Sequence]) -> None:
+        running.remove(s)
+        assert s.admission is not None
+        self.cache.finish(s.admission)
+        s.admission = None
+        s.computed = 0
+        waiting.appendleft(s)
+        self.preemptions += 1
+
+    def _grow_hashes(self, s: _Sequence, blocks: int) -> None:
+        """Name the decode blocks up to ``blocks``: local hash from (request, block number),
+        chained onto the request's last block like any other block."""
+        while len(s.seq) < blocks:
+            local = xxh3_64_intdigest(_PACK_DECODE(s.index, len(s.seq)))
+            s.seq.append(sequence_hash(s.seq[-1], local))
+            s.local.append(local)
+
+    # -- time -----------------------------------------------------------------------------
+
+    def _pace(self) -> None:
+        """With a speed-up factor, sleep until the wall clock catches up with simulated time."""
+        speedup = self.config.speedup
+        if not speedup:
+            return
+        due = self._wall_start + (self.now_ms - self._sim_start_ms) / 1e3 / speedup
+        delay = due - time.monotonic()
+        if delay > 0:
+            time.sleep(delay)
+
+    def _summary(self) -> dict[str, float | int]:
+        out: dict[str, float | int] = {
+            "simulated_s": round((self.now_ms - self._sim_start_ms) / 1e3, 3),
+            "steps": self.steps,
+            "preemptions": self.preemptions,
+            "onboard_ms": round(self.onboard_ms, 3),
+        }
+        if self.latency_ms:
+            ordered = sorted(self.latency_ms)
+            out["latency_ms_p50"] = round(ordered[len(ordered) // 2], 3)
+            out["latency_ms_p99"] = round(
+                ordered[min(len(ordered) - 1, int(len(ordered) * 0.99))], 3
+            )
+        return out
