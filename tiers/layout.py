@@ -69,6 +69,12 @@ class KVLayout:
     def layer(self, index: int) -> torch.Tensor:
         raise NotImplementedError
 
+    def block_major(self) -> torch.Tensor | None:
+        """Every block as one ``[blocks, layers, outer, page, inner]`` tensor (a strided view when
+        the layers lie apart), or None. With it a batch of blocks moves with one indexing op
+        instead of one per layer, which is what keeps the copy engine fed."""
+        return None
+
     def block(self, slot: int) -> list[torch.Tensor]:
         """Views of one block, one ``[outer, page, inner]`` tensor per layer."""
         self.check_slot(slot)
@@ -126,6 +132,9 @@ class FullyContiguous(KVLayout):
     def layer(self, index: int) -> torch.Tensor:
         return self.tensor[:, index]
 
+    def block_major(self) -> torch.Tensor:
+        return self.tensor
+
     def block_bytes_view(self) -> torch.Tensor:
         """The storage as ``[blocks, block_bytes]`` uint8: what file I/O reads and writes."""
         return self.tensor.view(torch.uint8).view(self.num_blocks, self.shape.block_bytes)
@@ -157,20 +166,46 @@ class LayerSeparate(KVLayout):
         self.shape = shape
         self.layers = list(layers)
         self.num_blocks = num_blocks
+        self._block_major = _stack_layers(self.layers)
 
     @classmethod
     def allocate(
         cls, shape: BlockShape, num_blocks: int, device: torch.device | str = "cpu"
     ) -> LayerSeparate:
+        """One ``[layers, blocks, ...]`` allocation handed out as per-layer tensors, so that
+        ``block_major`` finds all layers at a fixed distance in one storage."""
         _check_count(num_blocks)
-        dims = (num_blocks, *shape.layer_shape)
-        return cls(
-            shape,
-            [torch.empty(dims, dtype=shape.dtype, device=device) for _ in range(shape.num_layers)],
-        )
+        dims = (shape.num_layers, num_blocks, *shape.layer_shape)
+        return cls(shape, list(torch.empty(dims, dtype=shape.dtype, device=device).unbind(0)))
 
     def layer(self, index: int) -> torch.Tensor:
         return self.layers[index]
+
+    def block_major(self) -> torch.Tensor | None:
+        return self._block_major
+
+
+def _stack_layers(layers: list[torch.Tensor]) -> torch.Tensor | None:
+    """A ``[blocks, layers, outer, page, inner]`` view over contiguous per-layer tensors that are
+    slices of one storage with the same, non-overlapping distance from each layer to the next
+    (one allocation cut per layer, as ``LayerSeparate.allocate`` and some engines do); None for
+    anything else (separate allocations, layers out of order or uneven gaps)."""
+    first = layers[0]
+    storage = first.untyped_storage()
+    offsets = [t.storage_offset() for t in layers]
+    step = offsets[1] - offsets[0] if len(layers) > 1 else first.numel()
+    if step < first.numel():  # overlapping, or the layers run backwards through the storage
+        return None
+    expected = range(offsets[0], offsets[0] + step * len(layers), step)
+    for t, offset in zip(layers, expected, strict=True):
+        if t.untyped_storage().data_ptr() != storage.data_ptr() or t.storage_offset() != offset:
+            return None
+    end = offsets[0] + step * (len(layers) - 1) + first.numel()
+    if end * first.element_size() > storage.nbytes():
+        return None
+    size = (first.shape[0], len(layers), *first.shape[1:])
+    stride = (first.stride(0), step, *first.stride()[1:])
+    return first.as_strided(size, stride, offsets[0])
 
 
 def _check_count(num_blocks: int) -> None:
