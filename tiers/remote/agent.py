@@ -1,0 +1,243 @@
+"""One NIXL agent per worker: registers its tier memory and READs other workers' blocks.
+
+Reads are one-sided: the reader names remote addresses from the owner's ``AgentCard`` and
+NIXL (UCX) moves the bytes without the owner's Python code running. So everything that can go
+wrong on the other side shows up here as a transfer that errors or never finishes: a dead owner
+(the UCX endpoint reports the peer gone), an owner that stopped responding (the read is still in
+progress at the deadline). Either way the read is abandoned the same way: the connection to
+that agent is dropped (so no late write can land in slots the caller frees) and the handle is
+released; the next read reconnects from the card.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from kvledger.events.types import Tier
+from kvledger.tiers.base import MemoryTier
+from kvledger.tiers.layout import BlockShape, FullyContiguous
+from kvledger.tiers.remote.directory import AgentCard, Region, shape_key
+from kvledger.tiers.remote.nixl import nixl_api
+
+log = logging.getLogger(__name__)
+
+Pairs = Sequence[tuple[int, int]]
+
+
+@dataclass(frozen=True, slots=True)
+class ReadOutcome:
+    """``ok`` when every byte arrived; otherwise ``reason`` is one of ``timeout``,
+    ``disconnected`` (the owner is gone) or ``error`` (NIXL refused or failed the read)."""
+
+    ok: bool
+    reason: str | None = None
+    detail: str = ""
+    seconds: float = 0.0
+
+
+class RemoteAgent:
+    """A NIXL agent with the UCX backend, holding this worker's registered tier memory.
+
+    Thread-safe: reads and registrations are serialised by one lock (NIXL agents are created
+    without internal locking here).
+    """
+
+    def __init__(self, worker_id: int, *, name: str | None = None) -> None:
+        api = nixl_api()
+        self.worker_id = worker_id
+        self.name = name or f"kvl-w{worker_id}-{os.getpid()}-{secrets.token_hex(4)}"
+        self._agent: Any = api.nixl_agent(self.name, api.nixl_agent_config(backends=["UCX"]))
+        if "UCX" not in self._agent.backends:
+            raise RuntimeError("NIXL loaded but its UCX backend could not be created")
+        self._lock = threading.Lock()
+        self._regions: dict[Tier, Region] = {}
+        self._reg_descs: list[Any] = []
+        self._peers: dict[int, str] = {}  # worker id -> agent name loaded from its card
+
+    # -- registration ------------------------------------------------------------------------
+
+    def register(self, tier: MemoryTier) -> Region:
+        """Register a tier's slots (a ``FullyContiguous`` layout: one run of memory)."""
+        layout = tier.layout
+        if not isinstance(layout, FullyContiguous):
+            raise ValueError(
+                f"{tier.tier.name} must have a FullyContiguous layout to be read over NIXL, "
+                f"it has {type(layout).__name__}"
+            )
+        dev = layout.tensor.device
+        region = Region(
+            tier=tier.tier,
+            mem_type="VRAM" if dev.type == "cuda" else "DRAM",
+            device_id=(dev.index or 0) if dev.type == "cuda" else 0,
+            address=layout.tensor.data_ptr(),
+            num_slots=layout.num_blocks,
+            stride=tier.shape.block_bytes,
+        )
+        with self._lock:
+            if tier.tier in self._regions:
+                raise ValueError(f"{tier.tier.name} is already registered with this agent")
+            descs = self._agent.register_memory(
+                [(region.address, region.num_slots * region.stride, region.device_id, "")],
+                region.mem_type,
+            )
+            self._reg_descs.append(descs)
+            self._regions[tier.tier] = region
+        return region
+
+    def region(self, tier: Tier) -> Region:
+        try:
+            return self._regions[tier]
+        except KeyError:
+            raise ValueError(f"{tier.name} is not registered with NIXL agent {self.name}") from None
+
+    def card(self, shape: BlockShape) -> AgentCard:
+        """This agent as others must see it (metadata taken after every registration)."""
+        with self._lock:
+            metadata = bytes(self._agent.get_agent_metadata())
+            regions = tuple(self._regions.values())
+        return AgentCard(
+            self.worker_id, self.name, metadata, shape_key(shape), shape.block_bytes, regions
+        )
+
+    # -- reading -----------------------------------------------------------------------------
+
+    def read(
+        self,
+        card: AgentCard,
+        src: Region,
+        dst_tier: Tier,
+        pairs: Pairs,
+        *,
+        timeout_s: float,
+    ) -> ReadOutcome:
+        """READ ``(remote slot, local slot)`` pairs from ``src`` of ``card`` into ``dst_tier``.
+
+        Never raises for the remote side's failures and never returns before the transfer is
+        finished or abandoned (see the module docstring).
+        """
+        dst = self.region(dst_tier)
+        if src.stride != dst.stride:
+            raise ValueError(f"remote blocks are {src.stride} bytes, local ones {dst.stride}")
+        if not pairs:
+            return ReadOutcome(True)
+        local, remote = _descriptors(src, dst, pairs)
+        started = time.monotonic()
+        with self._lock:
+            handle = None
+            try:
+                peer = self._connect(card)
+                handle = self._agent.initialize_xfer(
+                    "READ",
+                    self._agent.get_xfer_descs(local, dst.mem_type),
+                    self._agent.get_xfer_descs(remote, src.mem_type),
+                    peer,
+                )
+                state = self._agent.transfer(handle)
+                state = self._wait(handle, state, started + timeout_s)
+            except Exception as exc:  # NIXL raises e.g. nixlRemoteDisconnectError
+                outcome = ReadOutcome(False, _reason(exc), f"{type(exc).__name__}: {exc}")
+            else:
+                if state == "DONE":
+                    outcome = ReadOutcome(True)
+                elif state == "PROC":
+                    outcome = ReadOutcome(False, "timeout", f"not finished after {timeout_s} s")
+                else:
+                    outcome = ReadOutcome(False, "error", f"transfer state {state}")
+            if not outcome.ok:
+                self._drop_peer(card.worker_id)
+            if handle is not None:
+                self._release(handle)
+        return ReadOutcome(outcome.ok, outcome.reason, outcome.detail, time.monotonic() - started)
+
+    def _wait(self, handle: Any, state: str, deadline: float) -> str:
+        """Poll until the transfer leaves PROC or the deadline passes; spin briefly first
+        (small reads finish in microseconds), then sleep in short steps to spare the CPU."""
+        spins = 0
+        while state == "PROC":
+            if time.monotonic() >= deadline:
+                return "PROC"
+            spins += 1
+            if spins > 200:
+                time.sleep(0.0002)
+            state = self._agent.check_xfer_state(handle)
+        return str(state)
+
+    def _connect(self, card: AgentCard) -> str:
+        known = self._peers.get(card.worker_id)
+        if known == card.agent_name:
+            return known
+        if known is not None:  # the worker restarted: its old agent is gone
+            self._drop_peer(card.worker_id)
+        loaded = self._agent.add_remote_agent(card.metadata)
+        name = loaded.decode() if isinstance(loaded, bytes) else str(loaded)
+        if name != card.agent_name:
+            self._agent.remove_remote_agent(name)
+            raise ValueError(
+                f"card of worker {card.worker_id} names agent {card.agent_name!r} "
+                f"but its metadata is agent {name!r}"
+            )
+        self._peers[card.worker_id] = name
+        return name
+
+    def _drop_peer(self, worker_id: int) -> None:
+        name = self._peers.pop(worker_id, None)
+        if name is None:
+            return
+        try:
+            self._agent.remove_remote_agent(name)
+        except Exception as exc:
+            log.debug("removing NIXL agent %s: %s", name, exc)
+
+    def _release(self, handle: Any) -> None:
+        try:
+            self._agent.release_xfer_handle(handle)
+        except Exception as exc:
+            log.debug("releasing a NIXL transfer handle: %s", exc)
+
+    def close(self) -> None:
+        """Disconnect from every peer and deregister memory."""
+        with self._lock:
+            for worker in list(self._peers):
+                self._drop_peer(worker)
+            for descs in self._reg_descs:
+                try:
+                    self._agent.deregister_memory(descs)
+                except Exception as exc:
+                    log.debug("deregistering NIXL memory: %s", exc)
+            self._reg_descs.clear()
+            self._regions.clear()
+
+
+def _descriptors(src: Region, dst: Region, pairs: Pairs) -> tuple[np.ndarray, np.ndarray]:
+    """Nx3 ``(address, length, device)`` arrays, one row per run of pairs that are consecutive
+    on both sides, so a batch of neighbouring blocks moves as one descriptor."""
+    runs: list[list[int]] = []  # [remote slot, local slot, count]
+    for s, d in pairs:
+        if runs and runs[-1][0] + runs[-1][2] == s and runs[-1][1] + runs[-1][2] == d:
+            runs[-1][2] += 1
+        else:
+            runs.append([s, d, 1])
+    local = np.array(
+        [(dst.slot_address(d), n * dst.stride, dst.device_id) for _, d, n in runs], dtype=np.uint64
+    )
+    remote = np.array(
+        [(src.slot_address(s), n * src.stride, src.device_id) for s, _, n in runs], dtype=np.uint64
+    )
+    for s, d, n in runs:  # the last slot of each run must exist too
+        src.slot_address(s + n - 1)
+        dst.slot_address(d + n - 1)
+    return local, remote
+
+
+def _reason(exc: Exception) -> str:
+    text = f"{type(exc).__name__} {exc}".upper()
+    return "disconnected" if "DISCONNECT" in text or "NOT_FOUND" in text else "error"

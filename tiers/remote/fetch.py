@@ -1,0 +1,226 @@
+"""The reader's side of G4: find who holds the next blocks of a prompt and READ them over NIXL.
+
+A fetch is two steps, so the caller decides how many local slots to give before any bytes move:
+
+1. ``plan``: the shared registry (``who_has``) names the other workers holding the prompt's
+   next blocks on their host tier; the one with the longest run wins; the remote directory
+   gives its agent card and each block's slot and checksum (one round trip each).
+2. ``execute``: one NIXL READ of the whole run into the caller's host slots, then every block's
+   xxh3 is checked against its entry and the entries are looked up again. What survives is a
+   prefix of the plan; everything after the first bad block is a miss.
+
+Failures never raise: they end the run early with a reason, counted in ``stats`` (and in the
+``kvbm_remote_fetch_failures`` counter when a Prometheus registry is given). Reasons:
+``no_agent`` (lease gone or no card), ``vanished`` (the owner dropped the block), ``shape``
+(the owner's blocks are another size), ``timeout``, ``disconnected``, ``error`` (the read
+failed) and ``checksum`` (the bytes read are not the block the entry names).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from kvledger.events.types import Tier
+from kvledger.tiers.base import MemoryTier
+from kvledger.tiers.layout import FullyContiguous
+from kvledger.tiers.remote.agent import RemoteAgent
+from kvledger.tiers.remote.directory import AgentCard, BlockEntry, RemoteDirectory, shape_key
+from kvledger.tiers.remote.export import block_checksum
+
+REASONS = (
+    "no_agent",
+    "vanished",
+    "shape",
+    "timeout",
+    "disconnected",
+    "error",
+    "checksum",
+)
+
+_TIER_BIT = {Tier.G1: 1, Tier.G2: 2, Tier.G3: 4, Tier.G4: 8}
+
+
+class HolderIndex(Protocol):
+    """``kvledger.events.shared_registry.SharedRegistry`` fits."""
+
+    def who_has(
+        self, sequence_hashes: Sequence[int], *, stop_at_miss: bool = False
+    ) -> list[dict[int, int]]: ...
+
+
+@dataclass(frozen=True, slots=True)
+class FetchPlan:
+    """Blocks ``sequence_hashes`` to read from ``worker``: its card and one entry per block."""
+
+    worker_id: int
+    card: AgentCard
+    sequence_hashes: tuple[int, ...]
+    entries: tuple[BlockEntry, ...]
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+
+@dataclass(frozen=True, slots=True)
+class FetchResult:
+    """``count`` leading blocks of the plan arrived intact; ``reason`` says why the rest did not."""
+
+    worker_id: int | None
+    count: int
+    reason: str | None = None
+    detail: str = ""
+    seconds: float = 0.0
+
+
+@dataclass(slots=True)
+class FetchStats:
+    fetches: int = 0
+    blocks: int = 0
+    bytes: int = 0
+    failures: Counter[str] = field(default_factory=Counter)
+
+
+class RemoteFetcher:
+    """Reads other workers' blocks into this worker's host tier (``local``, registered with
+    ``agent``). ``worker_id`` is this worker, never read from."""
+
+    def __init__(
+        self,
+        agent: RemoteAgent,
+        directory: RemoteDirectory,
+        holders: HolderIndex,
+        local: MemoryTier,
+        *,
+        worker_id: int,
+        source_tier: Tier = Tier.G2,
+        timeout_s: float = 5.0,
+        metrics_registry: object | None = None,
+    ) -> None:
+        if not isinstance(local.layout, FullyContiguous) or local.device.type != "cpu":
+            raise ValueError("remote blocks land on a host tier (G2), where checksums are checked")
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s must be positive, got {timeout_s}")
+        agent.region(local.tier)  # raises when the landing tier is not registered
+        self.agent = agent
+        self.directory = directory
+        self.holders = holders
+        self.local = local
+        self.layout: FullyContiguous = local.layout
+        self.worker_id = worker_id
+        self.block_shape = shape_key(local.shape)
+        self.source_tier = source_tier
+        self.timeout_s = timeout_s
+        self.stats = FetchStats()
+        self._lock = threading.Lock()
+        self._failures = _failure_counter(metrics_registry)
+
+    # -- step 1 ------------------------------------------------------------------------------
+
+    def plan(self, sequence_hashes: Sequence[int], limit: int | None = None) -> FetchPlan | None:
+        """Who holds the longest run of ``sequence_hashes`` (from its first block) and where.
+
+        None when no other worker holds the first block, or when the best holder's entries
+        do not cover it (counted as a failure with its reason).
+        """
+        hashes = list(sequence_hashes[:limit] if limit is not None else sequence_hashes)
+        if not hashes:
+            return None
+        bit = _TIER_BIT[self.source_tier]
+        run: dict[int, int] = {}
+        for position, holders in enumerate(self.holders.who_has(hashes, stop_at_miss=True)):
+            for worker, mask in holders.items():
+                if worker != self.worker_id and mask & bit and run.get(worker, 0) == position:
+                    run[worker] = position + 1
+        if not run:
+            return None
+        worker, count = max(run.items(), key=lambda wc: (wc[1], -wc[0]))
+        card, entries = self.directory.lookup(worker, hashes[:count])
+        if card is None:
+            self._fail("no_agent")
+            return None
+        if card.block_shape != self.block_shape or card.block_bytes != self.local.shape.block_bytes:
+            self._fail("shape")
+            return None
+        region = card.region(self.source_tier)
+        good: list[BlockEntry] = []
+        for entry in entries:
+            if entry is None or entry.tier != self.source_tier or region is None:
+                break
+            if not 0 <= entry.slot < region.num_slots:
+                break
+            good.append(entry)
+        if not good:
+            self._fail("vanished")
+            return None
+        return FetchPlan(worker, card, tuple(hashes[: len(good)]), tuple(good))
+
+    # -- step 2 ------------------------------------------------------------------------------
+
+    def execute(self, plan: FetchPlan, dst_slots: Sequence[int]) -> FetchResult:
+        """READ the plan's first ``len(dst_slots)`` blocks into ``dst_slots`` of the local tier.
+
+        Returns how many leading blocks are intact in their slots; the caller registers those
+        and frees the rest (whose bytes are undefined).
+        """
+        n = min(len(plan), len(dst_slots))
+        dst = self.local.check_slots(dst_slots[:n], "destination")
+        region = plan.card.region(self.source_tier)
+        assert region is not None  # plan() checked
+        pairs = [(e.slot, d) for e, d in zip(plan.entries[:n], dst, strict=True)]
+        outcome = self.agent.read(
+            plan.card, region, self.local.tier, pairs, timeout_s=self.timeout_s
+        )
+        if not outcome.ok:
+            self._fail(outcome.reason or "error")
+            return FetchResult(plan.worker_id, 0, outcome.reason, outcome.detail, outcome.seconds)
+        good, reason = n, None
+        for i, (entry, slot) in enumerate(zip(plan.entries[:n], dst, strict=True)):
+            if block_checksum(self.layout, slot) != entry.checksum:
+                good, reason = i, "checksum"
+                break
+        if good:  # the owner may have dropped blocks while they were read: look again
+            card, again = self.directory.lookup(plan.worker_id, plan.sequence_hashes[:good])
+            if card is None or card.agent_name != plan.card.agent_name:
+                good, reason = 0, "no_agent"
+            else:
+                for i, (before, now) in enumerate(zip(plan.entries[:good], again, strict=True)):
+                    if now != before:
+                        good, reason = i, "vanished"
+                        break
+        if reason is not None:
+            self._fail(reason)
+        with self._lock:
+            self.stats.fetches += 1
+            self.stats.blocks += good
+            self.stats.bytes += good * self.local.shape.block_bytes
+        return FetchResult(plan.worker_id, good, reason, "", outcome.seconds)
+
+    def _fail(self, reason: str) -> None:
+        with self._lock:
+            self.stats.failures[reason] += 1
+        if self._failures is not None:
+            self._failures.labels(reason).inc()
+
+
+def _failure_counter(registry: object | None) -> Any:
+    """A ``kvbm_remote_fetch_failures`` counter on ``registry`` (a prometheus
+    ``CollectorRegistry``), or None without one."""
+    if registry is None:
+        return None
+    from prometheus_client import CollectorRegistry
+    from prometheus_client import Counter as PromCounter
+
+    if not isinstance(registry, CollectorRegistry):
+        raise TypeError(
+            f"metrics_registry must be a prometheus CollectorRegistry, got {registry!r}"
+        )
+    return PromCounter(
+        "kvbm_remote_fetch_failures",
+        "Remote (G4) block reads that ended as a miss, by reason",
+        ["reason"],
+        registry=registry,
+    )
