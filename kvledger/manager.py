@@ -25,13 +25,13 @@ import asyncio
 import logging
 import threading
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from kvledger.config import Settings
 from kvledger.events.log import EventLog
-from kvledger.events.types import AnyEvent, Tier
+from kvledger.events.types import AnyEvent, BlockInfo, Tier
 from kvledger.registry.emitter import EventEmitter
 from kvledger.registry.hashing import TokenBlockSequence
 from kvledger.registry.tiered import MatchResult, TieredRegistry, Transfer
@@ -41,6 +41,9 @@ from kvledger.tiers.disk.tier import DiskTier
 from kvledger.tiers.host.tier import HostTier
 from kvledger.tiers.layout import BlockShape, KVLayout
 from kvledger.tiers.transfer import TransferEngine, TransferHandle, TransferResult
+
+if TYPE_CHECKING:
+    from kvledger.tiers.remote.fetch import RemoteFetcher
 
 log = logging.getLogger(__name__)
 
@@ -125,6 +128,15 @@ class BlockManager:
             for tier in self.registry.pools:
                 self.emitter.cleared(tier)
 
+    def add_sink(self, sink: Callable[[AnyEvent], None]) -> None:
+        """Hand every later event to ``sink`` as well, after the log and the sinks given at
+        start (for sinks that need the manager's tiers, such as a remote block exporter)."""
+        with self._lock:
+            if isinstance(self.emitter.sink, FanOut):
+                self.emitter.sink.sinks.append(sink)
+            else:
+                self.emitter.sink = FanOut([sink])
+
     # -- sequences and lookups -----------------------------------------------------------
 
     def sequence(self, tokens: Sequence[int]) -> TokenBlockSequence:
@@ -170,6 +182,41 @@ class BlockManager:
             held.extend(landed)
             broken = len(landed) < len(plan)
         return held
+
+    def onboard_remote(self, sequence: TokenBlockSequence, fetcher: RemoteFetcher) -> list[int]:
+        """``onboard``, after reading the blocks that follow the local prefix from another
+        worker (G4) into fresh G2 slots over NIXL (``kvledger.tiers.remote``).
+
+        The read runs without the lock (it may take up to the fetcher's timeout). Blocks that
+        arrive intact are registered on G2 (``Onboarded(G4 -> G2)``) and onboarded to G1 with
+        the local prefix; a block that vanished, a dead owner or a checksum mismatch is a miss
+        from there on, and its slots are freed unregistered.
+        """
+        pool = self.registry.pools.get(Tier.G2)
+        if pool is None:
+            raise ValueError("remote onboard lands blocks on G2, and this worker has no G2")
+        hashes = sequence.sequence_hashes
+        with self._lock:
+            start = self.registry.match(hashes).total
+        plan = fetcher.plan(hashes[start:]) if start < len(hashes) else None
+        landed: list[int] = []
+        if plan is not None:
+            with self._lock:
+                slots = pool.allocate_upto(len(plan))
+            n = fetcher.execute(plan, slots).count if slots else 0
+            infos = [
+                BlockInfo(b.sequence_hash, b.local_hash, hashes[i - 1] if i else None)
+                for i, b in enumerate(sequence.blocks[start : start + n], start)
+            ]
+            with self._lock:
+                landed = pool.register_copies(slots[:n], infos, Tier.G4) if n else []
+                pool.release(slots[n:])
+        try:
+            return self.onboard(sequence)
+        finally:
+            if landed:  # held until onboard copied them up; now cached on G2 like the rest
+                with self._lock:
+                    pool.release(reversed(landed))
 
     async def aonboard(self, sequence: TokenBlockSequence) -> list[int]:
         """``onboard`` without blocking the event loop."""
