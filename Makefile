@@ -8,7 +8,9 @@ STAMP  := $(VENV)/.installed
 
 run: $(STAMP)
 	$(BIN)/kvledger --help
-	$(BIN)/kvledger demo
+	$(BIN)/kvledger simulate --requests 1000 --g2-blocks 1024 --g3-blocks 4096 \
+	    --log sqlite:///kvledger-data/run.db --dump-state kvledger-data/run.state
+	$(BIN)/kvledger replay kvledger-data/run.db --verify kvledger-data/run.state
 
 test: $(STAMP) services lint typecheck pytest
 

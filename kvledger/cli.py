@@ -15,6 +15,8 @@ from collections.abc import Sequence
 COMMAND_MODULES = (
     "kvledger.commands.demo",
     "kvledger.commands.worker",
+    "kvledger.commands.simulate",
+    "kvledger.commands.sweep",
 )
 
 

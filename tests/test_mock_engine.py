@@ -163,3 +163,21 @@ def test_a_request_larger_than_g1_is_refused_with_its_size() -> None:
 def test_engine_settings_are_validated(field: str, value: object, named: str) -> None:
     with pytest.raises(SettingsError, match=named):
         Settings.load(**{field: value})
+
+
+def test_decoding_ahead_gives_exactly_what_single_steps_give() -> None:
+    reqs = synthetic(200, block_size=BS, sessions=20, output_tokens=(1, 300), seed=5)
+    runs = []
+    for ahead in (True, False):
+        eng, events = engine(g1=400, g2=200)
+        eng.decode_ahead = ahead
+        steps: list[StepRecord] = []
+        eng.on_step = steps.append
+        stats = eng.run(reqs)
+        runs.append((stats.ttft_ms, eng.latency_ms, eng.steps, eng.preemptions, events, steps))
+    fast, slow = runs
+    assert fast[0] == pytest.approx(slow[0]) and fast[1] == pytest.approx(slow[1])
+    assert fast[2:4] == slow[2:4]
+    assert [(type(e), e.event_id) for e in fast[4]] == [(type(e), e.event_id) for e in slow[4]]
+    assert [s.tokens for s in fast[5]] == [s.tokens for s in slow[5]]
+    assert len(fast[5]) == fast[2]

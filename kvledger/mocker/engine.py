@@ -24,6 +24,7 @@ sleeps so that simulated time runs ``speedup`` times faster than the wall clock.
 
 from __future__ import annotations
 
+import math
 import struct
 import time
 from collections import deque
@@ -139,11 +140,10 @@ class _Sequence:
     admission: Admission | None = None
     recorded: bool = False  # its prefix hits were counted (first admission only)
     first_token_ms: float | None = None
+    tokens: int = 0  # tokens that exist: the prompt and what was generated so far
 
-    @property
-    def tokens(self) -> int:
-        """Tokens that exist: the prompt and what was generated so far."""
-        return self.req.input_length + self.generated
+    def __post_init__(self) -> None:
+        self.tokens = self.req.input_length + self.generated
 
 
 class MockEngine:
@@ -163,6 +163,8 @@ class MockEngine:
         self.latency_ms: list[float] = []
         #: called after every step with what it did (tests, traces)
         self.on_step: Callable[[StepRecord], None] | None = None
+        #: take runs of identical decode steps at once (False: the step-by-step reference)
+        self.decode_ahead = True
         self._epoch = time.time()
         self._wall_start = time.monotonic()
         self._sim_start_ms = 0.0
@@ -200,7 +202,12 @@ class MockEngine:
                 self.now_ms = pending[0].req.arrival_ms
                 self._pace()
                 continue
-            for _ in self._step(waiting, running, stats, bs):
+            done = None
+            if not waiting and self.decode_ahead:
+                done = self._decode_ahead(running, pending[0].req.arrival_ms if pending else None)
+            if done is None:
+                done = self._step(waiting, running, stats, bs)
+            for _ in done:
                 finished += 1
                 if progress is not None:
                     progress(finished)
@@ -240,12 +247,19 @@ class MockEngine:
         batch: list[tuple[_Sequence, int]] = []
         i = 0
         preempted = self.preemptions
+        prefill_tokens = 0
         while i < len(running) and budget > 0:
             s = running[i]
-            n = min(budget, s.tokens - s.computed)
-            if not self._reserve(s, s.computed + n, running, waiting):
+            n = s.tokens - s.computed
+            if n > budget:
+                n = budget
+            upto = s.computed + n
+            assert s.admission is not None  # every running sequence holds its blocks
+            if upto > len(s.admission.slots) * bs and not self._reserve(s, upto, running, waiting):
                 continue  # s itself was preempted (and removed from running)
             batch.append((s, n))
+            if n > 1 or upto < s.tokens:  # more than the last token to feed: prefill
+                prefill_tokens += n
             budget -= n
             i += 1
         onboard_ms = 0.0
@@ -259,6 +273,8 @@ class MockEngine:
             waiting.popleft()
             running.append(s)
             batch.append((s, n))
+            if n > 1 or s.computed + n < s.tokens:
+                prefill_tokens += n
             budget -= n
             onboard_ms += copy_ms
         if not batch:
@@ -267,8 +283,6 @@ class MockEngine:
             raise RuntimeError("mock engine made no progress: nothing runs and nothing fits")
 
         costs = self.config.costs
-        # a sequence with more than its last token to feed is prefilling (a decode feeds one)
-        prefill_tokens = sum(n for s, n in batch if s.computed + 1 < s.tokens)
         step_ms = (
             costs.step_ms
             + costs.per_seq_ms * len(batch)
@@ -283,15 +297,63 @@ class MockEngine:
             self.on_step(StepRecord(self.now_ms, step_ms, len(batch), tokens, prefill_tokens))
         done: list[_Sequence] = []
         for s, n in batch:
-            s.computed += n
-            if s.computed < s.tokens:
+            computed = s.computed = s.computed + n
+            if computed < s.tokens:
                 continue  # prefill goes on next step
             s.generated += 1  # the step that feeds the last token samples the next one
+            s.tokens += 1
             if s.first_token_ms is None:
                 s.first_token_ms = self.now_ms
                 stats.ttft_ms.append(self.now_ms - s.req.arrival_ms)
             if s.generated >= s.output_length:
                 done.append(s)
+        self._finish(done, running)
+        return done
+
+    def _decode_ahead(
+        self, running: list[_Sequence], next_arrival_ms: float | None
+    ) -> list[_Sequence] | None:
+        """Take several pure-decode steps at once, or None when the next step is not one.
+
+        While nobody waits, every running sequence decodes, none needs a new block or
+        finishes, and no request arrives, consecutive steps are identical: same batch, same
+        cost, no cache change. Applying k of them in one go gives exactly what k calls of
+        ``_step`` would, at a fraction of the cost (the step hook still sees each one).
+        """
+        if len(running) > self.config.max_num_batched_tokens:
+            return None
+        bs = self.config.block_size
+        k = 1 << 62
+        for s in running:
+            if s.computed != s.tokens - 1:
+                return None  # still prefilling
+            assert s.admission is not None
+            room = len(s.admission.slots) * bs - s.computed  # tokens its blocks still take
+            k = min(k, room, s.output_length - s.generated)
+        costs = self.config.costs
+        step_ms = costs.step_ms + costs.per_seq_ms * len(running)
+        if next_arrival_ms is not None:
+            k = min(k, math.ceil((next_arrival_ms - self.now_ms) / step_ms))
+        if k < 2:
+            return None
+        if self.on_step is not None:
+            for j in range(1, k + 1):
+                self.on_step(
+                    StepRecord(self.now_ms + j * step_ms, step_ms, len(running), len(running), 0)
+                )
+        self.now_ms += k * step_ms
+        self.steps += k
+        done: list[_Sequence] = []
+        for s in running:
+            s.computed += k
+            s.generated += k
+            s.tokens += k
+            if s.generated >= s.output_length:
+                done.append(s)
+        self._finish(done, running)
+        return done
+
+    def _finish(self, done: list[_Sequence], running: list[_Sequence]) -> None:
         for s in done:
             running.remove(s)
             assert s.admission is not None
@@ -299,7 +361,6 @@ class MockEngine:
             s.admission = None
             self.latency_ms.append(self.now_ms - s.req.arrival_ms)
         self._pace()
-        return done
 
     def _admit(
         self, s: _Sequence, budget: int, others_run: bool, stats: SimStats

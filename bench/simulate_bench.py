@@ -1,0 +1,124 @@
+"""Simulated requests/s on the Mooncake conversation trace, against vLLM 0.33's BlockPool.
+
+Sides, all on the same 12031 requests in arrival order, block size 512 (the trace's), one
+G1 pool of ``--g1-blocks`` with LRU eviction:
+- kvledger engine off: ``replay_cache`` (match, admit, release per request) with every event
+  built and counted; this includes hashing each request's block chain;
+- kvledger engine off + log: the same, appending every event to a SQLite event log in a temp
+  folder (closed, i.e. committed, inside the timing): what ``kvledger simulate --engine off``
+  costs;
+- kvledger engine on: the mock engine (batching, chunked prefill, decode blocks,
+  preemption) over the same trace, events built and counted;
+- vLLM 0.33 BlockPool, engine-off style (find cached prefix, touch, allocate,
+  cache_full_blocks, free), run in .bench-venv by bench/vllm_reference.py on the same
+  sequence hashes.
+The engine-off hit counts of kvledger and vLLM must agree exactly (both are LRU over the same
+hashes with the same release order): the bench checks it. Each repetition runs every side
+once, in turn, with fresh pools; the best of ``--repeat`` is reported. Ratios: kvledger
+requests/s over vLLM's.
+
+Run: bash bench/setup_bench_venv.sh   (once)
+     .venv/bin/python bench/simulate_bench.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from vllm_reference import run_block_pool
+
+from kvledger.config import Settings
+from kvledger.events.log import EventLog
+from kvledger.mocker.cache import SimulatedCache
+from kvledger.mocker.engine import EngineConfig, MockEngine
+from kvledger.mocker.traces import TraceRequest, iter_arrivals, load_mooncake, request_hashes
+from kvledger.registry.emitter import EventEmitter
+from kvledger.simulate import EventCounter, replay_cache
+
+TRACE = Path(__file__).resolve().parents[2] / "shared/data/mooncake/conversation_trace.jsonl"
+BLOCK = 512
+
+
+def engine_off(requests: list[TraceRequest], g1: int) -> tuple[float, int]:
+    cache = SimulatedCache.build(g1, policy="lru", emitter=EventEmitter(EventCounter()))
+    start = time.perf_counter()
+    stats = replay_cache(requests, cache, BLOCK)
+    return time.perf_counter() - start, stats.blocks_hit
+
+
+def engine_off_logged(requests: list[TraceRequest], g1: int) -> tuple[float, int]:
+    with tempfile.TemporaryDirectory() as tmp:
+        log = EventLog(f"sqlite:///{tmp}/events.db")
+        cache = SimulatedCache.build(g1, policy="lru", emitter=EventEmitter(log.append))
+        start = time.perf_counter()
+        stats = replay_cache(requests, cache, BLOCK)
+        log.close()
+        return time.perf_counter() - start, stats.blocks_hit
+
+
+def engine_on(requests: list[TraceRequest], g1: int) -> tuple[float, int]:
+    cache = SimulatedCache.build(g1, policy="lru", emitter=EventEmitter(EventCounter()))
+    config = EngineConfig.from_settings(Settings.load(block_size=BLOCK, g1_blocks=g1))
+    start = time.perf_counter()
+    stats = MockEngine(cache, config).run(requests)
+    return time.perf_counter() - start, stats.blocks_hit
+
+
+def machine() -> str:
+    out = subprocess.run(["lscpu"], capture_output=True, text=True, check=False).stdout
+    model = next(
+        (ln.split(":", 1)[1].strip() for ln in out.splitlines() if "Model name" in ln), "?"
+    )
+    return model
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--trace", type=Path, default=TRACE)
+    parser.add_argument("--g1-blocks", type=int, default=4096)
+    parser.add_argument("--repeat", type=int, default=3)
+    args = parser.parse_args()
+
+    requests = list(iter_arrivals(load_mooncake(args.trace)))
+    rows = [request_hashes(r, BLOCK)[0] for r in requests]
+    sides: dict[str, Callable[[list[TraceRequest], int], tuple[float, int]]] = {
+        "kvledger engine off": engine_off,
+        "kvledger engine off + log": engine_off_logged,
+        "kvledger engine on": engine_on,
+    }
+    best: dict[str, tuple[float, int]] = {}
+    for _ in range(args.repeat):
+        for name, side in sides.items():
+            result = side(requests, args.g1_blocks)
+            if name not in best or result[0] < best[name][0]:
+                best[name] = result
+        vllm = run_block_pool(rows, args.g1_blocks, BLOCK)[0]
+        result = (vllm["seconds"], int(vllm["hits"]))
+        if "vLLM 0.33 BlockPool" not in best or result[0] < best["vLLM 0.33 BlockPool"][0]:
+            best["vLLM 0.33 BlockPool"] = result
+
+    n, blocks = len(requests), sum(len(r) for r in rows)
+    print(
+        f"{args.trace.name}: {n} requests, {blocks} blocks of {BLOCK} tokens, "
+        f"G1 {args.g1_blocks} blocks (LRU); best of {args.repeat}; {machine()}"
+    )
+    print(f"{'side':<28} {'hit rate':>8} {'requests/s':>11} {'s':>7}")
+    for name, (seconds, hits) in best.items():
+        print(f"{name:<28} {hits / blocks:>8.2%} {n / seconds:>11.0f} {seconds:>7.3f}")
+    vllm_s, vllm_hits = best["vLLM 0.33 BlockPool"]
+    if best["kvledger engine off"][1] != vllm_hits:
+        print(f"MISMATCH: engine-off hits {best['kvledger engine off'][1]} != vLLM {vllm_hits}")
+        return 1
+    for name in sides:
+        print(f"ratio {name} / vLLM BlockPool (requests/s): {vllm_s / best[name][0]:.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

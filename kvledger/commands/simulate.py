@@ -1,0 +1,393 @@
+"""``kvledger simulate``: run a workload through a simulated worker and report its cache.
+
+Engine off is a pure cache replay (capacity planning); engine on runs the mock engine's
+scheduler for time to first token. Either way every block transition goes to the event log,
+and the run ends by replaying that log and checking it rebuilds the live per-tier state.
+
+A log that already holds events of this worker id (an earlier run) is continued, not mixed
+up: the run starts with a ``Cleared`` event on each tier, as a restarted worker would send,
+so replaying the whole log gives this run's final state. ``--log`` picks another log.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TextIO
+
+import sqlalchemy as sa
+
+from kvledger.config import Settings
+from kvledger.events.log import EventLog
+from kvledger.events.replay import replay, save_state
+from kvledger.events.schema import database_url, shown_url
+from kvledger.events.types import AnyEvent
+from kvledger.metrics import Metrics
+from kvledger.mocker.cache import SimulatedCache
+from kvledger.mocker.engine import EngineConfig, MockEngine
+from kvledger.mocker.metered import MeteredCache
+from kvledger.mocker.traces import MOONCAKE_BLOCK_TOKENS, TraceRequest, load_mooncake, synthetic
+from kvledger.registry.emitter import EventEmitter
+from kvledger.registry.state import RegistryState
+from kvledger.registry.tiered import OFFLOAD_FILTERS, TieredRegistry
+from kvledger.simulate import TIERS, EventCounter, SimStats, replay_cache
+
+POLICIES = ("lru", "lineage", "multi_lru")
+SYNTHETIC_REQUESTS = 2000
+TIMELINE_POINTS = 200
+
+
+def add_workload_args(p: argparse.ArgumentParser, *, engine_default: str) -> None:
+    """Arguments shared by ``simulate`` and ``sweep``; unset ones come from Settings."""
+    p.add_argument("--trace", metavar="PATH", help="Mooncake JSONL trace (default: built-in)")
+    p.add_argument(
+        "--block-size",
+        type=int,
+        metavar="N",
+        help="tokens per block (default: settings; 512 with a Mooncake trace)",
+    )
+    p.add_argument("--requests", type=int, metavar="N", help="only the first N requests")
+    p.add_argument("--g1-blocks", type=int, metavar="N")
+    p.add_argument("--g2-blocks", type=int, metavar="N", help="0: no G2")
+    p.add_argument("--g3-blocks", type=int, metavar="N", help="0: no G3")
+    p.add_argument("--policy", choices=POLICIES, help="G1 eviction policy")
+    p.add_argument("--offload-filter", choices=OFFLOAD_FILTERS, help="which blocks go to G3")
+    p.add_argument(
+        "--engine",
+        choices=("on", "off"),
+        default=engine_default,
+        help=f"mock engine with timing, or a pure cache replay (default: {engine_default})",
+    )
+    p.add_argument(
+        "--speedup",
+        type=float,
+        default=0.0,
+        metavar="X",
+        help="engine on: simulated seconds per wall second (0 = as fast as possible)",
+    )
+
+
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "simulate",
+        help="replay a workload through a simulated worker's cache tiers",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_workload_args(p, engine_default="on")
+    p.add_argument(
+        "--log", metavar="LOG", help="event log: SQLite file or URL (default: settings' log URL)"
+    )
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    p.add_argument("--plot", metavar="FILE.png", help="chart hit rate and tier occupancy")
+    p.add_argument("--metrics-port", type=int, metavar="N", help="serve kvbm_* metrics on N")
+    p.add_argument(
+        "--dump-state",
+        metavar="FILE",
+        help="write the final live state for `kvledger replay LOG --verify FILE`",
+    )
+    p.set_defaults(func=run)
+
+
+# -- building a run ----------------------------------------------------------------------
+
+
+def settings_from_args(args: argparse.Namespace) -> Settings:
+    """Settings with the command line's choices on top of the environment's.
+
+    A Mooncake trace's blocks are 512 tokens, so with ``--trace`` and no block size given
+    (flag or ``KVLEDGER_BLOCK_SIZE``) the block size is 512.
+    """
+    overrides: dict[str, Any] = {}
+    for arg, name in (
+        ("block_size", "block_size"),
+        ("g1_blocks", "g1_blocks"),
+        ("g2_blocks", "g2_blocks"),
+        ("g3_blocks", "g3_blocks"),
+        ("policy", "eviction_policy"),
+        ("offload_filter", "offload_filter"),
+    ):
+        value = getattr(args, arg, None)
+        if value is not None:
+            overrides[name] = value
+    settings = Settings.load(**overrides)
+    if args.trace and "block_size" not in settings.model_fields_set:
+        settings = Settings.load(**overrides, block_size=MOONCAKE_BLOCK_TOKENS)
+    return settings
+
+
+def load_workload(args: argparse.Namespace, settings: Settings) -> tuple[list[TraceRequest], str]:
+    if args.requests is not None and args.requests <= 0:
+        raise ValueError(f"--requests must be a positive number, got {args.requests}")
+    if args.trace:
+        requests = load_mooncake(args.trace)
+        if args.requests is not None:
+            requests = sorted(requests, key=lambda r: r.arrival_ms)[: args.requests]
+        return requests, Path(args.trace).name
+    count = args.requests if args.requests is not None else SYNTHETIC_REQUESTS
+    return synthetic(count, block_size=settings.block_size), "built-in synthetic workload"
+
+
+def build_cache(
+    settings: Settings, emitter: EventEmitter, metrics: Metrics | None = None
+) -> SimulatedCache:
+    registry = TieredRegistry(
+        settings.g1_blocks,
+        settings.g2_capacity,
+        settings.g3_capacity,
+        policy=settings.eviction_policy,
+        offload_filter=settings.offload_filter,
+        emitter=emitter,
+    )
+    return MeteredCache(registry, metrics) if metrics is not None else SimulatedCache(registry)
+
+
+def run_workload(
+    cache: SimulatedCache,
+    requests: list[TraceRequest],
+    settings: Settings,
+    *,
+    engine: bool,
+    speedup: float = 0.0,
+    progress: Callable[[int], None] | None = None,
+    sample_every: int = 0,
+) -> SimStats:
+    if not engine:
+        if speedup:
+            raise ValueError("--speedup needs --engine on (engine off has no clock)")
+        return replay_cache(
+            requests,
+            cache,
+            settings.block_size,
+            progress=progress,
+            sample_every=sample_every,
+        )
+    config = EngineConfig.from_settings(settings, speedup=speedup)
+    return MockEngine(cache, config).run(requests, progress=progress, sample_every=sample_every)
+
+
+class Progress:
+    """A one-line progress bar on stderr, drawn only when stderr is a terminal."""
+
+    def __init__(self, total: int, label: str, stream: TextIO = sys.stderr) -> None:
+        self.total = max(total, 1)
+        self.label = label
+        self.stream = stream
+        self.enabled = stream.isatty()
+        self._last = 0.0
+        self.listeners: list[Callable[[int], None]] = []
+
+    def __call__(self, done: int) -> None:
+        now = time.monotonic()
+        if now - self._last < 0.1 and done < self.total:
+            return
+        self._last = now
+        for listener in self.listeners:
+            listener(done)
+        if self.enabled:
+            width = 30
+            filled = width * done // self.total
+            bar = "#" * filled + "." * (width - filled)
+            self.stream.write(f"\r{self.label} [{bar}] {done}/{self.total} requests")
+            self.stream.flush()
+
+    def close(self) -> None:
+        if self.enabled:
+            self.stream.write("\n")
+            self.stream.flush()
+
+
+# -- the command -------------------------------------------------------------------------
+
+
+@dataclass
+class Outcome:
+    summary: dict[str, Any]
+    stats: SimStats
+    replay_ok: bool
+
+
+def _open_log(url: str) -> EventLog:
+    try:
+        parsed = sa.make_url(url)
+        if parsed.get_backend_name() == "sqlite" and parsed.database:
+            Path(parsed.database).parent.mkdir(parents=True, exist_ok=True)
+        return EventLog(url)
+    except sa.exc.ArgumentError as exc:  # unparsable URL, unknown driver
+        raise ValueError(f"cannot open the event log {url!r}: {exc}") from None
+
+
+def _live_state(cache: SimulatedCache, worker_id: int) -> RegistryState:
+    return RegistryState.from_mapping(
+        {(worker_id, tier): pool.resident_blocks() for tier, pool in cache.registry.pools.items()}
+    )
+
+
+def simulate(args: argparse.Namespace, note: Callable[[str], None]) -> Outcome:
+    settings = settings_from_args(args)
+    requests, workload = load_workload(args, settings)
+    url = database_url(args.log) if args.log else settings.log_url
+    worker = settings.worker_id
+    metrics = Metrics(bytes_per_block=settings.bytes_per_block) if args.metrics_port else None
+    log = _open_log(url)
+    try:
+        sinks: list[Callable[[AnyEvent], None]] = [log.append]
+        if metrics is not None:
+            sinks.append(metrics.observe_event)
+            metrics.serve(args.metrics_port)
+            # the log has no public queue-depth accessor yet
+            metrics.watch_queue(lambda: log._appended - log._committed)
+            note(f"serving kvbm_* metrics on http://127.0.0.1:{args.metrics_port}/metrics")
+
+        def fan_out(event: AnyEvent) -> None:
+            for sink in sinks:
+                sink(event)
+
+        counter = EventCounter(fan_out if len(sinks) > 1 else log.append)
+        previous = log.last_event_id(worker)
+        emitter = EventEmitter(
+            counter, worker_id=worker, dp_rank=settings.dp_rank, first_event_id=previous + 1
+        )
+        if previous >= 0:
+            note(
+                f"{shown_url(url)} already holds events of worker {worker} "
+                f"(up to event {previous}); "
+                "this run continues it after a Cleared event per tier (a worker restart), "
+                "so replaying the log gives this run's final state. Use --log for a separate log."
+            )
+            for tier in TIERS:
+                emitter.cleared(tier)
+        cache = build_cache(settings, emitter, metrics)
+        progress = Progress(len(requests), "simulate")
+        if metrics is not None:
+            pools = cache.registry.pools
+            progress.listeners.append(lambda _done: metrics.refresh(pools))
+        sample_every = max(1, len(requests) // TIMELINE_POINTS) if args.plot else 0
+        started = time.perf_counter()
+        try:
+            stats = run_workload(
+                cache,
+                requests,
+                settings,
+                engine=args.engine == "on",
+                speedup=args.speedup,
+                progress=progress,
+                sample_every=sample_every,
+            )
+        finally:
+            progress.close()
+        elapsed = time.perf_counter() - started
+        if metrics is not None:
+            metrics.refresh(cache.registry.pools)
+    finally:
+        log.close()
+
+    replayed = replay(url)
+    mine = RegistryState.from_mapping({k: v for k, v in replayed.tiers.items() if k[0] == worker})
+    live = _live_state(cache, worker)
+    replay_ok = mine == live
+    if args.dump_state:
+        save_state(args.dump_state, live)
+    if not replay_ok:
+        for line in mine.diff(live)[:10]:
+            note(f"replay differs: {line}")
+
+    summary = stats.summary(cache, counter)
+    summary.update(
+        workload=workload,
+        engine=args.engine,
+        policy=settings.eviction_policy,
+        offload_filter=settings.offload_filter,
+        block_size=settings.block_size,
+        capacity={
+            t.name: (cache.registry.pools[t].capacity if t in cache.registry.pools else 0)
+            for t in TIERS
+        },
+        log=shown_url(url),
+        replay_matches=replay_ok,
+        state_digest=live.digest(),
+        wall_s=round(elapsed, 3),
+    )
+    if args.plot:
+        from kvledger.plots import plot_timeline
+
+        capacities = {k: v for k, v in summary["capacity"].items() if v}
+        plot_timeline(
+            stats,
+            args.plot,
+            title=f"{workload}, policy {settings.eviction_policy}, engine {args.engine}",
+            capacities=capacities,
+        )
+        summary["plot"] = str(args.plot)
+    return Outcome(summary, stats, replay_ok)
+
+
+def _pct(part: int, whole: int) -> str:
+    return f"{100 * part / whole:.1f}%" if whole else "-"
+
+
+def print_table(s: dict[str, Any], out: TextIO = sys.stdout) -> None:
+    asked = s["blocks_requested"]
+    by_tier = ", ".join(f"{t} {_pct(n, asked)}" for t, n in s["hits_by_tier"].items())
+    rows = [
+        ("workload", f"{s['workload']}, block size {s['block_size']}"),
+        (
+            "cache",
+            " ".join(f"{t} {n}" for t, n in s["capacity"].items())
+            + f" blocks, policy {s['policy']}, offload filter {s['offload_filter']}",
+        ),
+        ("engine", s["engine"]),
+        ("requests", str(s["requests"])),
+        ("prefix hit rate", f"{_pct(s['blocks_hit'], asked)} of {asked} blocks ({by_tier})"),
+        ("evictions", "  ".join(f"{t} {n}" for t, n in s["evictions"].items())),
+        (
+            "offloads",
+            "  ".join(f"to {t} {n}" for t, n in s["offloaded_blocks"].items() if t != "G1"),
+        ),
+        (
+            "onboards",
+            "  ".join(f"from {t} {n}" for t, n in s["onboarded_blocks"].items() if t != "G1"),
+        ),
+        ("events written", f"{s['events_written']} to {s['log']}"),
+    ]
+    if "ttft_ms_p50" in s:
+        rows.append(("TTFT p50 / p99", f"{s['ttft_ms_p50']:.1f} / {s['ttft_ms_p99']:.1f} ms"))
+        rows.append(
+            (
+                "simulated",
+                f"{s['simulated_s']} s in {s['steps']} steps, {s['preemptions']} preemptions",
+            )
+        )
+    rows.append(("wall time", f"{s['wall_s']:.2f} s"))
+    if "plot" in s:
+        rows.append(("plot", s["plot"]))
+    width = max(len(name) for name, _ in rows) + 2
+    for name, value in rows:
+        print(f"{name:<{width}}{value}", file=out)
+    if s["replay_matches"]:
+        print(
+            f"\n`kvledger replay {s['log']}` reproduces the final per-tier state "
+            f"(digest {s['state_digest']}).",
+            file=out,
+        )
+    else:
+        print(
+            f"\nREPLAY MISMATCH: the log at {s['log']} does not rebuild the live state.", file=out
+        )
+
+
+def run(args: argparse.Namespace) -> int:
+    def note(message: str) -> None:
+        print(f"kvledger simulate: {message}", file=sys.stderr)
+
+    outcome = simulate(args, note)
+    if args.json:
+        print(json.dumps(outcome.summary, sort_keys=True))
+    else:
+        print_table(outcome.summary)
+    return 0 if outcome.replay_ok else 1

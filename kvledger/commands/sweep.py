@@ -1,0 +1,131 @@
+"""``kvledger sweep``: the same workload at several G1 capacities, hit rate against capacity.
+
+Runs keep no event log (only the hit rates matter here), so a sweep costs little more than
+the replays themselves.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from kvledger.commands.simulate import (
+    Progress,
+    add_workload_args,
+    build_cache,
+    load_workload,
+    run_workload,
+    settings_from_args,
+)
+from kvledger.registry.emitter import EventEmitter
+from kvledger.simulate import EventCounter
+
+
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "sweep",
+        help="prefix-hit rate of a workload at several G1 capacities",
+        description=__doc__,
+    )
+    add_workload_args(p, engine_default="off")
+    p.add_argument(
+        "--capacities",
+        metavar="N,N,...",
+        help="G1 sizes in blocks (default: 1/8, 1/4, 1/2, 1 and 2 times settings' g1_blocks)",
+    )
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    p.add_argument("--plot", metavar="FILE.png", help="chart hit rate against capacity")
+    p.set_defaults(func=run)
+
+
+def parse_capacities(text: str | None, g1_blocks: int) -> list[int]:
+    if text is None:
+        return sorted(
+            {n for n in (g1_blocks // 8, g1_blocks // 4, g1_blocks // 2) if n}
+            | {
+                g1_blocks,
+                2 * g1_blocks,
+            }
+        )
+    try:
+        values = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise ValueError(f"--capacities takes comma-separated block counts, got {text!r}") from None
+    if not values or min(values) <= 0:
+        raise ValueError(f"--capacities must be positive block counts, got {text!r}")
+    return sorted(set(values))
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.g1_blocks is not None:
+        raise ValueError("sweep sets G1 itself; give --capacities instead of --g1-blocks")
+    base = settings_from_args(args)
+    requests, workload = load_workload(args, base)
+    capacities = parse_capacities(args.capacities, base.g1_blocks)
+    points: list[dict[str, Any]] = []
+    for capacity in capacities:
+        settings = base.model_copy(update={"g1_blocks": capacity})
+        counter = EventCounter()
+        cache = build_cache(settings, EventEmitter(counter, worker_id=settings.worker_id))
+        progress = Progress(len(requests), f"G1 {capacity:>7}")
+        try:
+            stats = run_workload(
+                cache,
+                requests,
+                settings,
+                engine=args.engine == "on",
+                speedup=args.speedup,
+                progress=progress,
+            )
+        finally:
+            progress.close()
+        s = stats.summary(cache, counter)
+        point = {
+            "g1_blocks": capacity,
+            "hit_rate": s["hit_rate"],
+            "token_hit_rate": s["token_hit_rate"],
+            "hits_by_tier": s["hits_by_tier"],
+        }
+        for key in ("ttft_ms_p50", "ttft_ms_p99", "preemptions"):
+            if key in s:
+                point[key] = s[key]
+        points.append(point)
+    out: dict[str, Any] = {
+        "workload": workload,
+        "requests": len(requests),
+        "block_size": base.block_size,
+        "policy": base.eviction_policy,
+        "engine": args.engine,
+        "points": points,
+    }
+    if args.plot:
+        from kvledger.plots import plot_sweep
+
+        plot_sweep(
+            capacities,
+            [p["hit_rate"] for p in points],
+            args.plot,
+            title=f"{workload}, policy {base.eviction_policy}, engine {args.engine}",
+        )
+        out["plot"] = args.plot
+    if args.json:
+        print(json.dumps(out, sort_keys=True))
+        return 0
+    print(
+        f"{workload}: {len(requests)} requests, block size {base.block_size}, "
+        f"policy {base.eviction_policy}, engine {args.engine}"
+    )
+    header = f"{'G1 blocks':>10}  {'hit rate':>8}  {'token hit':>9}"
+    if args.engine == "on":
+        header += f"  {'TTFT p50 ms':>11}  {'p99 ms':>9}"
+    print(header)
+    for p in points:
+        line = f"{p['g1_blocks']:>10}  {p['hit_rate']:>8.2%}  {p['token_hit_rate']:>9.2%}"
+        if "ttft_ms_p50" in p:
+            line += f"  {p['ttft_ms_p50']:>11.1f}  {p['ttft_ms_p99']:>9.1f}"
+        print(line)
+    if args.plot:
+        print(f"plot: {args.plot}", file=sys.stdout)
+    return 0

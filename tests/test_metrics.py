@@ -1,0 +1,124 @@
+"""kvbm_* metrics scraped from the real HTTP endpoint after a simulated run."""
+
+from __future__ import annotations
+
+import urllib.request
+from collections.abc import Iterator
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvledger.events.types import Tier
+from kvledger.metrics import Metrics
+from kvledger.mocker.metered import MeteredCache
+from kvledger.mocker.traces import synthetic
+from kvledger.registry.emitter import EventEmitter
+from kvledger.registry.tiered import TieredRegistry
+from kvledger.simulate import EventCounter, SimStats, replay_cache
+
+BYTES_PER_BLOCK = 4096
+Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
+
+
+def scrape(port: int) -> Samples:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    return {
+        (sample.name, frozenset(sample.labels.items())): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+
+
+def value(samples: Samples, name: str, **labels: str) -> float:
+    return samples.get((name, frozenset(labels.items())), 0.0)
+
+
+@pytest.fixture
+def served() -> Iterator[tuple[Metrics, int]]:
+    metrics = Metrics(bytes_per_block=BYTES_PER_BLOCK)
+    server, thread = metrics.serve(0)  # a free port
+    yield metrics, server.server_port
+    server.shutdown()
+    thread.join(timeout=5)
+
+
+def run_simulation(metrics: Metrics) -> tuple[EventCounter, SimStats, TieredRegistry]:
+    counter = EventCounter(metrics.observe_event)
+    registry = TieredRegistry(
+        96, 48, 256, policy="lru", offload_filter="always", emitter=EventEmitter(counter)
+    )
+    cache = MeteredCache(registry, metrics)
+    stats = replay_cache(synthetic(200, sessions=20, seed=1), cache, 16)
+    metrics.refresh(registry.pools)
+    return counter, stats, registry
+
+
+def test_scraped_counters_agree_with_the_event_stream(served: tuple[Metrics, int]) -> None:
+    metrics, port = served
+    counter, stats, _ = run_simulation(metrics)
+    s = scrape(port)
+    assert value(s, "kvbm_events_appended_total") == counter.events
+    for tier in (Tier.G1, Tier.G2, Tier.G3):
+        t = tier.name
+        assert value(s, "kvbm_evicted_blocks_total", tier=t) == counter.removed_blocks[tier]
+        assert value(s, "kvbm_prefix_hit_blocks_total", tier=t) == stats.hits_by_tier[tier]
+    assert value(s, "kvbm_stored_blocks_total", tier="G1") == counter.stored_blocks[Tier.G1]
+    assert counter.removed_blocks[Tier.G1] > 0 and stats.hits_by_tier[Tier.G3] > 0
+    missed = stats.blocks_requested - stats.blocks_hit
+    assert value(s, "kvbm_prefix_miss_blocks_total") == missed
+    to_g2 = value(s, "kvbm_offload_blocks_total", src="G1", dst="G2")
+    assert to_g2 == counter.offloaded_blocks[Tier.G2] > 0
+    assert value(s, "kvbm_offload_bytes_total", src="G1", dst="G2") == to_g2 * BYTES_PER_BLOCK
+    onboarded = sum(
+        value(s, "kvbm_onboard_blocks_total", src=src, dst="G1") for src in ("G2", "G3")
+    )
+    assert onboarded == sum(counter.onboarded_blocks.values()) > 0
+    placed_on_g2 = value(s, "kvbm_allocated_blocks_total", tier="G2")
+    assert placed_on_g2 == counter.offloaded_blocks[Tier.G2]
+    assert value(s, "kvbm_alloc_latency_seconds_count") == 200  # one admission per request
+
+
+def test_block_gauges_follow_the_pools(served: tuple[Metrics, int]) -> None:
+    metrics, port = served
+    _, _, registry = run_simulation(metrics)
+    s = scrape(port)
+    for tier, pool in registry.pools.items():
+        t = tier.name
+        total = value(s, "kvbm_blocks", tier=t, state="total")
+        assert total == pool.capacity
+        parts = [value(s, "kvbm_blocks", tier=t, state=st) for st in ("active", "inactive", "free")]
+        assert sum(parts) == total
+        assert parts[0] == 0  # every request released its blocks
+        assert parts[1] == pool.num_registered  # what stays cached is inactive
+    held = registry.g1.match(list(registry.g1.resident_blocks())[:5])
+    metrics.refresh(registry.pools)
+    assert value(scrape(port), "kvbm_blocks", tier="G1", state="active") == len(held) > 0
+
+
+def test_latencies_queue_depth_and_measured_bytes(served: tuple[Metrics, int]) -> None:
+    metrics, port = served
+    depth = [0]
+    metrics.watch_queue(lambda: depth[0])
+    depth[0] = 42
+    metrics.transfer_latency.labels("G2", "G1").observe(0.003)
+    metrics.transfer_latency.labels("G2", "G1").observe(0.2)
+    metrics.transfer_bytes.labels("G2", "G1").inc(3 * BYTES_PER_BLOCK)
+    metrics.alloc_latency.observe(2e-5)
+    s = scrape(port)
+    assert value(s, "kvbm_event_log_queue_depth") == 42
+    labels = {"src": "G2", "dst": "G1"}
+    assert value(s, "kvbm_transfer_latency_seconds_count", **labels) == 2
+    assert value(s, "kvbm_transfer_latency_seconds_bucket", **labels, le="0.005") == 1
+    assert value(s, "kvbm_transfer_latency_seconds_sum", **labels) == pytest.approx(0.203)
+    assert value(s, "kvbm_transfer_bytes_total", **labels) == 3 * BYTES_PER_BLOCK
+    assert value(s, "kvbm_alloc_latency_seconds_bucket", le="5e-05") == 1
+
+
+def test_each_metrics_object_has_its_own_registry() -> None:
+    a, b = Metrics(), Metrics()  # the same names twice: no clash, no shared counts
+    a.events.inc(5)
+    assert b.registry.get_sample_value("kvbm_events_appended_total") == 0
+    assert a.registry.get_sample_value("kvbm_events_appended_total") == 5
+    names = {m.name for m in a.registry.collect()}
+    assert names and all(n.startswith("kvbm_") for n in names)

@@ -1,0 +1,155 @@
+"""``kvledger simulate`` and ``kvledger sweep`` as real processes, on real SQLite logs."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvledger.events.replay import load_state, replay
+from kvledger.events.types import Tier
+
+TRACE = Path(__file__).resolve().parents[1].parent / "shared/data/mooncake/conversation_trace.jsonl"
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+SUMMARY_KEYS = {
+    "requests",
+    "blocks_requested",
+    "blocks_hit",
+    "hit_rate",
+    "hits_by_tier",
+    "events_written",
+    "evictions",
+    "offloaded_blocks",
+    "onboarded_blocks",
+    "replay_matches",
+    "log",
+}
+
+
+def kvledger(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("KVLEDGER_", "DYN_KVBM_"))}
+    return subprocess.run(
+        [sys.executable, "-m", "kvledger.cli", *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+
+
+def simulate_json(*args: str, cwd: Path) -> dict[str, Any]:
+    proc = kvledger("simulate", "--json", *args, cwd=cwd)
+    assert proc.returncode == 0, proc.stderr
+    out: dict[str, Any] = json.loads(proc.stdout)
+    return out
+
+
+def test_engine_on_run_writes_a_log_that_replays_to_its_final_state(tmp_path: Path) -> None:
+    log = tmp_path / "sim.db"
+    dump = tmp_path / "live.state"
+    s = simulate_json(
+        "--requests", "300", "--g1-blocks", "512", "--g2-blocks", "256", "--g3-blocks", "1024",
+        "--log", f"sqlite:///{log}", "--dump-state", str(dump), "--plot", str(tmp_path / "t.png"),
+        cwd=tmp_path,
+    )  # fmt: skip
+    assert s.keys() >= SUMMARY_KEYS
+    assert s["requests"] == 300 and s["replay_matches"] is True
+    hits = s["hits_by_tier"]
+    assert isinstance(hits, dict) and set(hits) == {"G1", "G2", "G3"}
+    assert sum(hits.values()) == s["blocks_hit"]
+    assert s["hit_rate"] == pytest.approx(s["blocks_hit"] / s["blocks_requested"], abs=1e-6)
+    assert s["ttft_ms_p50"] <= s["ttft_ms_p99"]
+    assert (tmp_path / "t.png").read_bytes()[:8] == PNG_MAGIC
+    # the log, read back by a fresh process's code path, is the live state the run dumped
+    replayed = replay(str(log))
+    assert replayed == load_state(dump)
+    assert replayed.counts()[(0, Tier.G1)] == 512
+    proc = kvledger("replay", str(log), "--verify", str(dump), cwd=tmp_path)
+    assert proc.returncode == 0 and "states agree" in proc.stdout
+
+
+def test_a_second_run_on_the_same_log_restarts_the_worker(tmp_path: Path) -> None:
+    log = str(tmp_path / "sim.db")  # a plain path is a SQLite log, as for `kvledger replay`
+    first = simulate_json("--engine", "off", "--requests", "200", "--log", log, cwd=tmp_path)
+    proc = kvledger(
+        "simulate", "--json", "--requests", "100", "--g1-blocks", "300", "--log", log, cwd=tmp_path
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "already holds events of worker 0" in proc.stderr and "Cleared" in proc.stderr
+    assert str(tmp_path / "sim.db") in proc.stderr
+    second = json.loads(proc.stdout)
+    assert second["replay_matches"] is True
+    assert second["events_written"] > 3  # three Cleared, then the run's own
+    assert replay(log).counts() == {(0, Tier.G1): 300}
+    assert first["state_digest"] != second["state_digest"]
+
+
+def test_table_output_and_default_log_under_the_working_folder(tmp_path: Path) -> None:
+    proc = kvledger("simulate", "--engine", "off", "--requests", "50", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    for label in ("requests", "prefix hit rate", "evictions", "offloads", "onboards"):
+        assert label in proc.stdout
+    assert "kvledger replay sqlite:///kvledger-data/events.db" in proc.stdout
+    assert (tmp_path / "kvledger-data" / "events.db").is_file()
+    assert "TTFT" not in proc.stdout  # no timing with the engine off
+
+
+@pytest.mark.skipif(not TRACE.exists(), reason=f"trace not found at {TRACE}")
+def test_mooncake_trace_implies_512_token_blocks(tmp_path: Path) -> None:
+    s = simulate_json(
+        "--trace", str(TRACE), "--requests", "400", "--engine", "off", "--policy", "lru",
+        "--log", f"sqlite:///{tmp_path / 'm.db'}", cwd=tmp_path,
+    )  # fmt: skip
+    assert s["block_size"] == 512 and s["requests"] == 400
+    assert s["replay_matches"] is True
+
+
+def test_sweep_reports_hit_rate_rising_with_capacity(tmp_path: Path) -> None:
+    proc = kvledger(
+        "sweep", "--json", "--requests", "300", "--capacities", "64,256,1024,4096",
+        "--plot", str(tmp_path / "sweep.png"), cwd=tmp_path,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    rates = [p["hit_rate"] for p in out["points"]]
+    assert [p["g1_blocks"] for p in out["points"]] == [64, 256, 1024, 4096]
+    assert rates == sorted(rates) and rates[-1] > rates[0]
+    assert (tmp_path / "sweep.png").read_bytes()[:8] == PNG_MAGIC
+    assert not (tmp_path / "kvledger-data").exists()  # a sweep keeps no log
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--trace", "no/such/trace.jsonl"], "cannot read trace"),
+        (["--requests", "0"], "--requests must be a positive number"),
+        (["--engine", "off", "--speedup", "2"], "--speedup needs --engine on"),
+        (["--g1-blocks", "0"], "g1_blocks"),
+        (["--g1-blocks", "4"], "needs"),  # a request larger than G1
+        (["--plot", "chart.jpg"], "give a file name ending in .png"),
+        (["--log", "nosuchdriver://x/y"], "cannot open the event log"),
+    ],
+)
+def test_bad_input_fails_with_a_message_that_names_it(
+    tmp_path: Path, args: list[str], message: str
+) -> None:
+    proc = kvledger("simulate", "--requests", "20", *args, cwd=tmp_path)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert message in proc.stderr
+
+
+def test_trace_block_size_must_divide_512(tmp_path: Path) -> None:
+    trace = tmp_path / "t.jsonl"
+    trace.write_text(
+        '{"timestamp": 0, "input_length": 600, "output_length": 5, "hash_ids": [1, 2]}\n'
+    )
+    proc = kvledger("simulate", "--trace", str(trace), "--block-size", "100", cwd=tmp_path)
+    assert proc.returncode == 2
+    assert "block size 100 must divide the trace's 512-token blocks" in proc.stderr
