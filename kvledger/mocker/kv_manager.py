@@ -119,9 +119,7 @@ class KvManager:
         blocks = op.blocks
         n_full = sum(1 for b in blocks if isinstance(b, FullBlock))
         if op.local_hashes and len(op.local_hashes) != n_full:
-            raise ValueError(
-                f"Use: {len(op.local_hashes)} local hashes for {n_full} full blocks"
-            )
+            raise ValueError(f"Use: {len(op.local_hashes)} local hashes for {n_full} full blocks")
         if op.token_ids is not None and len(op.token_ids) != n_full:
             raise ValueError(f"Use: {len(op.token_ids)} token lists for {n_full} full blocks")
         if op.parent is not None and not isinstance(op.parent, FullBlock):
@@ -196,9 +194,7 @@ class KvManager:
                 if not run_slots:
                     run_parent = prev
                 run_slots.append(next(fresh_iter))
-                run_blocks.append(
-                    (block.seq_hash, local_hashes[full_idx] if local_hashes else 0)
-                )
+                run_blocks.append((block.seq_hash, local_hashes[full_idx] if local_hashes else 0))
                 if token_ids is not None:
                     run_tokens.append(token_ids[full_idx])
             else:
@@ -237,9 +233,7 @@ class KvManager:
         if slot is None:
             raise ValueError(f"Promote: partial block {op.uuid} not found")
         tokens = None if op.token_ids is None else [op.token_ids]
-        (held,) = self.pool.register(
-            [slot], [(op.seq_hash, op.local_hash)], op.parent_hash, tokens
-        )
+        (held,) = self.pool.register([slot], [(op.seq_hash, op.local_hash)], op.parent_hash, tokens)
         self._active_full[op.seq_hash] = held
 
     # -- queries -------------------------------------------------------------------------
@@ -291,6 +285,4 @@ class KvManager:
 
     def registry_state(self) -> RegistryState:
         """The live state, comparable with a replay of this manager's events."""
-        return RegistryState.from_mapping(
-            {(self.worker_id, Tier.G1): self.pool.resident_blocks()}
-        )
+        return RegistryState.from_mapping({(self.worker_id, Tier.G1): self.pool.resident_blocks()})
