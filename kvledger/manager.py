@@ -12,7 +12,7 @@ Typical engine loop::
 
     seq = manager.sequence(prompt_tokens)
     held = manager.onboard(seq)                  # cached prefix, now on G1 (slots)
-    fresh = manager.allocate(len(seq.blocks) - len(held))
+    fresh = manager.allocate(len(seq) - len(held))
     ... compute the KV of the uncached blocks into G1 slots ``fresh`` ...
     held += manager.register(fresh, seq, start=len(held))
     ... decode ...
@@ -237,16 +237,17 @@ class BlockManager:
         Returns the slots holding the blocks (a block another request registered meanwhile
         is shared and the duplicate slot freed).
         """
-        blocks = sequence.blocks[start : start + len(slots)]
-        if len(blocks) != len(slots):
+        end = start + len(slots)
+        seqs, locals_ = sequence.sequence_hashes, sequence.local_hashes
+        if start < 0 or end > len(seqs):
             raise ValueError(
-                f"register: {len(slots)} slots but the sequence has {len(blocks)} full blocks "
-                f"from position {start}"
+                f"register: {len(slots)} slots but the sequence has {max(len(seqs) - start, 0)} "
+                f"full blocks from position {start}"
             )
-        parent = sequence.sequence_hashes[start - 1] if start else None
+        parent = seqs[start - 1] if start else None
         with self._lock:
             held = self.registry.g1.register(
-                slots, [(b.sequence_hash, b.local_hash) for b in blocks], parent
+                slots, list(zip(seqs[start:end], locals_[start:end], strict=True)), parent
             )
             for plan in self.registry.plan_offload(held):
                 self._start(plan)

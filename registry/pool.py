@@ -293,34 +293,34 @@ class BlockPool:
         """Drop one reference per slot. At zero a registered block becomes inactive (cached,
         evictable, in the order given) and a never-registered one becomes free."""
         ref, hashes, free = self._ref, self._hash, self._free
+        order = slots if isinstance(slots, list) else list(slots)
         inactive: list[int] = []
-        done: list[int] = []
-        try:
-            for slot in slots:
-                count = ref[slot] - 1
-                if count < 0:
-                    raise ValueError(
-                        f"release: {self.tier.name} slot {slot} released more often than taken"
-                    )
-                ref[slot] = count
-                done.append(slot)
-                if not count:
-                    if hashes[slot] is None:
-                        free.append(slot)
-                    else:
-                        inactive.append(slot)
-        except ValueError:
-            # undo, so a bad call leaves the pool as it was
-            for slot in reversed(done):
-                if not ref[slot]:
-                    if hashes[slot] is None:
-                        free.remove(slot)
-                    else:
-                        inactive.remove(slot)
-                ref[slot] += 1
-            raise
+        for i, slot in enumerate(order):
+            count = ref[slot] - 1
+            if count < 0:
+                self._undo_release(order[:i], inactive)
+                raise ValueError(
+                    f"release: {self.tier.name} slot {slot} released more often than taken"
+                )
+            ref[slot] = count
+            if not count:
+                if hashes[slot] is None:
+                    free.append(slot)
+                else:
+                    inactive.append(slot)
         if inactive:
             self._policy.released(inactive)
+
+    def _undo_release(self, done: list[int], inactive: list[int]) -> None:
+        """Put back the references a failed ``release`` already dropped."""
+        ref, hashes = self._ref, self._hash
+        for slot in reversed(done):
+            if not ref[slot]:
+                if hashes[slot] is None:
+                    self._free.remove(slot)
+                else:
+                    inactive.remove(slot)
+            ref[slot] += 1
 
     def remove(self, sequence_hashes: Iterable[int]) -> list[int]:
         """Drop inactive blocks by hash (e.g. a corrupt copy). Active or unknown ones are kept.

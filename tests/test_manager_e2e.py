@@ -69,7 +69,7 @@ def compute(manager: BlockManager, tokens: list[int], seed: int):
     """What an engine does for one prompt: reuse the cached prefix, compute the rest."""
     seq = manager.sequence(tokens)
     held = manager.onboard(seq)
-    n = len(seq.blocks)
+    n = len(seq)
     fresh = manager.allocate(n - len(held))
     data = fill(manager, fresh, seed)
     held += manager.register(fresh, seq, start=n - len(fresh))

@@ -1,0 +1,112 @@
+"""BlockPool unit behaviour: capacity errors, dedup, bad calls that change nothing, events."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvledger.events.types import AnyEvent, Cleared, Removed, Stored, Tier
+from kvledger.registry.emitter import EventEmitter
+from kvledger.registry.pool import BlockPool, PoolBusy, PoolExhausted
+
+
+def pool(capacity: int = 4, policy: str = "lru"):
+    events: list[AnyEvent] = []
+    return BlockPool(capacity, policy=policy, emitter=EventEmitter(events.append)), events
+
+
+def counts(p: BlockPool) -> tuple[int, int, int]:
+    return p.num_free, p.num_active, p.num_inactive
+
+
+def test_allocate_beyond_capacity_hands_out_nothing():
+    p, events = pool(4)
+    held = p.allocate(3)
+    with pytest.raises(PoolExhausted, match="2 blocks requested, 1 could be freed"):
+        p.allocate(2)
+    assert counts(p) == (1, 3, 0)
+    assert p.allocate_upto(5) == [3]
+    assert events == []
+    p.release(held)
+
+
+def test_register_dedups_and_emits_one_stored_per_new_run():
+    p, events = pool(6)
+    a = p.register(p.allocate(2), [(10, 1), (11, 2)], None)
+    b = p.register(p.allocate(3), [(10, 1), (11, 2), (12, 3)], None)
+    assert b[:2] == a, "duplicates resolve to the existing slots"
+    assert p.refcount(a[0]) == 2
+    assert p.num_free == 6 - 3
+    stored = [e for e in events if isinstance(e, Stored)]
+    assert [(e.parent_hash, e.blocks) for e in stored] == [
+        (None, ((10, 1), (11, 2))),
+        (11, ((12, 3),)),
+    ]
+
+
+def test_release_too_often_changes_nothing():
+    p, _ = pool(4)
+    slots = p.register(p.allocate(2), [(1, 1), (2, 2)], None)
+    before = (counts(p), [p.refcount(s) for s in range(4)])
+    with pytest.raises(ValueError, match="released more often than taken"):
+        p.release([slots[0], slots[1], slots[1]])
+    assert (counts(p), [p.refcount(s) for s in range(4)]) == before
+    p.release(slots)
+    assert counts(p) == (2, 0, 2)
+
+
+def test_register_refuses_slots_that_are_not_mutable():
+    p, events = pool(4)
+    slots = p.register(p.allocate(1), [(1, 1)], None)
+    with pytest.raises(ValueError, match="not a mutable block"):
+        p.register(slots, [(2, 2)], None)
+    with pytest.raises(ValueError, match="2 slots for 1 blocks"):
+        p.register(p.allocate(2), [(3, 3)], None)
+    assert len([e for e in events if isinstance(e, Stored)]) == 1
+
+
+def test_eviction_reports_removed_and_hold_removed_batches_it():
+    p, events = pool(2)
+    p.release(p.register(p.allocate(2), [(1, 1), (2, 2)], None))
+    with p.hold_removed():
+        first = p.allocate(1)
+        second = p.allocate(1)
+        assert not any(isinstance(e, Removed) for e in events)
+    removed = [e for e in events if isinstance(e, Removed)]
+    assert [e.sequence_hashes for e in removed] == [(1, 2)]
+    p.release(first + second)
+
+
+def test_match_takes_longest_prefix_and_revives_inactive():
+    p, _ = pool(4)
+    p.release(p.register(p.allocate(3), [(1, 1), (2, 2), (3, 3)], None))
+    assert p.probe([1, 2, 9, 3]) == 2
+    slots = p.match([1, 2, 9, 3])
+    assert len(slots) == 2
+    assert counts(p) == (1, 2, 1)
+
+
+def test_clear_refuses_while_busy_then_empties():
+    p, events = pool(3)
+    slots = p.register(p.allocate(2), [(1, 1), (2, 2)], None)
+    with pytest.raises(PoolBusy, match="2 blocks are in use"):
+        p.clear()
+    p.release(slots)
+    p.clear()
+    assert counts(p) == (3, 0, 0)
+    assert isinstance(events[-1], Cleared) and events[-1].tier == Tier.G1
+    assert p.probe([1]) == 0
+
+
+def test_remove_drops_only_inactive_blocks():
+    p, events = pool(3)
+    held = p.register(p.allocate(1), [(1, 1)], None)
+    p.release(p.register(p.allocate(1), [(2, 2)], 1))
+    assert p.remove([1, 2, 99]) == [2]
+    assert isinstance(events[-1], Removed) and events[-1].sequence_hashes == (2,)
+    p.release(held)
+
+
+@pytest.mark.parametrize("capacity", [0, -1, 2.5])
+def test_bad_capacity_is_named(capacity):
+    with pytest.raises(ValueError, match="capacity must be a positive integer"):
+        BlockPool(capacity)  # type: ignore[arg-type]
