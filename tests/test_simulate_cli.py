@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+import io
 import json
 import os
+import socket
 import subprocess
 import sys
+import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from kvledger.commands.simulate import Progress
 from kvledger.events.replay import load_state, replay
 from kvledger.events.types import Tier
 
@@ -153,3 +158,49 @@ def test_trace_block_size_must_divide_512(tmp_path: Path) -> None:
     proc = kvledger("simulate", "--trace", str(trace), "--block-size", "100", cwd=tmp_path)
     assert proc.returncode == 2
     assert "block size 100 must divide the trace's 512-token blocks" in proc.stderr
+
+
+def test_metrics_port_serves_kvbm_metrics_while_the_run_lasts(tmp_path: Path) -> None:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("KVLEDGER_", "DYN_KVBM_"))}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvledger.cli", "simulate", "--requests", "150", "--speedup", "1",
+         "--g1-blocks", "777", "--log", str(tmp_path / "m.db"), "--metrics-port", str(port)],
+        cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    text = ""
+    try:
+        deadline = time.monotonic() + 60
+        while proc.poll() is None and time.monotonic() < deadline:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+                    text = r.read().decode()
+            except OSError:
+                time.sleep(0.05)
+                continue
+            if 'kvbm_blocks{state="total",tier="G1"} 777.0' in text:
+                break
+            time.sleep(0.05)
+    finally:
+        _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err
+    assert 'kvbm_blocks{state="total",tier="G1"} 777.0' in text
+    assert "kvbm_events_appended_total" in text and "kvbm_alloc_latency_seconds_count" in text
+
+
+def test_progress_bar_draws_only_on_a_terminal() -> None:
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    term, pipe = Terminal(), io.StringIO()
+    for stream in (term, pipe):
+        bar = Progress(4, "simulate", stream=stream)
+        for done in range(1, 5):
+            bar(done)
+        bar.close()
+    assert pipe.getvalue() == ""
+    assert term.getvalue().startswith("\rsimulate [")
+    assert term.getvalue().endswith("] 4/4 requests\n")
