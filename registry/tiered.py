@@ -81,6 +81,8 @@ class TieredRegistry:
             if blocks:
                 self.pools[tier] = BlockPool(blocks, tier=tier, policy="lru", emitter=self.emitter)
         self._seen = FrequencySketch(g1_blocks + g2_blocks + g3_blocks)
+        # Only the seen_twice filter guarding a disk tier reads the counts.
+        self._counts_requests = offload_filter == "seen_twice" and Tier.G3 in self.pools
 
     @property
     def g1(self) -> BlockPool:
@@ -107,9 +109,10 @@ class TieredRegistry:
         """Count one request for each block of a prompt (feeds the ``seen_twice`` filter)
         and refresh the prompt's copies on G2/G3, so the lower tiers age blocks by use
         rather than by when they were first written."""
-        increment = self._seen.increment
-        for seq in sequence_hashes:
-            increment(seq)
+        if self._counts_requests:
+            increment = self._seen.increment
+            for seq in sequence_hashes:
+                increment(seq)
         for tier in (Tier.G2, Tier.G3):
             pool = self.pools.get(tier)
             if pool is not None:
