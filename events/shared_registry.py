@@ -261,16 +261,16 @@ for i = 6, #ARGV do
   if tier ~= 1 and tier ~= 2 and tier ~= 3 and tier ~= 4 then
     return redis.error_reply('unknown tier ' .. tostring(tier))
   end
+  local seqs = rec[8]
+  if type(seqs) ~= 'string' or #seqs % 8 ~= 0 then
+    return redis.error_reply('event ' .. tostring(eid) .. ': hash blob is not whole 8-byte hashes')
+  end
   if eid < expect then
     repeated = repeated + 1
   elseif eid ~= expect then
     gap = eid
     break
   else
-    local seqs = rec[8]
-    if #seqs % 8 ~= 0 then
-      return redis.error_reply('event ' .. tostring(eid) .. ': hash blob of ' .. #seqs .. ' bytes')
-    end
     local first = nk + 1
     nk = split(seqs, 1, keys, nk)
     nt = nt + 1

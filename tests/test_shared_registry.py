@@ -11,6 +11,7 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
+import msgpack
 import pytest
 import redis
 from event_streams import prompt_pool, worker_events
@@ -23,7 +24,9 @@ from kvledger.events.log import EventLog
 from kvledger.events.publish import CallbackPublisher, RedisPublisher
 from kvledger.events.shared_registry import SharedRegistry
 from kvledger.events.subscribe import StreamSubscriber
+from kvledger.events.types import AnyEvent, BlockInfo, Tier
 from kvledger.events.wire import decode_record, encode_record
+from kvledger.registry.emitter import EventEmitter
 from kvledger.registry.hashing import TokenBlockSequence
 from kvledger.registry.index import RouterIndex, holders_from_state
 from kvledger.registry.state import RegistryState
@@ -283,3 +286,124 @@ def test_publisher_survives_a_redis_restart(tmp_path: Path) -> None:
     finally:
         server.kill()
         server.wait()
+
+
+def _log_replay(reg: SharedRegistry, worker: int, tier: Tier) -> tuple[set[int], int]:
+    """What a worker's tier log says it holds, and how many hashes the log carries."""
+    state: dict[bytes, bool] = {}
+    size = 0
+    for element in reg.client.lrange(f"{reg.prefix}log:{worker}:{int(tier)}", 0, -1):
+        hashes = [element[p : p + 8] for p in range(1, len(element), 8)]
+        size += len(hashes)
+        for h in hashes:
+            if element[:1] == b"+":
+                state[h] = True
+            elif h in state:
+                state[h] = False
+    return {int.from_bytes(h, "big") for h, live in state.items() if live}, size
+
+
+def _held(holders: dict[int, dict[int, int]], worker: int, tier: Tier) -> set[int]:
+    bit = 1 << (int(tier) - 1)
+    return {h for h, masks in holders.items() if masks.get(worker, 0) & bit}
+
+
+def test_tier_logs_stay_compact_and_name_what_the_worker_holds() -> None:
+    """A long stream with churn on every tier (Cleared included), applied in small batches to
+    a registry that compacts early: each log replays to exactly what the fold says the worker
+    holds there, its size field counts its hashes, and it stays under 4x the most the worker
+    ever held there (or the floor) instead of growing with the stream."""
+    reg = SharedRegistry(_client(), f"c-{uuid.uuid4().hex[:12]}", log_compact_min=32)
+    try:
+        events = worker_events(21, 1, 600, prompt_pool(21))
+        batch = 5
+        peak = dict.fromkeys((Tier.G1, Tier.G2, Tier.G3), 0)
+        for start in range(0, len(events), batch):
+            chunk = events[start : start + batch]
+            assert reg.apply(1, chunk).gap_at is None
+            holders = holders_from_state(RegistryState.from_events(events[: start + batch]))
+            for tier in (Tier.G1, Tier.G2, Tier.G3):
+                live, size = _log_replay(reg, 1, tier)
+                assert live == _held(holders, 1, tier)
+                assert reg.tier_log_size(1, tier) == size
+                peak[tier] = max(peak[tier], len(live))
+                assert size < max(32, 4 * peak[tier])
+        logged = sum(len(getattr(e, "sequence_hashes", ())) for e in events)
+        assert sum(reg.tier_log_size(1, t) for t in Tier) < logged / 2  # compaction happened
+        assert reg.client.hget(reg.prefix + "logs", "1:1:at") is not None
+        assert reg.snapshot() == holders_from_state(RegistryState.from_events(events))
+        # purge after compactions: every entry and every log of the worker goes
+        held_blocks = len(reg.snapshot())
+        assert held_blocks > 0 and reg.release(1) == held_blocks
+        assert reg.snapshot() == {}
+        assert not reg.client.keys(reg.prefix + "log:*")
+        assert reg.client.hlen(reg.prefix + "logs") == 0
+    finally:
+        reg.delete_namespace()
+
+
+def test_cleared_after_many_batches_clears_one_tier_of_one_worker() -> None:
+    """Cleared reaches blocks gained many batches and compactions earlier, and blocks gained
+    earlier in the same batch, on its own tier only and for its own worker only."""
+    reg = SharedRegistry(_client(), f"k-{uuid.uuid4().hex[:12]}", log_compact_min=16)
+    try:
+        streams: dict[int, list[AnyEvent]] = {w: [] for w in (1, 2)}
+        emitters = {w: EventEmitter(streams[w].append, worker_id=w) for w in (1, 2)}
+        seqs = [TokenBlockSequence(list(range(k, k + 32)), 4) for k in range(0, 4000, 40)]
+        for k, seq in enumerate(seqs):
+            blocks = list(zip(seq.sequence_hashes, seq.local_hashes, strict=True))
+            for emit in emitters.values():
+                emit.stored(Tier.G1, None, blocks)
+                if k % 3 == 0:
+                    infos = [BlockInfo(s, lh, None) for s, lh in blocks[:2]]
+                    emit.copied(Tier.G1, Tier.G2, infos)
+                if k % 2 == 1:
+                    emit.removed(Tier.G1, seq.sequence_hashes[4:])
+        for w, events in streams.items():
+            for start in range(0, len(events), 9):
+                reg.apply(w, events[start : start + 9])
+        late = TokenBlockSequence(list(range(90_000, 90_016)), 4)
+        emitters[1].stored(
+            Tier.G1, None, list(zip(late.sequence_hashes, late.local_hashes, strict=True))
+        )
+        emitters[1].cleared(Tier.G1)
+        result = reg.apply(1, streams[1][-2:])  # Stored then Cleared in one batch
+        assert result.applied == 2
+        every = streams[1] + streams[2]
+        expected = holders_from_state(RegistryState.from_events(every))
+        assert reg.snapshot() == expected
+        assert _held(expected, 1, Tier.G1) == set()
+        assert _held(expected, 1, Tier.G2) and _held(expected, 2, Tier.G1)
+        assert reg.tier_log_size(1, Tier.G1) == 0
+        assert _log_replay(reg, 1, Tier.G2)[0] == _held(expected, 1, Tier.G2)
+    finally:
+        reg.delete_namespace()
+
+
+def test_malformed_records_are_refused_before_anything_is_written(
+    registry: SharedRegistry,
+) -> None:
+    events = worker_events(5, 3, 10, prompt_pool(5))
+    good = encode_record(events[0])
+    record = msgpack.unpackb(good, raw=True)
+    record[2] = 1  # the event after ``good``: refused although ``good`` itself is fine
+    short = list(record)
+    short[7] = short[7][:-3]  # a hash blob that is not whole 8-byte hashes
+    bad_tier = list(record)
+    bad_tier[5] = 9
+    bad_kind = list(record)
+    bad_kind[1] = 42
+    cases = [
+        (short, "hash blob is not whole 8-byte hashes"),
+        (bad_tier, "unknown tier 9"),
+        (bad_kind, "unknown event kind 42"),
+    ]
+    for fields, message in cases:
+        bad = msgpack.packb(fields, use_bin_type=False)
+        with pytest.raises(redis.ResponseError, match=message):
+            registry.apply_records(3, [good, bad])
+        assert registry.applied_event_id(3) == -1
+        assert registry.snapshot() == {}
+        assert registry.client.xlen(registry.stream_key) == 0
+    with pytest.raises(ValueError, match="log_compact_min"):
+        SharedRegistry(registry.client, "ok", log_compact_min=0)
