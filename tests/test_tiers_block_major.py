@@ -135,15 +135,16 @@ def _gap_bytes(layers: list[torch.Tensor], raw: torch.Tensor | None) -> int:
     return int((values != torch.tensor(GAP * 0x101, dtype=torch.int16)).sum())
 
 
+@pytest.mark.parametrize("staging", [3, 8])  # equal chunks; a small first chunk, then larger
 @pytest.mark.parametrize("dev", DEVICES)
 @pytest.mark.parametrize("build", STRIDED + PER_LAYER, ids=lambda b: b.__name__)
 def test_engine_tensors_round_trip_through_host_and_disk(
-    build: Builder, dev: str, tmp_path: Path
+    build: Builder, dev: str, staging: int, tmp_path: Path
 ) -> None:
     """G1 -> G2 -> G1 and G1 -> G3 -> G1 over several staging chunks, random slots, poisoned
     destinations; the bytes between engine layers stay as they were."""
     rng = random.Random(7)
-    engine = TransferEngine(staging_blocks=3)
+    engine = TransferEngine(staging_blocks=staging)
     layers, raw = build(dev)
     _randomize(layers, raw, seed=3)
     g1 = DeviceTier.from_layout(LayerSeparate(SHAPE, layers))

@@ -84,3 +84,44 @@ def test_offload_waits_for_work_queued_on_the_callers_stream() -> None:
     for i in range(SHAPE.num_layers):
         assert bool((g2.layout.tensor[0, i] == i + 1).all())
     engine.close()
+
+
+def test_copies_asked_for_after_one_issued_at_once_wait_for_it(tmp_path: Path) -> None:
+    """An idle engine issues a G1->G2 copy on the caller's thread. A G2->G3 copy of the same
+    slots asked for at once must see its bytes; and an onboard of G2 slots asked for right
+    after a G3->G2 read into them (queued, so not issued at once) must see the read's bytes."""
+    engine = TransferEngine(staging_blocks=4)
+    g1, g2 = random_g1("layer_separate", 5), HostTier(SHAPE, SLOTS)
+    g3 = DiskTier(tmp_path, SHAPE, SLOTS)
+    g2.layout.tensor.view(torch.uint8).fill_(0xA5)
+    expected = {s: block_bytes(g1, s) for s in range(SLOTS)}
+    src, mid, far = list(range(0, 12)), list(range(20, 32)), list(range(5, 17))
+
+    torch.cuda._sleep(50_000_000)  # the copy starts late on the GPU, after copy() returned
+    first = engine.offload(g1, src, g2, mid)
+    engine.offload(g2, mid, g3, far).wait()
+    assert first.done()
+
+    g2.layout.tensor.view(torch.uint8).fill_(0xA5)
+    for i in range(SHAPE.num_layers):
+        g1.layout.layer(i).view(torch.uint8).fill_(0x3C)
+    read = engine.copy(g3, far, g2, mid)
+    onboard = engine.onboard(g2, mid, g1, src)
+    assert not read.wait().failed
+    onboard.wait()
+    for s in src:
+        assert block_bytes(g1, s) == expected[s]
+    engine.close()
+
+
+def test_an_error_issuing_at_once_reaches_wait_and_leaves_the_engine_usable() -> None:
+    engine = TransferEngine(staging_blocks=4)
+    host_g1 = DeviceTier(SHAPE, SLOTS, device="cpu")  # layer-separate: no host route to a GPU
+    g1, g2 = random_g1("layer_separate", 6), HostTier(SHAPE, SLOTS)
+    handle = engine.copy(host_g1, range(10), g1, range(10))
+    with pytest.raises(ValueError, match="must be a FullyContiguous layout"):
+        handle.wait()
+    engine.offload(g1, range(10), g2, range(10)).wait()
+    for s in range(10):
+        assert block_bytes(g2, s) == block_bytes(g1, s)
+    engine.close()

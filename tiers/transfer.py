@@ -14,7 +14,11 @@ batched), so every route moves whole batches instead:
 - memory <-> disk: host slots are written or read in place by the disk tier's I/O threads;
   anything else (device memory, or a layer-separate layout) goes through a host staging tier.
 
-Transfers run in submission order on one worker thread and return a ``TransferHandle`` at once.
+Transfers take effect in submission order and return a ``TransferHandle`` at once. They run on
+one worker thread, except that a memory copy with a GPU side, asked for while no transfer is
+pending, is issued on the caller's thread at once (the GPU runs it asynchronously) and only its
+completion goes to the worker: handing the issuing to another thread costs a thread wake-up
+before the first byte moves (measured: ~0.5 ms on a virtual machine, 5% of a 512 MiB copy).
 When a transfer finishes, the emitter (if any) is told which blocks arrived (it turns that into
 Offloaded / Onboarded events), then the callbacks run, all on the worker thread.
 """
@@ -39,6 +43,9 @@ Pairs = list[tuple[int, int]]
 
 DIRECT_PIECES = 128
 """Device<->host copies of at most this many (block, layer) pieces skip staging (see _direct)."""
+
+FIRST_CHUNK_BLOCKS = 4
+"""Blocks in the first staged chunk of a device<->host copy (see _chunk_bounds)."""
 
 # torch's CUDA Event and Stream constructors carry no annotations; typed aliases keep mypy quiet.
 _new_event: Callable[[], torch.cuda.Event] = torch.cuda.Event
@@ -70,14 +77,22 @@ class TransferResult:
 class TransferHandle:
     """A transfer in flight: ``done()``, ``wait()`` and completion callbacks."""
 
-    def __init__(self, future: Future[TransferResult]) -> None:
+    def __init__(
+        self, future: Future[TransferResult], issued: torch.cuda.Event | None = None
+    ) -> None:
         self._future = future
+        self._issued = issued
 
     def done(self) -> bool:
         return self._future.done()
 
     def wait(self, timeout: float | None = None) -> TransferResult:
-        """Block until the copy finished; re-raises its error (nothing was reported then)."""
+        """Block until the copy finished; re-raises its error (nothing was reported then).
+
+        A copy issued on the caller's thread is first waited for on its CUDA event (a spin
+        without the GIL), so the caller is awake when the worker reports it."""
+        if self._issued is not None and timeout is None:
+            self._issued.synchronize()
         return self._future.result(timeout)
 
     def add_done_callback(self, fn: Callable[[TransferHandle], None]) -> None:
@@ -112,6 +127,8 @@ class TransferEngine:
         self._device_staging: dict[tuple[torch.device, BlockShape], list[torch.Tensor]] = {}
         self._host_staging: dict[BlockShape, HostTier] = {}
         self._streams: dict[torch.device, tuple[torch.cuda.Stream, torch.cuda.Stream]] = {}
+        self._pending_lock = threading.Lock()
+        self._pending = 0  # transfers submitted whose copies have not finished
 
     # -- public API ---------------------------------------------------------------------------
 
@@ -132,8 +149,20 @@ class TransferEngine:
         """
         pairs = self._validate(src, src_slots, dst, dst_slots, blocks)
         ready = _record_ready(src, dst)
-        future = self._worker.submit(self._run, src, dst, pairs, blocks, ready)
-        handle = TransferHandle(future)
+        issued: torch.cuda.Event | None = None
+        with self._pending_lock:
+            self._pending += 1
+            if self._pending == 1 and pairs and _gpu_memory_copy(src, dst):
+                assert isinstance(src, MemoryTier) and isinstance(dst, MemoryTier)
+                try:
+                    issued = self._memory_to_memory(src.layout, dst.layout, pairs, ready)
+                except Exception as exc:
+                    future = self._worker.submit(self._fail, exc)
+                else:
+                    future = self._worker.submit(self._report, src, dst, pairs, blocks, issued)
+            else:
+                future = self._worker.submit(self._run, src, dst, pairs, blocks, ready)
+        handle = TransferHandle(future, issued)
         if callback is not None:
             handle.add_done_callback(callback)
         return handle
@@ -215,8 +244,10 @@ class TransferEngine:
         ready: torch.cuda.Event | None,
     ) -> TransferResult:
         failed: Pairs = []
-        if pairs:
-            if isinstance(dst, DiskTier):
+        try:
+            if not pairs:
+                pass
+            elif isinstance(dst, DiskTier):
                 assert isinstance(src, MemoryTier)
                 self._memory_to_disk(src, dst, pairs, ready)
             elif isinstance(src, DiskTier):
@@ -224,7 +255,43 @@ class TransferEngine:
                 failed = self._disk_to_memory(src, dst, pairs, ready)
             else:
                 assert isinstance(src, MemoryTier) and isinstance(dst, MemoryTier)
-                self._memory_to_memory(src.layout, dst.layout, pairs, ready)
+                _settle(self._memory_to_memory(src.layout, dst.layout, pairs, ready))
+        finally:
+            self._finished()
+        return self._result(src, dst, pairs, blocks, failed)
+
+    def _report(
+        self,
+        src: StorageTier,
+        dst: StorageTier,
+        pairs: Pairs,
+        blocks: Sequence[BlockInfo] | None,
+        issued: torch.cuda.Event | None,
+    ) -> TransferResult:
+        """The worker's part of a copy issued on the caller's thread."""
+        try:
+            _settle(issued)
+        finally:
+            self._finished()
+        return self._result(src, dst, pairs, blocks, [])
+
+    def _fail(self, error: Exception) -> TransferResult:
+        """Re-raise, on the worker, an error from issuing on the caller's thread."""
+        self._finished()
+        raise error
+
+    def _finished(self) -> None:
+        with self._pending_lock:
+            self._pending -= 1
+
+    def _result(
+        self,
+        src: StorageTier,
+        dst: StorageTier,
+        pairs: Pairs,
+        blocks: Sequence[BlockInfo] | None,
+        failed: Pairs,
+    ) -> TransferResult:
         lost = set(failed)
         copied = [p for p in pairs if p not in lost]
         infos = (
@@ -242,34 +309,35 @@ class TransferEngine:
 
     def _memory_to_memory(
         self, src: KVLayout, dst: KVLayout, pairs: Pairs, ready: torch.cuda.Event | None
-    ) -> None:
+    ) -> torch.cuda.Event | None:
+        """Issue the copy; returns the CUDA event that marks its end (None: already done)."""
         crossing = src.device.type != dst.device.type
         if crossing and len(pairs) * src.shape.num_layers <= DIRECT_PIECES:
-            self._direct(src, dst, pairs, ready)
-        elif src.device.type == "cuda" and dst.device.type == "cpu":
-            self._device_to_host(src, _host_layout(dst), pairs, ready)
-        elif src.device.type == "cpu" and dst.device.type == "cuda":
-            self._host_to_device(_host_layout(src), dst, pairs, ready)
-        elif src.device == dst.device:
-            self._same_device(src, dst, pairs, ready)
+            return self._direct(src, dst, pairs, ready)
+        if src.device.type == "cuda" and dst.device.type == "cpu":
+            return self._device_to_host(src, _host_layout(dst), pairs, ready)
+        if src.device.type == "cpu" and dst.device.type == "cuda":
+            return self._host_to_device(_host_layout(src), dst, pairs, ready)
+        if src.device == dst.device:
+            return self._same_device(src, dst, pairs, ready)
         else:
             raise ValueError(f"no copy route from {src.device} to {dst.device}")
 
     def _same_device(
         self, src: KVLayout, dst: KVLayout, pairs: Pairs, ready: torch.cuda.Event | None
-    ) -> None:
+    ) -> torch.cuda.Event | None:
         """Gather into staging, scatter out of it; a side that is one run of a FullyContiguous
         layout is used in place, so copies into or out of a staging tier take one pass."""
         dev = src.device
         staging = self._staging(dev, src.shape)[0]
         if dev.type != "cuda":
             self._gather_scatter(src, dst, pairs, staging)
-            return
+            return None
         stream = self._stream_pair(dev)[0]
         with torch.cuda.device(dev), torch.cuda.stream(stream):
             _wait(stream, ready)
             self._gather_scatter(src, dst, pairs, staging)
-        stream.synchronize()
+            return _record(stream)
 
     def _gather_scatter(
         self, src: KVLayout, dst: KVLayout, pairs: Pairs, staging: torch.Tensor
@@ -290,7 +358,7 @@ class TransferEngine:
 
     def _direct(
         self, src: KVLayout, dst: KVLayout, pairs: Pairs, ready: torch.cuda.Event | None
-    ) -> None:
+    ) -> torch.cuda.Event:
         """A few blocks: copy each layer of each block straight across, with no staging and no
         index kernels, which is what single-block onboard latency is made of."""
         dev = src.device if src.device.type == "cuda" else dst.device
@@ -300,11 +368,11 @@ class TransferEngine:
             dst_views = [v for _, d in pairs for v in _layer_views(dst, d)]
             src_views = [v for s, _ in pairs for v in _layer_views(src, s)]
             _copy_all(dst_views, src_views)
-        copy_stream.synchronize()
+            return _record(copy_stream)
 
     def _device_to_host(
         self, src: KVLayout, dst: FullyContiguous, pairs: Pairs, ready: torch.cuda.Event | None
-    ) -> None:
+    ) -> torch.cuda.Event:
         dev = src.device
         gather_stream, copy_stream = self._stream_pair(dev)
         buffers = self._staging(dev, src.shape)
@@ -315,8 +383,8 @@ class TransferEngine:
             _wait(gather_stream, ready)
             with torch.cuda.stream(gather_stream):
                 all_s = _index([s for s, _ in pairs], dev)
-            for n, start in enumerate(range(0, len(pairs), self.staging_blocks)):
-                chunk = pairs[start : start + self.staging_blocks]
+            for n, (start, end) in enumerate(_chunk_bounds(len(pairs), self.staging_blocks)):
+                chunk = pairs[start:end]
                 rows = buffers[n % 2][: len(chunk)]
                 gather_stream.wait_event(free[n % 2])
                 with torch.cuda.stream(gather_stream):
@@ -330,11 +398,11 @@ class TransferEngine:
                         [rows[row : row + count] for row, _, count in runs],
                     )
                     free[n % 2].record(copy_stream)
-            copy_stream.synchronize()
+            return _record(copy_stream)
 
     def _host_to_device(
         self, src: FullyContiguous, dst: KVLayout, pairs: Pairs, ready: torch.cuda.Event | None
-    ) -> None:
+    ) -> torch.cuda.Event:
         dev = dst.device
         scatter_stream, copy_stream = self._stream_pair(dev)
         buffers = self._staging(dev, dst.shape)
@@ -346,8 +414,8 @@ class TransferEngine:
             _wait(scatter_stream, ready)
             with torch.cuda.stream(scatter_stream):
                 all_d = _index([d for _, d in pairs], dev)
-            for n, start in enumerate(range(0, len(pairs), self.staging_blocks)):
-                chunk = pairs[start : start + self.staging_blocks]
+            for n, (start, end) in enumerate(_chunk_bounds(len(pairs), self.staging_blocks)):
+                chunk = pairs[start:end]
                 rows = buffers[n % 2][: len(chunk)]
                 copy_stream.wait_event(free[n % 2])
                 with torch.cuda.stream(copy_stream):
@@ -361,7 +429,7 @@ class TransferEngine:
                 with torch.cuda.stream(scatter_stream):
                     _scatter(rows, dst, all_d[start : start + len(chunk)])
                     free[n % 2].record(scatter_stream)
-            scatter_stream.synchronize()
+            return _record(scatter_stream)
 
     def _memory_to_disk(
         self, src: MemoryTier, dst: DiskTier, pairs: Pairs, ready: torch.cuda.Event | None
@@ -374,10 +442,10 @@ class TransferEngine:
         staging = self._host_staging_tier(src.shape)
         rows = staging.layout.block_bytes_view().numpy()
         for chunk in _chunks(pairs, self.staging_blocks):
-            here = list(enumerate(s for s, _ in chunk))
-            self._memory_to_memory(src.layout, staging.layout, [(s, i) for i, s in here], ready)
+            into_staging = [(s, i) for i, (s, _) in enumerate(chunk)]
+            _settle(self._memory_to_memory(src.layout, staging.layout, into_staging, ready))
             ready = None
-            dst.write_slots([d for _, d in chunk], [rows[i] for i, _ in here])
+            dst.write_slots([d for _, d in chunk], [rows[i] for i in range(len(chunk))])
 
     def _disk_to_memory(
         self, src: DiskTier, dst: MemoryTier, pairs: Pairs, ready: torch.cuda.Event | None
@@ -395,7 +463,7 @@ class TransferEngine:
             good = [(i, d) for i, ((_, d), fine) in enumerate(zip(chunk, ok, strict=True)) if fine]
             failed += [p for p, fine in zip(chunk, ok, strict=True) if not fine]
             if good:  # corrupt slots never reach the destination
-                self._memory_to_memory(staging.layout, dst.layout, good, ready)
+                _settle(self._memory_to_memory(staging.layout, dst.layout, good, ready))
                 ready = None
         return failed
 
@@ -435,6 +503,25 @@ def _record_ready(src: StorageTier, dst: StorageTier) -> torch.cuda.Event | None
             event.record(torch.cuda.current_stream(tier.device))
             return event
     return None
+
+
+def _gpu_memory_copy(src: StorageTier, dst: StorageTier) -> bool:
+    """Whether a copy between these tiers is memory to memory with a GPU side, so that issuing
+    it costs the caller only the issuing (the bytes move asynchronously)."""
+    if not (isinstance(src, MemoryTier) and isinstance(dst, MemoryTier)):
+        return False
+    return "cuda" in (src.device.type, dst.device.type)
+
+
+def _record(stream: torch.cuda.Stream) -> torch.cuda.Event:
+    event = _new_event()
+    event.record(stream)
+    return event
+
+
+def _settle(event: torch.cuda.Event | None) -> None:
+    if event is not None:
+        event.synchronize()
 
 
 def _copy_all(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
@@ -534,6 +621,18 @@ def _runs(slots: list[int]) -> list[tuple[int, int, int]]:
         else:
             runs.append((row, slot, 1))
     return runs
+
+
+def _chunk_bounds(total: int, size: int) -> list[tuple[int, int]]:
+    """``(start, end)`` of the staged chunks of a device<->host copy: ``FIRST_CHUNK_BLOCKS``
+    first, doubling up to ``size``, so the copy engine starts after a small gather instead of a
+    whole staging buffer's, and later gathers still finish well before the copies they feed."""
+    bounds: list[tuple[int, int]] = []
+    start, step = 0, min(FIRST_CHUNK_BLOCKS, size)
+    while start < total:
+        bounds.append((start, min(start + step, total)))
+        start, step = start + step, min(2 * step, size)
+    return bounds
 
 
 def _chunks(pairs: Pairs, size: int) -> list[Pairs]:
