@@ -207,6 +207,20 @@ class BlockPool:
         for slot in slots:
             if hashes[slot] is not None or not ref[slot]:
                 raise ValueError(f"register: {self.tier.name} slot {slot} is not a mutable block")
+        if not blocks:
+            return []
+        seqs = [seq for seq, _ in blocks]
+        if by_hash.keys().isdisjoint(seqs) and len(set(seqs)) == len(seqs):
+            # The common case (every block is new): no dedup bookkeeping, one Stored.
+            parents = [parent_hash, *seqs[:-1]]
+            for slot, seq, (_, local), parent in zip(slots, seqs, blocks, parents, strict=True):
+                hashes[slot] = seq
+                local_of[slot] = local
+                parent_of[slot] = parent
+            by_hash.update(zip(seqs, slots, strict=True))
+            self._policy.registered(slots)
+            self.emitter.stored(self.tier, parent_hash, blocks, token_ids)
+            return list(slots)
         out = list(slots)
         new: list[int] = []
         duplicates: list[int] = []
