@@ -177,7 +177,7 @@ class Owner:
             stdout=subprocess.PIPE,
             stderr=self.stderr,
             text=True,
-            env={**os.environ, "NIXL_LOG_LEVEL": "WARNING", **(env or {})},
+            env={**os.environ, "NIXL_LOG_LEVEL": "WARN", **(env or {})},
         )
         self.hello = self._read(60)
 
