@@ -15,6 +15,10 @@ from collections.abc import Sequence
 COMMAND_MODULES = (
     "kvledger.commands.demo",
     "kvledger.commands.worker",
+    "kvledger.commands.db",
+    "kvledger.commands.replay",
+    "kvledger.commands.inspect",
+    "kvledger.commands.tail",
     "kvledger.commands.simulate",
     "kvledger.commands.sweep",
 )

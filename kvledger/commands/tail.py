@@ -1,0 +1,64 @@
+"""``kvledger tail LOG``: print a log's newest events, then follow new ones as they commit."""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+from kvledger.events.log import EventLog
+from kvledger.events.types import AnyEvent, Cleared, Offloaded, Onboarded, Removed, Stored
+
+
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser("tail", help="print the newest events of a log and follow new ones")
+    p.add_argument("log", metavar="LOG", help="SQLite file path or SQLAlchemy URL")
+    p.add_argument("-n", "--lines", type=int, default=10, help="events to show first")
+    p.add_argument("--no-follow", action="store_true", help="print and exit")
+    p.add_argument("--interval", type=float, default=0.2, help="seconds between polls")
+    p.add_argument("--max-events", type=int, help="exit after following this many new events")
+    p.set_defaults(func=run)
+
+
+def describe(position: int, event: AnyEvent) -> str:
+    head = f"{position:>8} w{event.worker_id}#{event.event_id} {event.tier.name} {event.ts:.6f}"
+    if isinstance(event, Stored):
+        parent = "-" if event.parent_hash is None else f"{event.parent_hash:016x}"
+        body = f"stored {len(event.blocks)} after {parent}: " + _hashes(event.sequence_hashes)
+    elif isinstance(event, Removed):
+        body = f"removed {len(event.sequence_hashes)}: " + _hashes(event.sequence_hashes)
+    elif isinstance(event, Offloaded | Onboarded):
+        kind = "offloaded" if isinstance(event, Offloaded) else "onboarded"
+        body = f"{kind} {len(event.blocks)} from {event.src_tier.name}: " + _hashes(
+            event.sequence_hashes
+        )
+    elif isinstance(event, Cleared):
+        body = "cleared"
+    return f"{head} {body}"
+
+
+def _hashes(hashes: tuple[int, ...], shown: int = 3) -> str:
+    text = " ".join(f"{h:016x}" for h in hashes[:shown])
+    return text + (f" (+{len(hashes) - shown})" if len(hashes) > shown else "")
+
+
+def run(args: argparse.Namespace) -> int:
+    with EventLog(args.log, read_only=True) as log:
+        last = log.last_position()
+        start = max(0, last - args.lines)
+        for position, event in log.read_positions(after_position=start, until_position=last):
+            print(describe(position, event), flush=True)
+        if args.no_follow:
+            return 0
+        followed = 0
+        while args.max_events is None or followed < args.max_events:
+            new = False
+            for position, event in log.read_positions(after_position=last):
+                print(describe(position, event), flush=True)
+                last = position
+                followed += 1
+                new = True
+                if args.max_events is not None and followed >= args.max_events:
+                    break
+            if not new:
+                time.sleep(args.interval)
+    return 0
