@@ -14,6 +14,7 @@ line per command read from stdin (``prompt``, ``evict``, ``overwrite``, ``quit``
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import selectors
@@ -30,11 +31,13 @@ from typing import Any
 import pytest
 import redis
 import torch
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 from kvledger.config import Settings
 from kvledger.events.log import EventLog
 from kvledger.events.shared_registry import SharedRegistry
-from kvledger.events.types import AnyEvent, Onboarded, Tier
+from kvledger.events.types import AnyEvent, Onboarded, Stored, Tier
 from kvledger.manager import BlockManager
 from kvledger.tiers.remote import (
     BlockExporter,
@@ -366,6 +369,58 @@ def test_checksum_mismatch_is_a_clean_miss(pair: tuple[Owner, Reader]) -> None:
     assert plan is not None
     assert reader.fetcher.execute(plan, [10, 11, 12, 13]).count == 2
     assert reader.failures("checksum") == 2
+
+
+def test_what_the_directory_says_can_end_a_fetch_before_any_read(
+    namespace: str, tmp_path: Path
+) -> None:
+    """No owner process: worker 9's events and cards are written straight into Redis."""
+    reader = Reader(namespace, tmp_path)
+    try:
+        seq = reader.manager.sequence(prompt_tokens(7, 2))
+        hashes = seq.sequence_hashes
+        stored = Stored(
+            event_id=0,
+            worker_id=9,
+            dp_rank=0,
+            tier=Tier.G2,
+            ts=0.0,
+            parent_hash=None,
+            blocks=tuple((b.sequence_hash, b.local_hash) for b in seq.blocks),
+        )
+        reader.shared.apply(9, [stored])
+        directory = RemoteDirectory(reader.client, namespace, ttl_s=LEASE_S)
+        fetcher = reader.fetcher
+        assert fetcher.plan(hashes) is None and reader.failures("no_agent") == 1  # no card
+
+        key = f"kvl:{{{namespace}}}:nixl:9"
+        reader.client.set(key, b"not a card")
+        assert fetcher.plan(hashes) is None and reader.failures("bad_card") == 1
+
+        card = reader.agent.card(reader.manager.shape)
+        other = dataclasses.replace(card, worker_id=9, block_shape="1x1x1x1:uint8")
+        directory.publish_card(other)
+        assert fetcher.plan(hashes) is None and reader.failures("shape") == 1
+
+        directory.publish_card(dataclasses.replace(card, worker_id=9))
+        assert fetcher.plan(hashes) is None and reader.failures("vanished") == 1  # no entries
+
+        reader.client.delete(f"kvl:{{{namespace}}}:lease:9")  # lease lapsed
+        assert fetcher.plan(hashes) is None and reader.failures("no_agent") == 2
+
+        dead = redis.Redis(port=1, socket_connect_timeout=0.2, retry=Retry(NoBackoff(), 0))
+        offline = RemoteFetcher(
+            reader.agent,
+            RemoteDirectory(dead, namespace),
+            SharedRegistry(dead, namespace),
+            reader.g2,
+            worker_id=READER,  # type: ignore[arg-type]
+        )
+        assert offline.plan(hashes) is None and offline.stats.failures == {"registry": 1}
+        assert reader.manager.onboard_remote(seq, offline) == []
+        assert not reader.remote_onboards()
+    finally:
+        reader.close()
 
 
 def test_owner_killed_mid_transfer_is_a_clean_miss(

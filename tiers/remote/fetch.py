@@ -13,7 +13,8 @@ Failures never raise: they end the run early with a reason, counted in ``stats``
 ``kvbm_remote_fetch_failures`` counter when a Prometheus registry is given). Reasons:
 ``no_agent`` (lease gone or no card), ``vanished`` (the owner dropped the block), ``shape``
 (the owner's blocks are another size), ``timeout``, ``disconnected``, ``error`` (the read
-failed) and ``checksum`` (the bytes read are not the block the entry names).
+failed), ``checksum`` (the bytes read are not the block the entry names), ``registry`` (Redis
+did not answer) and ``bad_card`` (what the owner published cannot be parsed).
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+import redis
+
 from kvledger.events.types import Tier
 from kvledger.tiers.base import MemoryTier
 from kvledger.tiers.layout import FullyContiguous
@@ -32,6 +35,8 @@ from kvledger.tiers.remote.directory import AgentCard, BlockEntry, RemoteDirecto
 from kvledger.tiers.remote.export import block_checksum
 
 REASONS = (
+    "registry",
+    "bad_card",
     "no_agent",
     "vanished",
     "shape",
@@ -50,6 +55,12 @@ class HolderIndex(Protocol):
     def who_has(
         self, sequence_hashes: Sequence[int], *, stop_at_miss: bool = False
     ) -> list[dict[int, int]]: ...
+
+
+class _Miss(Exception):
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,22 +140,31 @@ class RemoteFetcher:
         hashes = list(sequence_hashes[:limit] if limit is not None else sequence_hashes)
         if not hashes:
             return None
+        try:
+            return self._plan(hashes)
+        except _Miss as miss:
+            self._fail(miss.reason)
+            return None
+
+    def _plan(self, hashes: list[int]) -> FetchPlan | None:
         bit = _TIER_BIT[self.source_tier]
         run: dict[int, int] = {}
-        for position, holders in enumerate(self.holders.who_has(hashes, stop_at_miss=True)):
+        try:
+            who = self.holders.who_has(hashes, stop_at_miss=True)
+        except redis.RedisError:
+            raise _Miss("registry") from None
+        for position, holders in enumerate(who):
             for worker, mask in holders.items():
                 if worker != self.worker_id and mask & bit and run.get(worker, 0) == position:
                     run[worker] = position + 1
         if not run:
             return None
         worker, count = max(run.items(), key=lambda wc: (wc[1], -wc[0]))
-        card, entries = self.directory.lookup(worker, hashes[:count])
+        card, entries = self._lookup(worker, hashes[:count])
         if card is None:
-            self._fail("no_agent")
-            return None
+            raise _Miss("no_agent")
         if card.block_shape != self.block_shape or card.block_bytes != self.local.shape.block_bytes:
-            self._fail("shape")
-            return None
+            raise _Miss("shape")
         region = card.region(self.source_tier)
         good: list[BlockEntry] = []
         for entry in entries:
@@ -154,8 +174,7 @@ class RemoteFetcher:
                 break
             good.append(entry)
         if not good:
-            self._fail("vanished")
-            return None
+            raise _Miss("vanished")
         return FetchPlan(worker, card, tuple(hashes[: len(good)]), tuple(good))
 
     # -- step 2 ------------------------------------------------------------------------------
@@ -183,9 +202,12 @@ class RemoteFetcher:
                 good, reason = i, "checksum"
                 break
         if good:  # the owner may have dropped blocks while they were read: look again
-            card, again = self.directory.lookup(plan.worker_id, plan.sequence_hashes[:good])
+            try:
+                card, again = self._lookup(plan.worker_id, plan.sequence_hashes[:good])
+            except _Miss as miss:
+                card, again, reason = None, [], miss.reason
             if card is None or card.agent_name != plan.card.agent_name:
-                good, reason = 0, "no_agent"
+                good, reason = 0, reason or "no_agent"
             else:
                 for i, (before, now) in enumerate(zip(plan.entries[:good], again, strict=True)):
                     if now != before:
@@ -198,6 +220,16 @@ class RemoteFetcher:
             self.stats.blocks += good
             self.stats.bytes += good * self.local.shape.block_bytes
         return FetchResult(plan.worker_id, good, reason, "", outcome.seconds)
+
+    def _lookup(
+        self, worker: int, hashes: Sequence[int]
+    ) -> tuple[AgentCard | None, list[BlockEntry | None]]:
+        try:
+            return self.directory.lookup(worker, hashes)
+        except redis.RedisError:
+            raise _Miss("registry") from None
+        except ValueError:
+            raise _Miss("bad_card") from None
 
     def _fail(self, reason: str) -> None:
         with self._lock:
