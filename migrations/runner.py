@@ -27,7 +27,7 @@ def alembic_config(url: str, connection: sa.Connection | None = None) -> Config:
 def _make_parent_dir(url: str) -> None:
     parsed = sa.make_url(database_url(url))
     if parsed.get_backend_name() == "sqlite" and parsed.database not in (None, "", ":memory:"):
-        Path(parsed.database).parent.mkdir(parents=True, exist_ok=True)  # type: ignore[arg-type]
+        Path(parsed.database).parent.mkdir(parents=True, exist_ok=True)
 
 
 def upgrade(url: str, revision: str = "head", connection: sa.Connection | None = None) -> None:
