@@ -190,14 +190,18 @@ class BlockManager:
         The read runs without the lock (it may take up to the fetcher's timeout). Blocks that
         arrive intact are registered on G2 (``Onboarded(G4 -> G2)``) and onboarded to G1 with
         the local prefix; a block that vanished, a dead owner or a checksum mismatch is a miss
-        from there on, and its slots are freed unregistered.
+        from there on, and its slots are freed unregistered. The remote read starts where the
+        local G1/G2 prefix ends: blocks only on the local G3 are read from another worker's
+        memory when one holds them (a local prefix continues from G2 onto G3, never from G3
+        back onto G2, so remote blocks after a G3 run could not be matched).
         """
         pool = self.registry.pools.get(Tier.G2)
         if pool is None:
             raise ValueError("remote onboard lands blocks on G2, and this worker has no G2")
         hashes = sequence.sequence_hashes
         with self._lock:
-            start = self.registry.match(hashes).total
+            local = self.registry.match(hashes)
+        start = local.g1 + local.g2
         plan = fetcher.plan(hashes[start:]) if start < len(hashes) else None
         landed: list[int] = []
         if plan is not None:
