@@ -63,7 +63,7 @@ pytestmark = [
 ]
 
 
-def worker_settings(tmp: Path, worker_id: int) -> Settings:
+def worker_settings(tmp: Path, worker_id: int, **extra: Any) -> Settings:
     return Settings.load(
         block_size=BLOCK,
         num_layers=2,
@@ -76,6 +76,7 @@ def worker_settings(tmp: Path, worker_id: int) -> Settings:
         worker_id=worker_id,
         data_dir=tmp / f"w{worker_id}",
         event_log_url=f"sqlite:///{tmp / f'w{worker_id}.db'}",
+        **extra,
     )
 
 
@@ -222,13 +223,15 @@ class Owner:
 class Reader:
     """Worker 2 in this process: a BlockManager, its NIXL agent and a fetcher."""
 
-    def __init__(self, namespace: str, tmp: Path) -> None:
+    def __init__(self, namespace: str, tmp: Path, **settings: Any) -> None:
         from prometheus_client import CollectorRegistry
 
         self.client = redis.Redis.from_url(REDIS_URL)
         self.shared = SharedRegistry(self.client, namespace, lease_ttl_s=LEASE_S)
         self.events: list[AnyEvent] = []
-        self.manager = BlockManager(worker_settings(tmp, READER), sinks=[self.events.append])
+        self.manager = BlockManager(
+            worker_settings(tmp, READER, **settings), sinks=[self.events.append]
+        )
         self.g2 = self.manager.tiers[Tier.G2]
         self.agent = RemoteAgent(READER)
         self.agent.register(self.g2)  # type: ignore[arg-type]
@@ -326,6 +329,36 @@ def test_local_prefix_first_then_remote_rest(pair: tuple[Owner, Reader]) -> None
     for slot, seq_hash in zip(held, hashes, strict=True):
         assert torch.equal(g1_block(mgr, slot), block_bytes(seq_hash, mgr))
     mgr.release(held)
+
+
+def test_remote_memory_is_preferred_to_the_local_disk(namespace: str, tmp_path: Path) -> None:
+    owner = Owner(namespace, tmp_path)
+    reader = Reader(namespace, tmp_path, g3_blocks=32, offload_filter="always")
+    try:
+        hashes = owner.ask("prompt", 8, 4)["hashes"]
+        mgr = reader.manager
+        seq = mgr.sequence(prompt_tokens(8, 4))
+        mine = mgr.allocate(2)  # the reader computed the first two blocks once...
+        for slot, block in zip(mine, seq.blocks[:2], strict=True):
+            for layer, view in enumerate(mgr.g1.layout.block(slot)):  # type: ignore[attr-defined]
+                view.copy_(block_bytes(block.sequence_hash, mgr)[layer])
+        mgr.release(mgr.register(mine, seq, start=0))
+        assert mgr.wait_idle(10)
+        with mgr._lock:  # ...and only its disk kept them
+            mgr.registry.pools[Tier.G1].remove(hashes[:2])
+            mgr.registry.pools[Tier.G2].remove(hashes[:2])
+        assert mgr.match(seq) == (0, 0, 2)
+
+        held = mgr.onboard_remote(seq, reader.fetcher)
+
+        assert len(held) == 4
+        assert [h for e in reader.remote_onboards() for h in e.sequence_hashes] == hashes
+        for slot, seq_hash in zip(held, hashes, strict=True):
+            assert torch.equal(g1_block(mgr, slot), block_bytes(seq_hash, mgr))
+        mgr.release(held)
+    finally:
+        reader.close()
+        owner.close()
 
 
 def test_block_evicted_after_lookup_is_a_clean_miss(pair: tuple[Owner, Reader]) -> None:
