@@ -118,7 +118,7 @@ def test_an_error_issuing_at_once_reaches_wait_and_leaves_the_engine_usable() ->
     engine = TransferEngine(staging_blocks=4)
     host_g1 = DeviceTier(SHAPE, SLOTS, device="cpu")  # layer-separate: no host route to a GPU
     g1, g2 = random_g1("layer_separate", 6), HostTier(SHAPE, SLOTS)
-    handle = engine.copy(host_g1, range(10), g1, range(10))
+    handle = engine.copy(host_g1, range(SLOTS), g1, range(SLOTS))  # too many to copy directly
     with pytest.raises(ValueError, match="must be a FullyContiguous layout"):
         handle.wait()
     engine.offload(g1, range(10), g2, range(10)).wait()
