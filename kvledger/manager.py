@@ -190,7 +190,9 @@ class BlockManager:
         The read runs without the lock (it may take up to the fetcher's timeout). Blocks that
         arrive intact are registered on G2 (``Onboarded(G4 -> G2)``) and onboarded to G1 with
         the local prefix; a block that vanished, a dead owner or a checksum mismatch is a miss
-        from there on, and its slots are freed unregistered. The remote read starts where the
+        from there on, and its slots are freed unregistered -- except after a timeout, when
+        they stay allocated until the abandoned read ends (a later call frees them; see
+        ``RemoteFetcher.reclaim``). The remote read starts where the
         local G1/G2 prefix ends: blocks only on the local G3 are read from another worker's
         memory when one holds them (a local prefix continues from G2 onto G3, never from G3
         back onto G2, so remote blocks after a G3 run could not be matched).
@@ -199,7 +201,9 @@ class BlockManager:
         if pool is None:
             raise ValueError("remote onboard lands blocks on G2, and this worker has no G2")
         hashes = sequence.sequence_hashes
+        reclaimed = fetcher.reclaim()  # slots of earlier reads abandoned while in flight
         with self._lock:
+            pool.release(reclaimed)
             local = self.registry.match(hashes)
         start = local.g1 + local.g2
         plan = fetcher.plan(hashes[start:]) if start < len(hashes) else None
@@ -207,14 +211,16 @@ class BlockManager:
         if plan is not None:
             with self._lock:
                 slots = pool.allocate_upto(len(plan))
-            n = fetcher.execute(plan, slots).count if slots else 0
+            result = fetcher.execute(plan, slots) if slots else None
+            n = result.count if result is not None else 0
+            held_back = set(result.held_back) if result is not None else set()
             infos = [
                 BlockInfo(b.sequence_hash, b.local_hash, hashes[i - 1] if i else None)
                 for i, b in enumerate(sequence.blocks[start : start + n], start)
             ]
             with self._lock:
                 landed = pool.register_copies(slots[:n], infos, Tier.G4) if n else []
-                pool.release(slots[n:])
+                pool.release([s for s in slots[n:] if s not in held_back])
         try:
             return self.onboard(sequence)
         finally:

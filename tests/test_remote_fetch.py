@@ -456,11 +456,13 @@ def test_what_the_directory_says_can_end_a_fetch_before_any_read(
         reader.close()
 
 
-def test_owner_killed_mid_transfer_is_a_clean_miss(
+@pytest.fixture
+def tcp_pair(
     namespace: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    # TCP only: a shared-memory read (CMA) needs nothing from the owner and would finish
-    # before it is stopped; over TCP the owner's progress thread serves the read.
+) -> Iterator[tuple[Owner, Reader, list[int]]]:
+    """Owner and reader over TCP only: a shared-memory read (CMA) needs nothing from the owner
+    and finishes even while it is stopped; over TCP the owner's progress thread serves it.
+    Yields the hashes of an 8-block prompt the owner holds, with the connection warmed up."""
     monkeypatch.setenv("UCX_TLS", "tcp")
     owner = Owner(namespace, tmp_path, env={"UCX_TLS": "tcp"})
     reader = Reader(namespace, tmp_path)
@@ -468,34 +470,95 @@ def test_owner_killed_mid_transfer_is_a_clean_miss(
         hashes = owner.ask("prompt", 5, 8)["hashes"]
         warm = reader.fetcher.plan(hashes[:1])  # connect while the owner is healthy
         assert warm is not None and reader.fetcher.execute(warm, [31]).count == 1
-        mgr = reader.manager
-        g2 = mgr.registry.pools[Tier.G2]
-        free_before = g2.num_free
-
-        os.kill(owner.proc.pid, signal.SIGSTOP)  # the read below cannot finish...
-        outcome: dict[str, Any] = {}
-        started = time.monotonic()
-        thread = threading.Thread(
-            target=lambda: outcome.update(
-                held=mgr.onboard_remote(mgr.sequence(prompt_tokens(5, 8)), reader.fetcher)
-            )
-        )
-        thread.start()
-        time.sleep(0.5)
-        os.kill(owner.proc.pid, signal.SIGKILL)  # ...and the owner dies in the middle of it
-        thread.join(TIMEOUT_S + 10)
-        elapsed = time.monotonic() - started
-
-        assert not thread.is_alive(), "onboard_remote hung after the owner died"
-        assert elapsed < TIMEOUT_S + 5
-        assert outcome["held"] == []
-        assert reader.failures("disconnected") + reader.failures("timeout") == 1
-        assert not reader.remote_onboards()
-        assert g2.num_free == free_before and all(h not in g2 for h in hashes)
-        assert reader.manager.wait_idle(5)
+        yield owner, reader, hashes
     finally:
+        if owner.proc.poll() is None:
+            os.kill(owner.proc.pid, signal.SIGCONT)
         reader.close()
         owner.close()
+
+
+def onboard_in_thread(reader: Reader, prompt: int, blocks: int) -> tuple[threading.Thread, dict]:
+    mgr = reader.manager
+    out: dict[str, Any] = {}
+    seq = mgr.sequence(prompt_tokens(prompt, blocks))
+    thread = threading.Thread(
+        target=lambda: out.update(held=mgr.onboard_remote(seq, reader.fetcher))
+    )
+    thread.start()
+    return thread, out
+
+
+def test_stalled_owner_times_out_and_its_slots_wait_for_the_read(
+    tcp_pair: tuple[Owner, Reader, list[int]],
+) -> None:
+    owner, reader, hashes = tcp_pair
+    g2 = reader.manager.registry.pools[Tier.G2]
+    free_before = g2.num_free
+    os.kill(owner.proc.pid, signal.SIGSTOP)
+
+    started = time.monotonic()
+    thread, out = onboard_in_thread(reader, 5, 8)
+    thread.join(TIMEOUT_S + 10)
+
+    assert not thread.is_alive() and time.monotonic() - started < TIMEOUT_S + 3
+    assert out["held"] == [] and reader.failures("timeout") == 1
+    # The read may still land: its 8 slots stay allocated, unregistered.
+    assert g2.num_free == free_before - 8 and all(h not in g2 for h in hashes)
+    assert reader.agent.stalled_workers() == {OWNER}
+    # While that read hangs, the owner is not asked again.
+    assert (
+        reader.manager.onboard_remote(reader.manager.sequence(prompt_tokens(5, 8)), reader.fetcher)
+        == []
+    )
+    assert reader.failures("timeout") == 1 and g2.num_free == free_before - 8
+
+    os.kill(owner.proc.pid, signal.SIGCONT)  # the owner resumes and the late bytes arrive
+    deadline = time.monotonic() + 10
+    freed: list[int] = []
+    while len(freed) < 8 and time.monotonic() < deadline:
+        freed += reader.fetcher.reclaim()
+        time.sleep(0.05)
+    assert len(freed) == 8 and not reader.agent.stalled_workers()
+    with reader.manager._lock:
+        g2.release(freed)
+    assert g2.num_free == free_before and not reader.remote_onboards()
+    # Healthy again: the next onboard reads the blocks.
+    held = reader.manager.onboard_remote(
+        reader.manager.sequence(prompt_tokens(5, 8)), reader.fetcher
+    )
+    assert len(held) == 8
+    reader.manager.release(held)
+
+
+def test_owner_killed_mid_transfer_is_a_clean_miss(
+    tcp_pair: tuple[Owner, Reader, list[int]],
+) -> None:
+    owner, reader, hashes = tcp_pair
+    mgr = reader.manager
+    g2 = mgr.registry.pools[Tier.G2]
+    free_before = g2.num_free
+    os.kill(owner.proc.pid, signal.SIGSTOP)  # the read below cannot finish...
+
+    started = time.monotonic()
+    thread, out = onboard_in_thread(reader, 5, 8)
+    time.sleep(0.5)
+    os.kill(owner.proc.pid, signal.SIGKILL)  # ...and the owner dies in the middle of it
+    thread.join(TIMEOUT_S + 10)
+
+    assert not thread.is_alive(), "onboard_remote hung after the owner died"
+    assert time.monotonic() - started < TIMEOUT_S + 3
+    assert out["held"] == []
+    assert reader.failures("disconnected") + reader.failures("timeout") == 1
+    assert not reader.remote_onboards() and all(h not in g2 for h in hashes)
+    # Whether UCX reported the death at once or the read hit its deadline first, a dead owner
+    # writes nothing more: every slot comes back (a later onboard reclaims held-back ones).
+    deadline = time.monotonic() + 10
+    while g2.num_free < free_before and time.monotonic() < deadline:
+        assert mgr.onboard_remote(mgr.sequence(prompt_tokens(5, 8)), reader.fetcher) == []
+        time.sleep(0.1)
+    assert g2.num_free == free_before
+    assert mgr.wait_idle(5)
 
 
 if __name__ == "__main__" and len(sys.argv) > 1 and sys.argv[1] == "owner":

@@ -4,9 +4,15 @@ Reads are one-sided: the reader names remote addresses from the owner's ``AgentC
 NIXL (UCX) moves the bytes without the owner's Python code running. So everything that can go
 wrong on the other side shows up here as a transfer that errors or never finishes: a dead owner
 (the UCX endpoint reports the peer gone), an owner that stopped responding (the read is still in
-progress at the deadline). Either way the read is abandoned the same way: the connection to
-that agent is dropped (so no late write can land in slots the caller frees) and the handle is
-released; the next read reconnects from the card.
+progress at the deadline).
+
+A read that failed (an error state, or NIXL raising because the peer is gone) is over: its
+handle is released and the connection dropped; the next read reconnects from the card. A read
+still in progress at its deadline is *not* over: releasing its handle and dropping the
+connection does not stop UCX from writing the bytes when the owner resumes (measured: a stopped
+owner sent all 128 MiB into the released destination after SIGCONT). So such a read is kept,
+under an id, until ``settle()`` sees it end; until then the caller must not reuse its
+destination slots, and the owner counts as stalled (``stalled_workers``).
 """
 
 from __future__ import annotations
@@ -42,6 +48,8 @@ class ReadOutcome:
     reason: str | None = None
     detail: str = ""
     seconds: float = 0.0
+    in_flight: int | None = None
+    """Set on a timeout: the id of the read, which may still write into its destination."""
 
 
 class RemoteAgent:
@@ -62,6 +70,8 @@ class RemoteAgent:
         self._regions: dict[Tier, Region] = {}
         self._reg_descs: list[Any] = []
         self._peers: dict[int, str] = {}  # worker id -> agent name loaded from its card
+        self._unsettled: dict[int, tuple[Any, int]] = {}  # read id -> (handle, worker id)
+        self._read_ids = 0
 
     # -- registration ------------------------------------------------------------------------
 
@@ -149,14 +159,44 @@ class RemoteAgent:
                 if state == "DONE":
                     outcome = ReadOutcome(True)
                 elif state == "PROC":
-                    outcome = ReadOutcome(False, "timeout", f"not finished after {timeout_s} s")
+                    self._read_ids += 1
+                    self._unsettled[self._read_ids] = (handle, card.worker_id)
+                    handle = None  # kept: it may still write (see the module docstring)
+                    outcome = ReadOutcome(
+                        False, "timeout", f"not finished after {timeout_s} s", 0, self._read_ids
+                    )
                 else:
                     outcome = ReadOutcome(False, "error", f"transfer state {state}")
-            if not outcome.ok:
+            if not outcome.ok and outcome.in_flight is None:
                 self._drop_peer(card.worker_id)
             if handle is not None:
                 self._release(handle)
-        return ReadOutcome(outcome.ok, outcome.reason, outcome.detail, time.monotonic() - started)
+        seconds = time.monotonic() - started
+        return ReadOutcome(outcome.ok, outcome.reason, outcome.detail, seconds, outcome.in_flight)
+
+    def settle(self) -> list[int]:
+        """Ids of reads abandoned at their deadline that have ended since (done, failed, or
+        their owner gone): their destinations are safe to reuse now."""
+        ended: list[int] = []
+        with self._lock:
+            for read_id, (handle, worker) in list(self._unsettled.items()):
+                try:
+                    state = self._agent.check_xfer_state(handle)
+                except Exception:  # the peer is gone: nothing more can arrive
+                    state = "ERR"
+                if state == "PROC":
+                    continue
+                del self._unsettled[read_id]
+                self._release(handle)
+                if state != "DONE":
+                    self._drop_peer(worker)
+                ended.append(read_id)
+        return ended
+
+    def stalled_workers(self) -> set[int]:
+        """Workers with a read still in flight past its deadline."""
+        with self._lock:
+            return {worker for _, worker in self._unsettled.values()}
 
     def _wait(self, handle: Any, state: str, deadline: float) -> str:
         """Poll until the transfer leaves PROC or the deadline passes; spin briefly first
@@ -206,6 +246,9 @@ class RemoteAgent:
     def close(self) -> None:
         """Disconnect from every peer and deregister memory."""
         with self._lock:
+            for handle, _ in self._unsettled.values():
+                self._release(handle)
+            self._unsettled.clear()
             for worker in list(self._peers):
                 self._drop_peer(worker)
             for descs in self._reg_descs:

@@ -78,13 +78,18 @@ class FetchPlan:
 
 @dataclass(frozen=True, slots=True)
 class FetchResult:
-    """``count`` leading blocks of the plan arrived intact; ``reason`` says why the rest did not."""
+    """``count`` leading blocks of the plan arrived intact; ``reason`` says why the rest did not.
+
+    ``held_back`` slots belong to a read abandoned at its deadline that may still write into
+    them: the caller keeps them allocated until ``RemoteFetcher.reclaim`` hands them back.
+    """
 
     worker_id: int | None
     count: int
     reason: str | None = None
     detail: str = ""
     seconds: float = 0.0
+    held_back: tuple[int, ...] = ()
 
 
 @dataclass(slots=True)
@@ -128,6 +133,7 @@ class RemoteFetcher:
         self.stats = FetchStats()
         self._lock = threading.Lock()
         self._failures = _failure_counter(metrics_registry)
+        self._held: dict[int, list[int]] = {}  # abandoned read id -> its destination slots
 
     # -- step 1 ------------------------------------------------------------------------------
 
@@ -149,13 +155,19 @@ class RemoteFetcher:
     def _plan(self, hashes: list[int]) -> FetchPlan | None:
         bit = _TIER_BIT[self.source_tier]
         run: dict[int, int] = {}
+        stalled = self.agent.stalled_workers()  # a read to it is still hanging: ask others
         try:
             who = self.holders.who_has(hashes, stop_at_miss=True)
         except redis.RedisError:
             raise _Miss("registry") from None
         for position, holders in enumerate(who):
             for worker, mask in holders.items():
-                if worker != self.worker_id and mask & bit and run.get(worker, 0) == position:
+                if (
+                    worker != self.worker_id
+                    and worker not in stalled
+                    and mask & bit
+                    and run.get(worker, 0) == position
+                ):
                     run[worker] = position + 1
         if not run:
             return None
@@ -195,7 +207,14 @@ class RemoteFetcher:
         )
         if not outcome.ok:
             self._fail(outcome.reason or "error")
-            return FetchResult(plan.worker_id, 0, outcome.reason, outcome.detail, outcome.seconds)
+            held: tuple[int, ...] = ()
+            if outcome.in_flight is not None:
+                held = tuple(dst)
+                with self._lock:
+                    self._held[outcome.in_flight] = list(dst)
+            return FetchResult(
+                plan.worker_id, 0, outcome.reason, outcome.detail, outcome.seconds, held
+            )
         good, reason = n, None
         for i, (entry, slot) in enumerate(zip(plan.entries[:n], dst, strict=True)):
             if block_checksum(self.layout, slot) != entry.checksum:
@@ -220,6 +239,12 @@ class RemoteFetcher:
             self.stats.blocks += good
             self.stats.bytes += good * self.local.shape.block_bytes
         return FetchResult(plan.worker_id, good, reason, "", outcome.seconds)
+
+    def reclaim(self) -> list[int]:
+        """Slots of ``held_back`` results whose reads have ended since: free to reuse now."""
+        ended = self.agent.settle()
+        with self._lock:
+            return [slot for read_id in ended for slot in self._held.pop(read_id, [])]
 
     def _lookup(
         self, worker: int, hashes: Sequence[int]
