@@ -5,8 +5,6 @@ G1 LayerSeparate, random source and destination slots.
 
 - G1->G2 and G2->G1 against one plain copy of the same byte count between a device buffer and
   G2's own memory: pinned ``copy_`` on a GPU, a contiguous tensor ``copy_`` (memcpy) on CPU.
-  These rows use the engine's default host route (DMA on a GPU); the "mapped route" rows run
-  the same copies with ``host_copies="mapped"`` (kernels over G2 mapped into the GPU).
 - G2->G3 and G3->G2 (checksums on) against sequential ``os.pwritev``/``os.preadv`` with O_DIRECT
   of the same bytes into a separate preallocated file, in 16 MiB requests.
 - The ceiling once gathering costs nothing: the engine's own device->host copies (one per run
@@ -114,8 +112,6 @@ def memory_bench(args: argparse.Namespace, shape: BlockShape, rows: list[tuple[s
     g2 = HostTier(shape, 2 * n)
     src, dst = rng.sample(range(2 * n), n), rng.sample(range(2 * n), n)
     engine = TransferEngine(staging_blocks=args.staging_blocks)
-    mapped = TransferEngine(staging_blocks=args.staging_blocks, host_copies="mapped")
-    route = engine.host_route(g1, g2) or "same device"
 
     # Reference: one plain copy of the same byte count into and out of G2's own memory (pinned
     # buffers of the same size were seen to copy at 32 to 55 GB/s on one machine, so a separate
@@ -136,22 +132,8 @@ def memory_bench(args: argparse.Namespace, shape: BlockShape, rows: list[tuple[s
         args.reps,
         sync,
     )
-    map_down_ref, map_down = paired_medians(
-        lambda: ref_host.copy_(ref_dev, non_blocking=True),
-        lambda: mapped.offload(g1, src, g2, dst).wait(),
-        args.reps,
-        sync,
-    )
-    map_up_ref, map_up = paired_medians(
-        lambda: ref_dev.copy_(ref_host, non_blocking=True),
-        lambda: mapped.onboard(g2, dst, g1, src).wait(),
-        args.reps,
-        sync,
-    )
-    map_route = mapped.host_route(g1, g2) or "same device"
-    mapped.close()
-    # The ceiling of the DMA route once gathering is free: the same host<->device copies it
-    # issues, one per run of consecutive host slots, straight from a contiguous device buffer.
+    # The ceiling left once gathering is free: the same host<->device copies the engine issues,
+    # one per run of consecutive host slots, straight from/to a contiguous device buffer.
     host_runs = runs(sorted(dst))
     dev_rows = ref_dev.view(n, shape.block_bytes)
     host_rows = g2.layout.block_bytes_view()
@@ -184,17 +166,11 @@ def memory_bench(args: argparse.Namespace, shape: BlockShape, rows: list[tuple[s
         sync,
     )
     for label, t, ref in [
-        (f"G1->G2 ({route})", down, down_ref),
-        (f"G2->G1 ({route})", up, up_ref),
-        (f"G1->G2 mapped option ({map_route})", map_down, map_down_ref),
-        (f"G2->G1 mapped option ({map_route})", map_up, map_up_ref),
+        ("G1->G2", down, down_ref),
+        ("G2->G1", up, up_ref),
         (f"D2H copies only, {len(host_runs)} runs", runs_down, runs_down_ref),
-        (
-            f"G1->G2 layers apart ({engine.host_route(separate, g2) or route})",
-            sep_down,
-            sep_down_ref,
-        ),
-        (f"G2->G1 layers apart ({engine.host_route(g2, separate) or route})", sep_up, sep_up_ref),
+        ("G1->G2 layers apart", sep_down, sep_down_ref),
+        ("G2->G1 layers apart", sep_up, sep_up_ref),
     ]:
         rows.append(
             (

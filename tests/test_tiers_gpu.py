@@ -1,7 +1,4 @@
-"""The CUDA routes: G1 on the GPU to and from pinned G2 and G3, with random bytes.
-
-G1<->G2 runs through both host routes: copy-engine DMA ("dma", the default) and kernels over
-G2 mapped into the GPU ("mapped", for pinned G2 and a block-major G1)."""
+"""The CUDA routes: G1 on the GPU to and from pinned G2 and G3, with random bytes."""
 
 from __future__ import annotations
 
@@ -11,14 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvledger.tiers import (
-    BlockShape,
-    DeviceTier,
-    DiskTier,
-    HostTier,
-    LayerSeparate,
-    TransferEngine,
-)
+from kvledger.tiers import BlockShape, DeviceTier, DiskTier, HostTier, TransferEngine
 
 pytestmark = [
     pytest.mark.gpu,
@@ -44,23 +34,14 @@ def block_bytes(tier: DeviceTier | HostTier, slot: int) -> bytes:
     )
 
 
-def poison_g1(g1: DeviceTier) -> None:
-    for i in range(SHAPE.num_layers):
-        g1.layout.layer(i).view(torch.uint8).fill_(0x3C)
-
-
-@pytest.mark.parametrize("host_copies", ["mapped", "dma"])
 @pytest.mark.parametrize("layout", ["layer_separate", "fully_contiguous"])
 @pytest.mark.parametrize("pin", [True, False])
 @pytest.mark.parametrize("count", [3, 37])  # direct per-layer copies, and staged chunks
-def test_device_host_round_trip(layout: str, pin: bool, count: int, host_copies: str) -> None:
+def test_device_host_round_trip(layout: str, pin: bool, count: int) -> None:
     rng = random.Random(11)
-    # several chunks: both staging buffers in play
-    engine = TransferEngine(staging_blocks=3, host_copies=host_copies)
+    engine = TransferEngine(staging_blocks=3)  # several chunks: both staging buffers in play
     g1, g2 = random_g1(layout, 1), HostTier(SHAPE, SLOTS, pin=pin)
     assert g2.pinned is pin
-    route = "mapped" if pin and host_copies == "mapped" else "dma"
-    assert engine.host_route(g1, g2) == engine.host_route(g2, g1) == route
     g2.layout.tensor.view(torch.uint8).fill_(0xA5)
     expected = {s: block_bytes(g1, s) for s in range(SLOTS)}
     src, mid = rng.sample(range(SLOTS), count), rng.sample(range(SLOTS), count)
@@ -69,82 +50,12 @@ def test_device_host_round_trip(layout: str, pin: bool, count: int, host_copies:
     for s, m in zip(src, mid, strict=True):
         assert block_bytes(g2, m) == expected[s]
 
-    poison_g1(g1)  # then bring the blocks back elsewhere
+    for i in range(SHAPE.num_layers):  # poison G1, then bring the blocks back elsewhere
+        g1.layout.layer(i).view(torch.uint8).fill_(0x3C)
     back = rng.sample(range(SLOTS), count)
     assert engine.onboard(g2, mid, g1, back).wait().dst_slots == back
     for s, b in zip(src, back, strict=True):
         assert block_bytes(g1, b) == expected[s]
-    engine.close()
-
-
-def test_mapped_route_moves_every_block() -> None:
-    """All slots of both tiers in random order, one 40-block copy each way, against the bytes
-    read back through the default (DMA) route."""
-    rng = random.Random(12)
-    mapped, dma = TransferEngine(host_copies="mapped"), TransferEngine()
-    g1, g2 = random_g1("layer_separate", 7), HostTier(SHAPE, SLOTS)
-    assert mapped.host_route(g1, g2) == "mapped"
-    assert dma.host_route(g1, g2) == "dma"
-    g2.layout.tensor.view(torch.uint8).fill_(0xA5)
-    expected = {s: block_bytes(g1, s) for s in range(SLOTS)}
-    src, mid, back = (rng.sample(range(SLOTS), SLOTS) for _ in range(3))
-
-    mapped.offload(g1, src, g2, mid).wait()
-    for s, m in zip(src, mid, strict=True):
-        assert block_bytes(g2, m) == expected[s]
-    poison_g1(g1)
-    mapped.onboard(g2, mid, g1, back).wait()
-    for s, b in zip(src, back, strict=True):
-        assert block_bytes(g1, b) == expected[s]
-    poison_g1(g1)
-    dma.onboard(g2, mid, g1, back).wait()  # the other route reads the same bytes
-    for s, b in zip(src, back, strict=True):
-        assert block_bytes(g1, b) == expected[s]
-    mapped.close()
-    dma.close()
-
-
-def test_layers_in_separate_allocations_keep_the_dma_route() -> None:
-    rng = random.Random(13)
-    engine = TransferEngine(staging_blocks=4, host_copies="mapped")
-    shared = random_g1("layer_separate", 8)
-    g1 = DeviceTier.from_layout(
-        LayerSeparate(SHAPE, [t.clone() for t in shared.layout.layers])  # type: ignore[attr-defined]
-    )
-    g2 = HostTier(SHAPE, SLOTS)
-    assert g1.layout.block_major() is None
-    assert engine.host_route(g1, g2) == "dma"
-    expected = {s: block_bytes(g1, s) for s in range(SLOTS)}
-    src, mid = rng.sample(range(SLOTS), 30), rng.sample(range(SLOTS), 30)
-    engine.offload(g1, src, g2, mid).wait()
-    poison_g1(g1)
-    engine.onboard(g2, mid, g1, src).wait()
-    for s in src:
-        assert block_bytes(g1, s) == expected[s]
-    engine.close()
-
-
-@pytest.mark.parametrize("host_copies", ["mapped", "dma"])
-def test_batched_copies_wait_for_work_queued_on_the_callers_stream(host_copies: str) -> None:
-    """Too many blocks to copy directly (staging for DMA, the mapped kernels): the offload must see
-    values written on the caller's stream just before, and the onboard must land after writes
-    to its destination slots queued just before, all without a sync."""
-    engine = TransferEngine(staging_blocks=8, host_copies=host_copies)
-    g1, g2 = random_g1("layer_separate", 9), HostTier(SHAPE, SLOTS)
-    assert engine.host_route(g1, g2) == host_copies
-    slots = list(range(2, 38))  # 36 blocks x 4 layers: more pieces than a direct copy takes
-    torch.cuda._sleep(50_000_000)
-    for s in slots:
-        g1.layout.layer(s % SHAPE.num_layers)[s].fill_(float(s))
-    engine.offload(g1, slots, g2, slots[::-1]).wait()
-    for s, d in zip(slots, slots[::-1], strict=True):
-        assert bool((g2.layout.tensor[d, s % SHAPE.num_layers] == s).all())
-    expected = {d: bytes(block_bytes(g2, d)) for d in slots}
-    torch.cuda._sleep(50_000_000)
-    poison_g1(g1)  # queued behind the sleep: the onboard must overwrite it, not the reverse
-    engine.onboard(g2, slots[::-1], g1, slots).wait()
-    for s, d in zip(slots, slots[::-1], strict=True):
-        assert block_bytes(g1, s) == expected[d]
     engine.close()
 
 

@@ -250,27 +250,6 @@ def test_wrong_direction_shape_or_pairing_is_refused(
         engine.offload(g1, [0, 1], g2, [0, 1], blocks=[BlockInfo(1, 1, None)])
     with pytest.raises(ValueError, match="staging_blocks must be at least 1"):
         TransferEngine(staging_blocks=0)
-    with pytest.raises(ValueError, match="host_copies must be 'dma' or 'mapped', got 'dmaa'"):
-        TransferEngine(host_copies="dmaa")
-
-
-@pytest.mark.parametrize("host_copies", ["mapped", "dma"])
-def test_host_route_names_no_route_without_a_gpu_host_crossing(
-    tmp_path: Path, host_copies: str
-) -> None:
-    """On CPU G1 and G2 share the device, so either setting copies through the CPU route."""
-    engine = TransferEngine(staging_blocks=5, host_copies=host_copies)
-    g1, g2 = make_tier("G1-layer-separate", tmp_path), make_tier("G2", tmp_path)
-    g3 = make_tier("G3", tmp_path)
-    assert engine.host_route(g1, g2) is None
-    assert engine.host_route(g2, g3) is None
-    expected = fill_random(g1, engine, 3)
-    poison(g2, engine)
-    engine.offload(g1, range(SLOTS), g2, range(SLOTS)[::-1]).wait()
-    for s in range(SLOTS):
-        assert block_bytes(g2, SLOTS - 1 - s) == expected[s]
-    engine.close()
-    g3.close()
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the machine without CUDA")

@@ -11,18 +11,6 @@ batched), so every route moves whole batches instead:
   ``index_copy_`` the same way).
   On CUDA the gather and the copies run on two streams over two staging buffers, so the copy
   engine never waits for the gather of the next chunk.
-- device <-> pinned host with ``TransferEngine(host_copies="mapped")``: G2's pinned memory is
-  mapped into the GPU's address space (UVA: the GPU reaches it at the host address) and the
-  blocks move straight between G1's block-major view and the random G2 slots, no staging, one
-  ``index_copy_`` / ``index_select`` kernel per run of consecutive G1 slots. Not the default:
-  with random G1 slots too (~130 runs for 256 blocks) it measured 0.86 / 0.81 of a pinned
-  ``copy_`` on an H100 against 0.905 / 0.90 for the DMA route in the same run (a variant that
-  gathered into staging first and then made one mapped kernel per chunk: 0.81 / 0.80); one
-  kernel over one run of device rows reaches 0.95 (bench/mapped_copy_probe.py), so it may pay
-  where G1 slots come in long runs. Trade-off besides: mapped copies run on the GPU's SMs and
-  compete with the inference engine's kernels, DMA uses the copy engines and leaves the SMs
-  alone. The mapped route applies only to a pinned G2 and a G1 with a block-major view;
-  anything else, and copies small enough to go straight across (see ``_direct``), use DMA.
 - memory <-> disk: host slots are written or read in place by the disk tier's I/O threads;
   anything else (device memory, or a layer-separate layout) goes through a host staging tier.
 
@@ -58,9 +46,6 @@ DIRECT_PIECES = 128
 
 FIRST_CHUNK_BLOCKS = 4
 """Blocks in the first staged chunk of a device->host copy (see _chunk_bounds)."""
-
-HOST_COPIES = ("dma", "mapped")
-"""How device <-> pinned host copies move bytes: copy-engine DMA, or SM kernels over mapped G2."""
 
 # torch's CUDA Event and Stream constructors carry no annotations; typed aliases keep mypy quiet.
 _new_event: Callable[[], torch.cuda.Event] = torch.cuda.Event
@@ -122,11 +107,7 @@ class TransferEngine:
     """Copies between tiers; one engine per worker, shared by every offload and onboard.
 
     ``staging_blocks`` is the size, in blocks, of each of the two device staging buffers and of
-    the host staging buffer used for device <-> disk copies. ``host_copies`` picks the route of
-    batched device <-> pinned host copies: ``"dma"`` (default; copy engines, one copy per run of
-    consecutive host slots) or ``"mapped"`` (SM kernels over G2 mapped into the GPU, one per run
-    of consecutive G1 slots; slower with random G1 slots, and it takes SMs from the engine's
-    kernels: see the module docstring).
+    the host staging buffer used for device <-> disk copies.
     """
 
     def __init__(
@@ -135,13 +116,9 @@ class TransferEngine:
         listener: CopyListener | None = None,
         on_copied: Callable[[TransferResult], None] | None = None,
         staging_blocks: int = 32,
-        host_copies: str = "dma",
     ) -> None:
         if staging_blocks < 1:
             raise ValueError(f"staging_blocks must be at least 1, got {staging_blocks}")
-        if host_copies not in HOST_COPIES:
-            raise ValueError(f"host_copies must be 'dma' or 'mapped', got {host_copies!r}")
-        self.host_copies = host_copies
         self.listener = listener
         self.on_copied = on_copied
         self.staging_blocks = staging_blocks
@@ -221,18 +198,6 @@ class TransferEngine:
                 f"onboard copies from G2/G3 into G1; got {src.tier.name} -> {dst.tier.name}"
             )
         return self.copy(src, src_slots, dst, dst_slots, blocks=blocks, callback=callback)
-
-    def host_route(self, src: StorageTier, dst: StorageTier) -> str | None:
-        """``"mapped"`` or ``"dma"``: how a batched copy between a GPU tier and a host tier moves
-        its bytes; None for pairs with no GPU/host crossing."""
-        if not (isinstance(src, MemoryTier) and isinstance(dst, MemoryTier)):
-            return None
-        if {src.device.type, dst.device.type} != {"cuda", "cpu"}:
-            return None
-        gpu, host = (src, dst) if src.device.type == "cuda" else (dst, src)
-        if not isinstance(host.layout, FullyContiguous):
-            return None
-        return "dma" if self._mapped_host(gpu.layout, host.layout) is None else "mapped"
 
     def close(self) -> None:
         """Finish queued transfers and drop staging buffers."""
@@ -350,17 +315,9 @@ class TransferEngine:
         if crossing and len(pairs) * src.shape.num_layers <= DIRECT_PIECES:
             return self._direct(src, dst, pairs, ready)
         if src.device.type == "cuda" and dst.device.type == "cpu":
-            host = _host_layout(dst)
-            mapped = self._mapped_host(src, host)
-            if mapped is not None:
-                return self._mapped_copy(src, mapped, pairs, ready, to_host=True)
-            return self._device_to_host(src, host, pairs, ready)
+            return self._device_to_host(src, _host_layout(dst), pairs, ready)
         if src.device.type == "cpu" and dst.device.type == "cuda":
-            host = _host_layout(src)
-            mapped = self._mapped_host(dst, host)
-            if mapped is not None:
-                return self._mapped_copy(dst, mapped, pairs, ready, to_host=False)
-            return self._host_to_device(host, dst, pairs, ready)
+            return self._host_to_device(_host_layout(src), dst, pairs, ready)
         if src.device == dst.device:
             return self._same_device(src, dst, pairs, ready)
         else:
@@ -412,49 +369,6 @@ class TransferEngine:
             src_views = [v for s, _ in pairs for v in _layer_views(src, s)]
             _copy_all(dst_views, src_views)
             return _record(copy_stream)
-
-    def _mapped_host(self, gpu: KVLayout, host: FullyContiguous) -> torch.Tensor | None:
-        """``host.tensor`` as a CUDA tensor on ``gpu``'s device at the same address, when the
-        mapped route applies (see the module docstring); else None."""
-        if self.host_copies != "mapped" or gpu.block_major() is None:
-            return None
-        if host.tensor.data_ptr() % 16 or not host.tensor.is_pinned():
-            return None
-        raw = torch.as_tensor(_CudaView(host.tensor), device=gpu.device)
-        if raw.device != gpu.device or raw.data_ptr() != host.tensor.data_ptr():
-            return None  # not mapped at the host address on this device: as_tensor copied
-        return raw.view(host.tensor.dtype).view(host.tensor.shape)
-
-    def _mapped_copy(
-        self,
-        gpu: KVLayout,
-        mapped: torch.Tensor,
-        pairs: Pairs,
-        ready: torch.cuda.Event | None,
-        *,
-        to_host: bool,
-    ) -> torch.cuda.Event:
-        """Straight between G1's block-major view and the mapped G2 slots, no staging: one
-        indexing kernel per run of consecutive G1 slots (``index_copy_`` into G2's random slots,
-        or ``index_select`` out of them), all on one stream after the caller's work."""
-        dev = gpu.device
-        whole = gpu.block_major()
-        assert whole is not None
-        stream = self._stream_pair(dev)[1]
-        pairs = sorted(pairs, key=lambda p: p[0] if to_host else p[1])
-        g1_slots = [s if to_host else d for s, d in pairs]
-        host_slots = [d if to_host else s for s, d in pairs]
-        with torch.cuda.device(dev), torch.cuda.stream(stream):
-            _wait(stream, ready)
-            host_idx = _index(host_slots, dev)
-            host_words, g1_words = _words(mapped, whole)
-            for row, slot, count in _runs(g1_slots):
-                part, idx = g1_words[slot : slot + count], host_idx[row : row + count]
-                if to_host:
-                    host_words.index_copy_(0, idx, part)
-                else:
-                    torch.index_select(host_words, 0, idx, out=part)
-            return _record(stream)
 
     def _device_to_host(
         self, src: KVLayout, dst: FullyContiguous, pairs: Pairs, ready: torch.cuda.Event | None
@@ -601,21 +515,6 @@ def _gpu_memory_copy(src: StorageTier, dst: StorageTier) -> bool:
     if not (isinstance(src, MemoryTier) and isinstance(dst, MemoryTier)):
         return False
     return "cuda" in (src.device.type, dst.device.type)
-
-
-class _CudaView:
-    """The CUDA array interface of pinned host memory. Under UVA pinned memory is mapped into
-    every GPU at its host address, so ``torch.as_tensor`` wraps it as a CUDA tensor without a
-    copy; the view holds the host tensor so the memory outlives the CUDA tensor."""
-
-    def __init__(self, host: torch.Tensor) -> None:
-        self.host = host
-        self.__cuda_array_interface__ = {
-            "shape": (host.numel() * host.element_size(),),
-            "typestr": "|u1",
-            "data": (host.data_ptr(), False),
-            "version": 3,
-        }
 
 
 def _record(stream: torch.cuda.Stream) -> torch.cuda.Event:
