@@ -25,7 +25,7 @@ from kvledger.events.types import (
     Stored,
     Tier,
 )
-from kvledger.registry.state import EventOrderError, RegistryState
+from kvledger.registry.state import RegistryState, take_next
 
 WorkerKey: TypeAlias = tuple[int, int]
 """(worker_id, dp_rank): what a router routes to."""
@@ -95,15 +95,8 @@ class RouterIndex:
 
     def apply(self, event: AnyEvent, *, strict: bool = True) -> bool:
         """Fold one event in; False (and no change) for a repeat."""
-        last = self.last_event_id.get(event.worker_id, -1)
-        if event.event_id <= last:
+        if not take_next(self.last_event_id, event, strict=strict):
             return False
-        if strict and event.event_id != last + 1:
-            raise EventOrderError(
-                f"worker {event.worker_id}: event {event.event_id} follows {last}; "
-                f"events {last + 1}..{event.event_id - 1} are missing"
-            )
-        self.last_event_id[event.worker_id] = event.event_id
         key = (event.worker_id, event.dp_rank)
         if isinstance(event, Stored):
             parent = event.parent_hash

@@ -28,6 +28,25 @@ class EventOrderError(ValueError):
     """An event arrived out of order for its worker (a gap or a repeat)."""
 
 
+def take_next(last_event_id: dict[int, int], event: AnyEvent, *, strict: bool = True) -> bool:
+    """Whether ``event`` is new for its worker, recording it in ``last_event_id`` if so.
+
+    Per-worker event ids are what make every consumer idempotent: an id at or below the last
+    one seen is a repeat (False). With ``strict``, a jump over missing ids raises
+    ``EventOrderError``, since folding past a gap would silently disagree with the worker.
+    """
+    last = last_event_id.get(event.worker_id, -1)
+    if event.event_id <= last:
+        return False
+    if strict and event.event_id != last + 1:
+        raise EventOrderError(
+            f"worker {event.worker_id}: event {event.event_id} follows {last}; "
+            f"events {last + 1}..{event.event_id - 1} are missing"
+        )
+    last_event_id[event.worker_id] = event.event_id
+    return True
+
+
 class RegistryState:
     """Per worker and tier, the resident blocks with their local and parent hashes."""
 
@@ -57,15 +76,8 @@ class RegistryState:
         With ``strict``, a gap in a worker's event ids raises ``EventOrderError``: a state
         built over a missing event would silently disagree with the worker.
         """
-        last = self.last_event_id.get(event.worker_id, -1)
-        if event.event_id <= last:
+        if not take_next(self.last_event_id, event, strict=strict):
             return False
-        if strict and event.event_id != last + 1:
-            raise EventOrderError(
-                f"worker {event.worker_id}: event {event.event_id} follows {last}; "
-                f"events {last + 1}..{event.event_id - 1} are missing"
-            )
-        self.last_event_id[event.worker_id] = event.event_id
         blocks = self._blocks(event.worker_id, event.tier)
         if isinstance(event, Stored):
             parent = event.parent_hash
