@@ -31,8 +31,14 @@ SlotOf = Callable[[int], "int | None"]
 
 
 def block_checksum(layout: FullyContiguous, slot: int) -> int:
-    """xxh3-64 of one host block's bytes (the same checksum the G3 file keeps per slot)."""
-    return xxhash.xxh3_64_intdigest(layout.block_bytes_view()[slot].numpy().data)
+    """xxh3-64 of one block's bytes (the same checksum the G3 file keeps per slot).
+
+    A block in device memory (G1 on CUDA) is copied to the host first: xxh3 runs on the CPU.
+    """
+    row = layout.block_bytes_view()[slot]
+    if row.device.type != "cpu":
+        row = row.cpu()
+    return xxhash.xxh3_64_intdigest(row.numpy().data)
 
 
 class BlockExporter:
