@@ -65,41 +65,11 @@ VOCAB = 150_000
 # -- the vLLM side: runs under .bench-venv/bin/python, imports nothing of kvledger -----------
 
 
-class _RequestHashes:
-    """What vLLM's BlockPool.cache_full_blocks reads from a Request when events are off."""
-
-    __slots__ = ("block_hashes",)
-
-    def __init__(self, block_hashes: list[bytes]) -> None:
-        self.block_hashes = block_hashes
-
-
 def run_vllm(hashes: Any) -> dict[str, float]:
-    from vllm.v1.core.block_pool import BlockPool as VllmBlockPool
+    """One pass of the workload through a fresh vLLM BlockPool (the shared reference driver)."""
+    from vllm_reference import drive_block_pool
 
-    requests = [_RequestHashes([int(h).to_bytes(8, "little") for h in row]) for row in hashes]
-    n_blocks = hashes.shape[1]
-    # vLLM keeps block 0 as its null block: one extra so both pools have POOL_BLOCKS usable.
-    pool = VllmBlockPool(POOL_BLOCKS + 1, enable_caching=True, hash_block_size=BLOCK_SIZE)
-    group_ids = [0]
-    hits = 0
-    get_cached_block = pool.get_cached_block
-    start = time.perf_counter()
-    for req in requests:
-        hit = []
-        for block_hash in req.block_hashes:
-            cached = get_cached_block(block_hash, group_ids)
-            if cached is None:
-                break
-            hit.append(cached[0])
-        n_hit = len(hit)
-        pool.touch(hit)
-        blocks = hit + pool.get_new_blocks(n_blocks - n_hit)
-        pool.cache_full_blocks(req, blocks, n_hit, n_blocks, BLOCK_SIZE, 0)
-        pool.free_blocks(reversed(blocks))
-        hits += n_hit
-    elapsed = time.perf_counter() - start
-    return {"seconds": elapsed, "hits": hits}
+    return drive_block_pool(hashes.tolist(), POOL_BLOCKS, BLOCK_SIZE)
 
 
 def vllm_side(workload_dir: str) -> None:
