@@ -308,6 +308,11 @@ class EventLog:
         if self.read_only:
             raise EventLogError(f"{shown_url(self.url)} was opened read-only")
 
+    @property
+    def queue_depth(self) -> int:
+        """Events appended and not yet committed (what a crash now would lose)."""
+        return self._appended - self._committed
+
     def flush(self) -> None:
         """Return once everything appended so far is committed."""
         if self._writer is None:

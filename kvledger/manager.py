@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -32,6 +33,7 @@ import torch
 from kvledger.config import Settings
 from kvledger.events.log import EventLog
 from kvledger.events.types import AnyEvent, BlockInfo, Tier
+from kvledger.metrics import Metrics
 from kvledger.registry.emitter import EventEmitter
 from kvledger.registry.hashing import TokenBlockSequence
 from kvledger.registry.tiered import MatchResult, TieredRegistry, Transfer
@@ -79,6 +81,7 @@ class BlockManager:
         event_log: EventLog | None = None,
         log_events: bool = True,
         sinks: Sequence[Callable[[AnyEvent], None]] = (),
+        metrics: Metrics | None = None,
     ) -> None:
         self.settings = s = settings if settings is not None else Settings.load()
         self.shape = BlockShape(
@@ -89,7 +92,13 @@ class BlockManager:
         first_id = 0
         if self.event_log is not None:
             first_id = self.event_log.last_event_id(s.worker_id) + 1
+        self.metrics = metrics
         all_sinks = ([self.event_log.append] if self.event_log is not None else []) + list(sinks)
+        if metrics is not None:
+            all_sinks.append(metrics.observe_event)
+            if self.event_log is not None:
+                log = self.event_log
+                metrics.watch_queue(lambda: log.queue_depth)
         self.emitter = EventEmitter(
             FanOut(all_sinks) if all_sinks else None,
             worker_id=s.worker_id,
@@ -137,6 +146,12 @@ class BlockManager:
             else:
                 self.emitter.sink = FanOut([sink])
 
+    def refresh_metrics(self) -> None:
+        """Set the per-tier block gauges from the pools (call before a scrape, or periodically)."""
+        if self.metrics is not None:
+            with self._lock:
+                self.metrics.refresh(self.registry.pools)
+
     # -- sequences and lookups -----------------------------------------------------------
 
     def sequence(self, tokens: Sequence[int]) -> TokenBlockSequence:
@@ -168,6 +183,10 @@ class BlockManager:
             reg = self.registry
             match = reg.match(hashes)
             reg.note_request(hashes)
+            if self.metrics is not None:
+                self.metrics.observe_match(
+                    {Tier.G1: match.g1, Tier.G2: match.g2, Tier.G3: match.g3}, len(hashes)
+                )
             with reg.g1.hold_removed():
                 held = reg.g1.match(hashes[: match.g1])
                 plans = reg.plan_onboard(hashes, match)
@@ -236,8 +255,12 @@ class BlockManager:
 
     def allocate(self, count: int) -> list[int]:
         """``count`` fresh G1 slots for the engine to fill; raises ``PoolExhausted``."""
+        started = time.perf_counter()
         with self._lock:
-            return self.registry.g1.allocate(count)
+            slots = self.registry.g1.allocate(count)
+        if self.metrics is not None:
+            self.metrics.alloc_latency.observe(time.perf_counter() - started)
+        return slots
 
     def register(
         self, slots: Sequence[int], sequence: TokenBlockSequence, *, start: int
@@ -275,12 +298,27 @@ class BlockManager:
         src, dst = self.tiers[plan.src_tier], self.tiers[plan.dst_tier]
         handle = self.transfers.copy(src, plan.src_slots, dst, plan.dst_slots)
         self._in_flight.add(handle)
+        if self.metrics is not None:
+            self._observe_transfer(plan, handle, time.perf_counter())
         if plan.dst_tier is not Tier.G1:
             handle.add_done_callback(lambda h: self._record_offload(plan, h))
         return handle
 
     def _record_offload(self, plan: Transfer, handle: TransferHandle) -> None:
         self._record(plan, handle)
+
+    def _observe_transfer(self, plan: Transfer, handle: TransferHandle, started: float) -> None:
+        assert self.metrics is not None
+        latency = self.metrics.transfer_latency.labels(plan.src_tier.name, plan.dst_tier.name)
+        moved = self.metrics.transfer_bytes.labels(plan.src_tier.name, plan.dst_tier.name)
+        block_bytes = self.shape.block_bytes
+
+        def done(h: TransferHandle) -> None:
+            latency.observe(time.perf_counter() - started)
+            if h.exception() is None:
+                moved.inc(len(h.wait().copied) * block_bytes)
+
+        handle.add_done_callback(done)
 
     def _record(self, plan: Transfer, handle: TransferHandle) -> list[int]:
         """Register what arrived, abort what did not; start follow-up copies."""

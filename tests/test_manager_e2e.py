@@ -174,3 +174,36 @@ def test_register_validates_block_count(tmp_path):
         assert m.registry.g1.num_free == 6
     finally:
         m.close()
+
+
+def test_metrics_follow_a_managers_work(tmp_path):
+    from prometheus_client import generate_latest
+
+    from kvledger.metrics import Metrics
+
+    s = settings(tmp_path)
+    metrics = Metrics(bytes_per_block=s.bytes_per_block)
+    m = BlockManager(s, metrics=metrics)
+    try:
+        seq, held, _ = compute(m, list(range(3 * BLOCK)), seed=7)
+        m.release(held)
+        assert m.wait_idle(10)
+        again = m.onboard(seq)  # three G1 hits
+        m.release(again)
+        m.refresh_metrics()
+        text = generate_latest(metrics.registry).decode()
+
+        def value(line_start: str) -> float:
+            (line,) = [ln for ln in text.splitlines() if ln.startswith(line_start)]
+            return float(line.rsplit(" ", 1)[1])
+
+        assert value('kvbm_prefix_hit_blocks_total{tier="G1"}') == 3
+        assert value("kvbm_prefix_miss_blocks_total") == 3  # the first lookup found nothing
+        assert value('kvbm_offload_blocks_total{dst="G2",src="G1"}') == 3
+        block = m.shape.block_bytes
+        assert value('kvbm_transfer_bytes_total{dst="G2",src="G1"}') == 3 * block
+        assert value('kvbm_blocks{state="inactive",tier="G1"}') == 3
+        assert value("kvbm_alloc_latency_seconds_count") == 1  # one allocate() call
+        assert value("kvbm_event_log_queue_depth") >= 0
+    finally:
+        m.close()

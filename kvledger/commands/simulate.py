@@ -240,8 +240,7 @@ def simulate(args: argparse.Namespace, note: Callable[[str], None]) -> Outcome:
         if metrics is not None:
             sinks.append(metrics.observe_event)
             metrics.serve(args.metrics_port)
-            # the log has no public queue-depth accessor yet
-            metrics.watch_queue(lambda: log._appended - log._committed)
+            metrics.watch_queue(lambda: log.queue_depth)
             note(f"serving kvbm_* metrics on http://127.0.0.1:{args.metrics_port}/metrics")
 
         def fan_out(event: AnyEvent) -> None:
