@@ -67,7 +67,10 @@ class Settings(BaseSettings):
     event_log_url: str | None = Field(
         None, description="SQLAlchemy URL of the event log; default: SQLite under data_dir"
     )
-    redis_url: str | None = None
+    redis_url: str | None = Field(
+        None, description="shared registry; every event is also published there when set"
+    )
+    redis_namespace: str = Field("kvledger", min_length=1, description="key namespace in Redis")
     worker_id: int = Field(0, ge=0)
     dp_rank: int = Field(0, ge=0)
     chain_seed: int = Field(1337, ge=0, lt=1 << 64, description="seed of the sequence-hash chain")

@@ -32,6 +32,8 @@ import torch
 
 from kvledger.config import Settings
 from kvledger.events.log import EventLog
+from kvledger.events.publish import CallbackPublisher, RedisPublisher
+from kvledger.events.shared_registry import SharedRegistry
 from kvledger.events.types import AnyEvent, BlockInfo, Tier
 from kvledger.metrics import Metrics
 from kvledger.registry.emitter import EventEmitter
@@ -58,17 +60,6 @@ TORCH_DTYPES = {
 }
 
 
-class FanOut:
-    """Hands each event to several sinks, in order (log first: it is the record)."""
-
-    def __init__(self, sinks: Iterable[Callable[[AnyEvent], None]]) -> None:
-        self.sinks = list(sinks)
-
-    def __call__(self, event: AnyEvent) -> None:
-        for sink in self.sinks:
-            sink(event)
-
-
 class BlockManager:
     """G1/G2/G3 KV blocks of one worker, with offload, onboard and an event log."""
 
@@ -89,18 +80,40 @@ class BlockManager:
         )
         self._own_log = event_log is None and log_events
         self.event_log = EventLog(s.log_url) if self._own_log else event_log
+        self.publisher: RedisPublisher | None = None
+        try:
+            self._build(s, g1_layout, device, sinks, metrics)
+        except BaseException:
+            # nothing half-built stays open: the log writer thread, the publisher, the G3 file
+            if self.publisher is not None:
+                self.publisher.stop(drain_timeout=0)
+            if self._own_log and self.event_log is not None:
+                self.event_log.close()
+            raise
+
+    def _build(
+        self,
+        s: Settings,
+        g1_layout: KVLayout | None,
+        device: torch.device | str | None,
+        sinks: Sequence[Callable[[AnyEvent], None]],
+        metrics: Metrics | None,
+    ) -> None:
         first_id = 0
         if self.event_log is not None:
             first_id = self.event_log.last_event_id(s.worker_id) + 1
         self.metrics = metrics
+        self.publisher = self._redis_publisher(s) if s.redis_url else None
         all_sinks = ([self.event_log.append] if self.event_log is not None else []) + list(sinks)
+        if self.publisher is not None:
+            all_sinks.append(self.publisher)
         if metrics is not None:
             all_sinks.append(metrics.observe_event)
             if self.event_log is not None:
                 log = self.event_log
                 metrics.watch_queue(lambda: log.queue_depth)
         self.emitter = EventEmitter(
-            FanOut(all_sinks) if all_sinks else None,
+            CallbackPublisher(*all_sinks) if all_sinks else None,
             worker_id=s.worker_id,
             dp_rank=s.dp_rank,
             first_event_id=first_id,
@@ -137,14 +150,23 @@ class BlockManager:
             for tier in self.registry.pools:
                 self.emitter.cleared(tier)
 
+    def _redis_publisher(self, s: Settings) -> RedisPublisher:
+        """Publish to the shared registry at ``redis_url``, catching up from the event log."""
+        if self.event_log is None:
+            raise ValueError("redis_url needs the event log: the publisher catches up from it")
+        import redis
+
+        shared = SharedRegistry(redis.Redis.from_url(s.redis_url), s.redis_namespace)
+        return RedisPublisher(shared, s.worker_id, log=self.event_log).start()
+
     def add_sink(self, sink: Callable[[AnyEvent], None]) -> None:
         """Hand every later event to ``sink`` as well, after the log and the sinks given at
         start (for sinks that need the manager's tiers, such as a remote block exporter)."""
         with self._lock:
-            if isinstance(self.emitter.sink, FanOut):
-                self.emitter.sink.sinks.append(sink)
+            if isinstance(self.emitter.sink, CallbackPublisher):
+                self.emitter.sink.callbacks.append(sink)
             else:
-                self.emitter.sink = FanOut([sink])
+                self.emitter.sink = CallbackPublisher(sink)
 
     def refresh_metrics(self) -> None:
         """Set the per-tier block gauges from the pools (call before a scrape, or periodically)."""
@@ -386,8 +408,10 @@ class BlockManager:
             tier.close()
         if self.event_log is not None:
             self.event_log.flush()
-            if self._own_log:
-                self.event_log.close()
+        if self.publisher is not None:
+            self.publisher.stop(drain_timeout=10.0)
+        if self.event_log is not None and self._own_log:
+            self.event_log.close()
 
     def __enter__(self) -> BlockManager:
         return self

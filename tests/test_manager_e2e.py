@@ -207,3 +207,42 @@ def test_metrics_follow_a_managers_work(tmp_path):
         assert value("kvbm_event_log_queue_depth") >= 0
     finally:
         m.close()
+
+
+def test_redis_url_publishes_to_the_shared_registry(tmp_path):
+    import uuid
+
+    redis = pytest.importorskip("redis")
+    client = redis.Redis(host="127.0.0.1", port=6379)
+    try:
+        client.ping()
+    except redis.ConnectionError:
+        pytest.skip("no Redis server on 127.0.0.1:6379")
+    from kvledger.events.shared_registry import SharedRegistry
+
+    namespace = f"test-manager-{uuid.uuid4().hex[:8]}"
+    s = settings(tmp_path, redis_url="redis://127.0.0.1:6379/0", redis_namespace=namespace)
+    m = BlockManager(s)
+    shared = SharedRegistry(client, namespace)
+    try:
+        seq, held, _ = compute(m, list(range(2 * BLOCK)), seed=9)
+        m.release(held)
+        assert m.wait_idle(10)
+        assert m.publisher is not None and m.publisher.wait_applied(10)
+        depths = shared.prefix_depths(seq.sequence_hashes)
+        assert depths[0][Tier.G1] == 2 and depths[0][Tier.G2] == 2
+    finally:
+        m.close()
+        shared.delete_namespace()
+
+
+def test_failed_start_closes_what_it_opened(tmp_path):
+    import threading
+
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("a file where the G3 folder should be")
+    before = {t.name for t in threading.enumerate()}
+    with pytest.raises(OSError):
+        BlockManager(settings(tmp_path, data_dir=blocker))
+    after = {t.name for t in threading.enumerate() if t.is_alive()}
+    assert "kvledger-log-writer" not in after - before, "the log writer was left running"
