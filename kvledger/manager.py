@@ -152,7 +152,7 @@ class BlockManager:
 
     def _redis_publisher(self, s: Settings) -> RedisPublisher:
         """Publish to the shared registry at ``redis_url``, catching up from the event log."""
-        if self.event_log is None:
+        if self.event_log is None or s.redis_url is None:
             raise ValueError("redis_url needs the event log: the publisher catches up from it")
         import redis
 
