@@ -10,25 +10,31 @@ exactly once, in order per worker.
 Keys, all under ``kvl:{<namespace>}:`` (the braces are a hash tag: Redis Cluster keeps a whole
 namespace on one slot, which the scripts need because they touch keys they derive):
 
-- ``idx``                       hash  8-byte sequence hash -> run of 5-byte entries: u32 worker
-                                id, u8 tier mask (G1=1, G2=2, G3=4, G4=8); one HMGET answers
-                                a whole prefix. One hash rather than a key per block: a field
-                                costs less to write than a top-level key and needs no prefix
-- ``log:<worker>:<tier>``       list of packed 8-byte hashes the worker gained on that tier, one
-                                element per batch: a superset of what it holds there, read by
-                                Cleared and purges, compacted to the live blocks when it grows
-- ``logs``                      hash  ``<worker>:<tier>`` -> hashes in that log, and
-                                ``<worker>:<tier>:at`` -> the size at which it is compacted
+- ``idx``                       hash  8-byte sequence hash -> run of 21-byte entries: u32 worker
+                                id, u8 tier mask (G1=1, G2=2, G3=4, G4=8), and the worker's 16
+                                generation bytes (below) when the entry was written
+- ``gens``                      hash  4-byte worker id -> four u32 generations, one per tier
+- ``held``                      hash  ``<worker>:<tier>`` -> live entries of that worker and tier
 - ``applied`` / ``count``       hash  worker id -> last applied event id / events applied
 - ``lease:<worker>``            string with a TTL; refreshed by every apply and by heartbeats
 - ``workers``                   set   workers that may hold entries (swept by ``purge_expired``)
 - ``events``                    stream of applied records (fields ``w`` worker, ``r`` record)
+- ``sweep``                     hash  ``cursor`` of the running stale-entry sweep pass, and
+                                ``again`` when another pass must follow it; absent: no block
+                                holds a stale bit
 
-Why a log and not a set per tier: adding a block to a set is a second hashtable insert per
-block, as dear as the index insert itself; appending the event's already packed hashes is one
-RPUSH per batch. The log may name blocks the worker no longer holds (removed since), which is
-harmless -- Cleared and purges re-check each block's mask -- and compaction keeps it within
-``4 x live + log_compact_min`` hashes, amortised over the appends that grew it.
+Why generations: a tier bit of an entry counts only while the generation stamped for that tier
+equals the worker's current one. Cleared bumps one tier's generation and a purge bumps all four,
+so both are O(1) however many blocks the worker held, and the apply keeps no per-tier record of
+what a worker holds (a second hashtable insert per block, or a log to replay and compact, costs
+about as much as the index itself). Generations are never reset (a purged worker that comes
+back must not revive its old entries), so ``gens`` keeps one 16-byte field per worker ever seen.
+Readers (``who_has``, ``snapshot``) drop stale bits using the generations read in the same
+round trip; writes drop the writer's stale bits (and, on blocks it shares, other workers') from
+the blocks they touch, and a sweep (a slice of HSCAN per apply, started by a Cleared or purge
+that made anything stale) removes the rest, so stale entries do not pile up. ``held`` keeps the
+per-tier counts exact, which is what lets a purge say how many entries it dropped and lets a
+no-op Cleared skip the sweep.
 """
 
 from __future__ import annotations
@@ -44,188 +50,132 @@ from kvledger.events.types import AnyEvent, Tier
 from kvledger.events.wire import encode_record, hash_key
 from kvledger.registry.index import prefix_depths
 
-_ENTRY = struct.Struct(">IB")
+_STAMPED = struct.Struct(">IB16s")
+_NO_GENERATIONS = bytes(16)
 _NAMESPACE = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
 
-# Shared by the scripts. Each script reads the blocks it touches once (MGET in chunks) into
-# ``vals``, changes them in Lua, and writes back only those that changed (MSET/DEL) at the end:
-# a batch costs a handful of calls besides its XADDs, however many blocks it touches.
-_LUA_COMMON = """
+# Reading with generations: what ``who_has`` needs, and the start of every other script.
+_LUA_GENERATIONS = """
 local sub, byte, char, find = string.sub, string.byte, string.char, string.find
 local concat = table.concat
 local bor, band, bnot, lshift = bit.bor, bit.band, bit.bnot, bit.lshift
 local call = redis.call
 local prefix = ARGV[1]
-local idx = prefix .. 'idx'
-local vals, orig, loaded = {}, {}, {}
-local fmts = {}
--- Append the 8-byte hashes packed in blob (from byte ``start``) to out[n+1..]; returns the new
--- n. struct.unpack cuts up to 256 of them per call, far cheaper than string.sub each.
-local function split(blob, start, out, n)
-  local total, pos = math.floor((#blob - start + 1) / 8), start
-  while total > 0 do
-    local c = math.min(total, 256)
-    local f = fmts[c]
-    if not f then
-      f = string.rep('c8', c)
-      fmts[c] = f
-    end
-    local parts = {struct.unpack(f, blob, pos)}
-    for q = 1, c do out[n + q] = parts[q] end
-    n, pos, total = n + c, pos + 8 * c, total - c
+local idx, gkey, skey = prefix .. 'idx', prefix .. 'gens', prefix .. 'sweep'
+local ZERO = string.rep(string.char(0), 16)
+local gcache = {}
+-- A worker's current generations (16 bytes: u32 per tier), by its 4-byte id.
+local function gens_of(wk)
+  local g = gcache[wk]
+  if g == nil then
+    g = call('HGET', gkey, wk) or ZERO
+    gcache[wk] = g
   end
-  return n
+  return g
 end
-local function logkey(wid, tier) return prefix .. 'log:' .. wid .. ':' .. tier end
--- A block's value is a run of 5-byte entries: 4-byte big-endian worker id, 1-byte tier mask.
-local function locate(v, wk)
-  local i = 1
-  while true do
-    local j = find(v, wk, i, true)
-    if not j then return nil end
-    if (j - 1) % 5 == 0 then return j end
-    i = j + 1
-  end
-end
--- Read keys[1..n] that were not read yet (a key may repeat).
-local function load(keys, n)
-  local need, m = {}, 0
-  for i = 1, n do
-    local k = keys[i]
-    if orig[k] == nil then
-      orig[k] = false
-      m = m + 1
-      need[m] = k
+-- The bits of ``mask`` whose tier generation in ``stamp`` is still the current one.
+local function valid_mask(mask, stamp, cur)
+  if stamp == cur then return mask end
+  local m = 0
+  for t = 0, 3 do
+    local b, at = lshift(1, t), 4 * t
+    if band(mask, b) ~= 0 and sub(stamp, at + 1, at + 4) == sub(cur, at + 1, at + 4) then
+      m = bor(m, b)
     end
   end
-  for p = 1, m, 1024 do
-    local e = math.min(p + 1023, m)
-    local got = call('HMGET', idx, unpack(need, p, e))
-    for q = p, e do
-      local k, v = need[q], got[q - p + 1]
-      orig[k] = v
-      vals[k] = v
-      loaded[#loaded + 1] = k
+  return m
+end
+-- Per distinct 21-byte entry: the entry without its stale bits, with the current
+-- generations, or false when nothing is left. Blocks mostly repeat a few entries, so each is
+-- worked out once per script run.
+local live_of = {}
+local function live(e)
+  local l = live_of[e]
+  if l == nil then
+    local wk = sub(e, 1, 4)
+    local cur = gens_of(wk)
+    local m = valid_mask(byte(e, 5), sub(e, 6, 21), cur)
+    l = m ~= 0 and wk .. char(m) .. cur
+    live_of[e] = l
+  end
+  return l
+end
+-- A block's value without stale bits (false: nothing left).
+local function clean(v)
+  if #v == 21 then return live(v) end
+  local out, n, changed = {}, 0, false
+  for j = 1, #v, 21 do
+    local e = sub(v, j, j + 20)
+    local l = live(e)
+    if l ~= e then changed = true end
+    if l then
+      n = n + 1
+      out[n] = l
     end
   end
+  if not changed then return v end
+  if n == 0 then return false end
+  return concat(out)
 end
--- Set (set=true) or clear the bits ``b`` of this worker's mask on a loaded block.
-local function remask(k, wk, b, set)
-  local v = vals[k]
-  if not v then
-    if not set then return false end
-    vals[k] = wk .. char(b)
-    return true
-  end
-  local j = locate(v, wk)
-  if not j then
-    if not set then return false end
-    vals[k] = v .. wk .. char(b)
-    return true
-  end
-  local old = byte(v, j + 4)
-  local new
-  if set then new = bor(old, b) else new = band(old, bnot(b)) end
-  if new == old then return false end
-  if new ~= 0 then
-    vals[k] = sub(v, 1, j + 3) .. char(new) .. sub(v, j + 5)
-  elseif #v == 5 then
-    vals[k] = false
+"""
+
+# Writing: shared by the apply, purge and sweep scripts.
+_LUA_COMMON = (
+    _LUA_GENERATIONS
+    + """
+local function write_back(sets, ns, dels, nd)
+  for p = 1, ns, 2048 do call('HSET', idx, unpack(sets, p, math.min(p + 2047, ns))) end
+  for p = 1, nd, 1024 do call('HDEL', idx, unpack(dels, p, math.min(p + 1023, nd))) end
+end
+-- Ask for a full sweep pass that starts after now (a running pass may have passed blocks
+-- that just went stale, so it is followed by another).
+local function want_sweep()
+  if call('HEXISTS', skey, 'cursor') == 1 then
+    call('HSET', skey, 'again', '1')
   else
-    vals[k] = sub(v, 1, j - 1) .. sub(v, j + 5)
+    call('HSET', skey, 'cursor', '0')
   end
-  return true
 end
--- Write back the blocks whose value changed since they were read.
-local function flush()
+-- Clean about ``count`` blocks of the running sweep pass; returns the blocks looked at.
+local function sweep(count)
+  local cursor = call('HGET', skey, 'cursor')
+  if not cursor then return 0 end
+  local r = call('HSCAN', idx, cursor, 'COUNT', count)
+  local items = r[2]
   local sets, dels, ns, nd = {}, {}, 0, 0
-  for _, k in ipairs(loaded) do
-    local v = vals[k]
-    if v ~= orig[k] then
-      orig[k] = v
-      if v then
-        sets[ns + 1] = k
-        sets[ns + 2] = v
+  for i = 1, #items, 2 do
+    local v = items[i + 1]
+    local c = clean(v)
+    if c ~= v then
+      if c then
+        sets[ns + 1], sets[ns + 2] = items[i], c
         ns = ns + 2
-        if ns == 2048 then
-          call('HSET', idx, unpack(sets, 1, ns))
-          ns = 0
-        end
       else
         nd = nd + 1
-        dels[nd] = k
-        if nd == 1024 then
-          call('HDEL', idx, unpack(dels, 1, nd))
-          nd = 0
-        end
+        dels[nd] = items[i]
       end
     end
   end
-  if ns > 0 then call('HSET', idx, unpack(sets, 1, ns)) end
-  if nd > 0 then call('HDEL', idx, unpack(dels, 1, nd)) end
-end
--- Replay a tier log ('+'/'-' then packed hashes per element) and any elements not pushed
--- yet: the hashes the worker holds on that tier, in first-gained order.
-local function live_hashes(wid, tier, extra)
-  local elems = call('LRANGE', logkey(wid, tier), 0, -1)
-  for _, e in ipairs(extra) do elems[#elems + 1] = e end
-  local state, order, n = {}, {}, 0
-  for _, e in ipairs(elems) do
-    local hashes = {}
-    local c = split(e, 2, hashes, 0)
-    if byte(e, 1) == 43 then
-      for q = 1, c do
-        local s = hashes[q]
-        if state[s] == nil then
-          n = n + 1
-          order[n] = s
-        end
-        state[s] = true
-      end
-    else
-      for q = 1, c do
-        local s = hashes[q]
-        if state[s] then state[s] = false end
-      end
-    end
+  write_back(sets, ns, dels, nd)
+  if r[1] ~= '0' then
+    call('HSET', skey, 'cursor', r[1])
+  elseif call('HDEL', skey, 'again') == 1 then
+    call('HSET', skey, 'cursor', '0')
+  else
+    call('DEL', skey)
   end
-  local live, m = {}, 0
-  for i = 1, n do
-    if state[order[i]] then
-      m = m + 1
-      live[m] = order[i]
-    end
-  end
-  return live, m
-end
--- Clear bits ``b`` of this worker on every block its tier log holds; returns blocks changed.
-local function clear_tier(wid, wk, tier, b, extra)
-  local live, m = live_hashes(wid, tier, extra)
-  load(live, m)
-  local changed = 0
-  for i = 1, m do
-    if remask(live[i], wk, b, false) then changed = changed + 1 end
-  end
-  call('DEL', logkey(wid, tier))
-  return changed
-end
--- Rewrite a tier log as its live hashes; the next compaction comes at 4x that size (or
--- ``minlog``), so each logged hash is replayed about once however long the worker runs.
-local function compact(wid, tier, minlog)
-  local live, m = live_hashes(wid, tier, {})
-  local key = logkey(wid, tier)
-  call('DEL', key)
-  for p = 1, m, 8192 do call('RPUSH', key, '+' .. concat(live, '', p, math.min(p + 8191, m))) end
-  local field = wid .. ':' .. tier
-  call('HSET', prefix .. 'logs', field, m, field .. ':at', math.max(minlog, 4 * m))
+  return #items / 2
 end
 local function purge(wid, maxlen)
   local wk = struct.pack('>I4', tonumber(wid))
+  local hk = prefix .. 'held'
+  local f1, f2, f3, f4 = wid .. ':1', wid .. ':2', wid .. ':3', wid .. ':4'
   local n = 0
-  for tier = 1, 4 do n = n + clear_tier(wid, wk, tier, 15, {}) end
-  flush()
-  call('HDEL', prefix .. 'logs', wid .. ':1', wid .. ':1:at', wid .. ':2', wid .. ':2:at',
-    wid .. ':3', wid .. ':3:at', wid .. ':4', wid .. ':4:at')
+  for _, c in ipairs(call('HMGET', hk, f1, f2, f3, f4)) do n = n + tonumber(c or '0') end
+  call('HDEL', hk, f1, f2, f3, f4)
+  local g = {struct.unpack('>I4I4I4I4', gens_of(wk))}
+  call('HSET', gkey, wk, struct.pack('>I4I4I4I4', g[1] + 1, g[2] + 1, g[3] + 1, g[4] + 1))
+  if n > 0 then want_sweep() end
   call('HDEL', prefix .. 'applied', wid)
   call('HDEL', prefix .. 'count', wid)
   call('SREM', prefix .. 'workers', wid)
@@ -234,18 +184,51 @@ local function purge(wid, maxlen)
   return n
 end
 """
+)
 
-# KEYS: applied, count, events, workers, lease
-# ARGV: prefix, worker id, stream maxlen, lease ttl ms, log compaction floor, record...
+# The apply reads the blocks a batch touches once (HMGET in chunks) into ``vals``, changes them
+# in Lua, and writes back only those that changed (HSET/HDEL) at the end: a batch costs a
+# handful of calls besides its XADDs, however many blocks it touches.
+# KEYS: applied, count, events, workers, lease, held
+# ARGV: prefix, worker id, stream maxlen, lease ttl ms, sweep slice, record...
 # Returns {applied, repeated, last applied id, id at which a gap was found or -1}.
 _LUA_APPLY = (
     _LUA_COMMON
     + """
 local wid, maxlen = ARGV[2], ARGV[3]
-local ttl, minlog = tonumber(ARGV[4]), tonumber(ARGV[5])
+local ttl, slice = tonumber(ARGV[4]), tonumber(ARGV[5])
 local wnum = tonumber(wid)
 local wk = struct.pack('>I4', wnum)
 local last = tonumber(call('HGET', KEYS[1], wid) or '-1')
+local fmts = {}
+-- Every block the run touches, once each (``need``), with its value: ``vals[k]`` is nil for
+-- a block not seen yet, then false (not read yet, or no value) or the value.
+local vals, need, nn = {}, {}, 0
+-- Append the 8-byte hashes packed in blob to out[n+1..]; returns the new n. struct.unpack
+-- cuts up to 256 of them per call, far cheaper than string.sub each.
+local function split(blob, out, n)
+  local total, pos = #blob / 8, 1
+  while total > 0 do
+    local c = math.min(total, 256)
+    local f = fmts[c]
+    if not f then
+      f = string.rep('c8', c)
+      fmts[c] = f
+    end
+    local parts = {struct.unpack(f, blob, pos)}
+    for q = 1, c do
+      local k = parts[q]
+      out[n + q] = k
+      if vals[k] == nil then
+        vals[k] = false
+        nn = nn + 1
+        need[nn] = k
+      end
+    end
+    n, pos, total = n + c, pos + 8 * c, total - c
+  end
+  return n
+end
 -- First pass, before any write: check every record and find the run that follows ``last``.
 local todo, keys, nt, nk = {}, {}, 0, 0
 local repeated, gap, expect = 0, -1, last + 1
@@ -272,52 +255,134 @@ for i = 6, #ARGV do
     break
   else
     local first = nk + 1
-    nk = split(seqs, 1, keys, nk)
+    nk = split(seqs, keys, nk)
     nt = nt + 1
-    todo[nt] = {kind, tier, seqs, first, nk, ARGV[i]}
+    todo[nt] = {kind, tier, first, nk, ARGV[i]}
     expect = eid + 1
   end
 end
-load(keys, nk)
--- Second pass: apply in order, and log each tier's gains ('+') and losses ('-') for Cleared,
--- purges and compaction.
-local pending, added, reset = {{}, {}, {}, {}}, {0, 0, 0, 0}, {false, false, false, false}
+-- Read every block the run touches once; ``orig[i]`` is need[i]'s value as read.
+local orig = {}
+for p = 1, nn, 1024 do
+  local e = math.min(p + 1023, nn)
+  local got = call('HMGET', idx, unpack(need, p, e))
+  for q = p, e do
+    local v = got[q - p + 1]
+    orig[q] = v
+    if v then vals[need[q]] = v end
+  end
+end
+local wg = gens_of(wk)
+local delta, cleared = {0, 0, 0, 0}, {false, false, false, false}
+-- This worker's single-entry values under the current generations, by mask and back: most
+-- blocks hold one worker's entry, and these skip building and cutting strings for them.
+local ent, ment = {}, {}
+local function stamp_entries()
+  ent, ment = {}, {}
+  for m = 1, 15 do
+    local e = wk .. char(m) .. wg
+    ent[m], ment[e] = e, m
+  end
+  ent[0] = false
+end
+stamp_entries()
+-- This worker's entry in a block's value starts at a multiple of 21 bytes.
+local function locate(v, i)
+  while true do
+    local j = find(v, wk, i, true)
+    if not j then return nil end
+    if (j - 1) % 21 == 0 then return j end
+    i = j + 1
+  end
+end
+-- Set (set=true) or clear bit ``b`` (tier ``tier``) of this worker on a loaded block; drops
+-- the worker's stale bits on the way.
+local function remask(k, b, tier, set)
+  local v = vals[k]
+  local old = 0
+  if v then old = ment[v] end
+  if old or not v then
+    old = old or 0
+    local new
+    if set then new = bor(old, b) else new = band(old, bnot(b)) end
+    if new ~= old then
+      if set then delta[tier] = delta[tier] + 1 else delta[tier] = delta[tier] - 1 end
+      vals[k] = ent[new]
+    end
+    return
+  end
+  local j = locate(v, 1)
+  local raw, stamp = 0, nil
+  old = 0
+  if j then
+    raw = byte(v, j + 4)
+    stamp = sub(v, j + 5, j + 20)
+    old = valid_mask(raw, stamp, wg)
+  end
+  local new
+  if set then new = bor(old, b) else new = band(old, bnot(b)) end
+  if band(old, b) ~= band(new, b) then
+    if set then delta[tier] = delta[tier] + 1 else delta[tier] = delta[tier] - 1 end
+  end
+  if j then
+    if new == raw and stamp == wg then return end
+    local nv = sub(v, 1, j - 1) .. (ent[new] or '') .. sub(v, j + 21)
+    if nv == '' then vals[k] = false else vals[k] = nv end
+  elseif new ~= 0 then
+    vals[k] = v .. ent[new]
+  end
+end
+local stale = false
 for i = 1, nt do
   local ev = todo[i]
-  local kind, tier, seqs = ev[1], ev[2], ev[3]
+  local kind, tier = ev[1], ev[2]
   local b = lshift(1, tier - 1)
   if kind == 5 then
-    clear_tier(wid, wk, tier, b, pending[tier])
-    pending[tier], added[tier], reset[tier] = {}, 0, true
+    -- Cleared: a new generation for the tier makes every entry stamped before it stale.
+    local held = tonumber(call('HGET', KEYS[6], wid .. ':' .. tier) or '0')
+    if cleared[tier] then held = 0 end
+    if held + delta[tier] > 0 then stale = true end
+    local at = 4 * (tier - 1)
+    local g = struct.unpack('>I4', wg, at + 1)
+    wg = sub(wg, 1, at) .. struct.pack('>I4', (g + 1) % 4294967296) .. sub(wg, at + 5)
+    delta[tier], cleared[tier] = 0, true
+    stamp_entries()
   else
     local set = kind ~= 2
-    for q = ev[4], ev[5] do remask(keys[q], wk, b, set) end
-    if #seqs > 0 then
-      local p = pending[tier]
-      p[#p + 1] = (set and '+' or '-') .. seqs
-      added[tier] = added[tier] + #seqs / 8
-    end
+    for q = ev[3], ev[4] do remask(keys[q], b, tier, set) end
   end
-  call('XADD', KEYS[3], 'MAXLEN', '~', maxlen, '*', 'w', wid, 'r', ev[6])
+  call('XADD', KEYS[3], 'MAXLEN', '~', maxlen, '*', 'w', wid, 'r', ev[5])
 end
-flush()
-for tier = 1, 4 do
-  local p = pending[tier]
-  for s = 1, #p, 1024 do call('RPUSH', logkey(wid, tier), unpack(p, s, math.min(s + 1023, #p))) end
-  if added[tier] > 0 or reset[tier] then
-    local field = wid .. ':' .. tier
-    local size
-    if reset[tier] then
-      size = added[tier]
-      call('HSET', prefix .. 'logs', field, size)
+-- Write back the blocks that changed, dropping other workers' stale entries where they share
+-- a block with this one.
+gcache[wk] = wg
+local sets, dels, ns, nd = {}, {}, 0, 0
+for i = 1, nn do
+  local k = need[i]
+  local v = vals[k]
+  if v ~= (orig[i] or false) then
+    if v and #v > 21 then v = clean(v) end
+    if v then
+      sets[ns + 1], sets[ns + 2] = k, v
+      ns = ns + 2
     else
-      size = call('HINCRBY', prefix .. 'logs', field, added[tier])
-    end
-    if size >= tonumber(call('HGET', prefix .. 'logs', field .. ':at') or minlog) then
-      compact(wid, tier, minlog)
+      nd = nd + 1
+      dels[nd] = k
     end
   end
 end
+write_back(sets, ns, dels, nd)
+if cleared[1] or cleared[2] or cleared[3] or cleared[4] then call('HSET', gkey, wk, wg) end
+for tier = 1, 4 do
+  local field = wid .. ':' .. tier
+  if cleared[tier] then
+    call('HSET', KEYS[6], field, delta[tier])
+  elseif delta[tier] ~= 0 then
+    call('HINCRBY', KEYS[6], field, delta[tier])
+  end
+end
+if stale then want_sweep() end
+if slice > 0 then sweep(slice) end
 if nt > 0 then
   call('HSET', KEYS[1], wid, expect - 1)
   call('HINCRBY', KEYS[2], wid, nt)
@@ -331,7 +396,7 @@ return {nt, repeated, expect - 1, gap}
 )
 
 # KEYS: workers. ARGV: prefix, worker id ('' = every worker whose lease is gone), maxlen.
-# Returns the purged workers and how many blocks each dropped out of, flattened.
+# Returns the purged workers and how many (block, tier) entries each dropped, flattened.
 _LUA_PURGE = (
     _LUA_COMMON
     + """
@@ -345,6 +410,36 @@ for _, wid in ipairs(targets) do
   end
 end
 return out
+"""
+)
+
+# ARGV: prefix, sequence hash keys... Returns each block's value (21-byte entries) or nil, stale
+# bits left out: the generations are read in the same script, so one round trip. With no sweep
+# pass pending there is no stale entry anywhere (every Cleared or purge that made one asked for
+# a pass, and a pass visits every block), so the values go back as read.
+_LUA_WHO_HAS = (
+    _LUA_GENERATIONS
+    + """
+local out, dirty = {}, call('EXISTS', skey) == 1
+for p = 2, #ARGV, 1024 do
+  local e = math.min(p + 1023, #ARGV)
+  local got = call('HMGET', idx, unpack(ARGV, p, e))
+  for q = 1, e - p + 1 do
+    local v = got[q]
+    if v and dirty then v = clean(v) end
+    out[p + q - 2] = v
+  end
+end
+return out
+"""
+)
+
+# ARGV: prefix, slice. Returns {blocks looked at, 1 if a pass is still running else 0}.
+_LUA_SWEEP = (
+    _LUA_COMMON
+    + """
+local n = sweep(tonumber(ARGV[2]))
+return {n, call('EXISTS', skey)}
 """
 )
 
@@ -368,7 +463,7 @@ class SharedRegistry:
         *,
         lease_ttl_s: float = 10.0,
         stream_maxlen: int = 1_000_000,
-        log_compact_min: int = 16_384,
+        sweep_slice: int = 256,
     ) -> None:
         if not _NAMESPACE.match(namespace):
             raise ValueError(
@@ -378,8 +473,8 @@ class SharedRegistry:
             raise ValueError(f"lease_ttl_s must be positive, got {lease_ttl_s}")
         if stream_maxlen < 1:
             raise ValueError(f"stream_maxlen must be at least 1, got {stream_maxlen}")
-        if log_compact_min < 1:
-            raise ValueError(f"log_compact_min must be at least 1, got {log_compact_min}")
+        if sweep_slice < 0:
+            raise ValueError(f"sweep_slice must be 0 or more, got {sweep_slice}")
         if client.get_connection_kwargs().get("decode_responses"):
             raise ValueError("the shared registry needs a Redis client with decode_responses=False")
         self.client = client
@@ -387,12 +482,15 @@ class SharedRegistry:
         self.prefix = f"kvl:{{{namespace}}}:"
         self.lease_ttl_ms = int(lease_ttl_s * 1000)
         self.stream_maxlen = stream_maxlen
-        self.log_compact_min = log_compact_min
+        self.sweep_slice = sweep_slice
+        """Blocks of a running stale-entry sweep each apply cleans (0: only ``sweep`` does)."""
         self.stream_key = self.prefix + "events"
         self.workers_key = self.prefix + "workers"
         self.index_key = self.prefix + "idx"
         self._apply = client.register_script(_LUA_APPLY)
         self._purge = client.register_script(_LUA_PURGE)
+        self._who_has = client.register_script(_LUA_WHO_HAS)
+        self._sweep = client.register_script(_LUA_SWEEP)
 
     # -- writing -------------------------------------------------------------------------
 
@@ -416,13 +514,14 @@ class SharedRegistry:
             self.stream_key,
             self.workers_key,
             self.prefix + "lease:" + wid,
+            self.prefix + "held",
         ]
         args: list[bytes | str | int] = [
             self.prefix,
             wid,
             self.stream_maxlen,
             self.lease_ttl_ms,
-            self.log_compact_min,
+            self.sweep_slice,
             *records,
         ]
         applied, repeated, last, gap = self._apply(keys=keys, args=args)
@@ -448,6 +547,14 @@ class SharedRegistry:
         flat = self._purge(keys=[self.workers_key], args=[self.prefix, target, self.stream_maxlen])
         return {int(flat[i]): int(flat[i + 1]) for i in range(0, len(flat), 2)}
 
+    def sweep(self, slice_blocks: int = 4096) -> bool:
+        """Clean stale entries (left by Cleared and purges) from about ``slice_blocks`` blocks;
+        True while a sweep pass is still running. Applies do this a slice at a time already."""
+        if slice_blocks < 1:
+            raise ValueError(f"slice_blocks must be at least 1, got {slice_blocks}")
+        _seen, running = self._sweep(keys=[self.index_key], args=[self.prefix, slice_blocks])
+        return bool(running)
+
     # -- reading -------------------------------------------------------------------------
 
     def who_has(
@@ -459,7 +566,9 @@ class SharedRegistry:
         """
         if not sequence_hashes:
             return []
-        values = self.client.hmget(self.index_key, [hash_key(h) for h in sequence_hashes])
+        values = self._who_has(
+            keys=[self.index_key], args=[self.prefix, *(hash_key(h) for h in sequence_hashes)]
+        )
         out = [_holders(v) for v in values]
         if stop_at_miss:
             for position, holders in enumerate(out):
@@ -482,9 +591,9 @@ class SharedRegistry:
         raw = self.client.hget(self.prefix + "count", str(int(worker_id)))
         return 0 if raw is None else int(raw)
 
-    def tier_log_size(self, worker_id: int, tier: Tier) -> int:
-        """How many hashes a worker's log for ``tier`` holds (live blocks plus stale ones)."""
-        raw = self.client.hget(self.prefix + "logs", f"{int(worker_id)}:{int(tier)}")
+    def held_count(self, worker_id: int, tier: Tier) -> int:
+        """How many blocks a worker holds on ``tier`` (kept by the apply; what a purge drops)."""
+        raw = self.client.hget(self.prefix + "held", f"{int(worker_id)}:{int(tier)}")
         return 0 if raw is None else int(raw)
 
     def workers(self) -> set[int]:
@@ -492,9 +601,14 @@ class SharedRegistry:
 
     def snapshot(self) -> dict[int, dict[int, int]]:
         """``sequence_hash -> {worker: tier mask}`` for the whole namespace (HSCAN; for checks)."""
+        generations: dict[bytes, bytes] = {}
+        for worker, stamp in self.client.hgetall(self.prefix + "gens").items():
+            if not isinstance(worker, bytes) or not isinstance(stamp, bytes):
+                raise TypeError("generations must be bytes")  # refused in __init__, as above
+            generations[worker] = stamp
         out: dict[int, dict[int, int]] = {}
         for field, value in self.client.hscan_iter(self.index_key, count=1000):
-            holders = _holders(value)
+            holders = _live_holders(value, generations)
             if holders:
                 out[int.from_bytes(field, "big")] = holders
         return out
@@ -508,12 +622,26 @@ class SharedRegistry:
 
 
 def _holders(value: bytes | str | None) -> dict[int, int]:
-    """A block's value (5-byte entries: u32 worker id, u8 tier mask) as {worker: mask}."""
+    """A block's value as ``who_has`` returns it (stale bits already out) as {worker: mask}."""
     if not value:
         return {}
     if isinstance(value, str):  # only a client decoding replies gives str, refused in __init__
         raise TypeError("block values must be bytes")
-    return {worker: mask for worker, mask in _ENTRY.iter_unpack(value)}
+    return {worker: mask for worker, mask, _stamp in _STAMPED.iter_unpack(value)}
+
+
+def _live_holders(value: bytes, generations: dict[bytes, bytes]) -> dict[int, int]:
+    """A stored block value (21-byte entries) as {worker: mask}, stale bits left out."""
+    out: dict[int, int] = {}
+    for worker, mask, stamp in _STAMPED.iter_unpack(value):
+        current = generations.get(worker.to_bytes(4, "big"), _NO_GENERATIONS)
+        if stamp != current:
+            mask &= sum(
+                1 << t for t in range(4) if stamp[4 * t : 4 * t + 4] == current[4 * t : 4 * t + 4]
+            )
+        if mask:
+            out[worker] = mask
+    return out
 
 
 def _chunks(items: list[bytes], size: int) -> Iterable[list[bytes]]:

@@ -24,7 +24,7 @@ from kvledger.events.log import EventLog
 from kvledger.events.publish import CallbackPublisher, RedisPublisher
 from kvledger.events.shared_registry import SharedRegistry
 from kvledger.events.subscribe import StreamSubscriber
-from kvledger.events.types import AnyEvent, BlockInfo, Tier
+from kvledger.events.types import AnyEvent, BlockInfo, Cleared, Tier
 from kvledger.events.wire import decode_record, encode_record
 from kvledger.registry.emitter import EventEmitter
 from kvledger.registry.hashing import TokenBlockSequence
@@ -288,64 +288,151 @@ def test_publisher_survives_a_redis_restart(tmp_path: Path) -> None:
         server.wait()
 
 
-def _log_replay(reg: SharedRegistry, worker: int, tier: Tier) -> tuple[set[int], int]:
-    """What a worker's tier log says it holds, and how many hashes the log carries."""
-    state: dict[bytes, bool] = {}
-    size = 0
-    for element in reg.client.lrange(f"{reg.prefix}log:{worker}:{int(tier)}", 0, -1):
-        hashes = [element[p : p + 8] for p in range(1, len(element), 8)]
-        size += len(hashes)
-        for h in hashes:
-            if element[:1] == b"+":
-                state[h] = True
-            elif h in state:
-                state[h] = False
-    return {int.from_bytes(h, "big") for h, live in state.items() if live}, size
-
-
 def _held(holders: dict[int, dict[int, int]], worker: int, tier: Tier) -> set[int]:
     bit = 1 << (int(tier) - 1)
     return {h for h, masks in holders.items() if masks.get(worker, 0) & bit}
 
 
-def test_tier_logs_stay_compact_and_name_what_the_worker_holds() -> None:
-    """A long stream with churn on every tier (Cleared included), applied in small batches to
-    a registry that compacts early: each log replays to exactly what the fold says the worker
-    holds there, its size field counts its hashes, and it stays under 4x the most the worker
-    ever held there (or the floor) instead of growing with the stream."""
-    reg = SharedRegistry(_client(), f"c-{uuid.uuid4().hex[:12]}", log_compact_min=32)
+def _held_per_tier(events: list[AnyEvent], worker: int) -> dict[Tier, int]:
+    state = RegistryState.from_events(events)
+    return {t: len(state.snapshot().get((worker, t), {})) for t in Tier}
+
+
+def test_long_churn_keeps_counts_exact_and_stale_entries_bounded() -> None:
+    """A long stream with churn on every tier (Cleared included), applied in small batches:
+    after every batch the index and the per-tier counts equal the fold, and the sweep that runs
+    with the applies keeps the stored entries (stale ones included) from piling up."""
+    reg = SharedRegistry(_client(), f"c-{uuid.uuid4().hex[:12]}", sweep_slice=64)
     try:
         events = worker_events(21, 1, 600, prompt_pool(21))
+        assert any(isinstance(e, Cleared) for e in events)
         batch = 5
-        peak = dict.fromkeys((Tier.G1, Tier.G2, Tier.G3), 0)
+        ever: set[int] = set()
         for start in range(0, len(events), batch):
-            chunk = events[start : start + batch]
-            assert reg.apply(1, chunk).gap_at is None
-            holders = holders_from_state(RegistryState.from_events(events[: start + batch]))
-            for tier in (Tier.G1, Tier.G2, Tier.G3):
-                live, size = _log_replay(reg, 1, tier)
-                assert live == _held(holders, 1, tier)
-                assert reg.tier_log_size(1, tier) == size
-                peak[tier] = max(peak[tier], len(live))
-                assert size < max(32, 4 * peak[tier])
-        logged = sum(len(getattr(e, "sequence_hashes", ())) for e in events)
-        assert sum(reg.tier_log_size(1, t) for t in Tier) < logged / 2  # compaction happened
-        assert reg.client.hget(reg.prefix + "logs", "1:1:at") is not None
+            assert reg.apply(1, events[start : start + batch]).gap_at is None
+            done = events[: start + batch]
+            live = reg.snapshot()
+            expected = holders_from_state(RegistryState.from_events(done))
+            assert live == expected
+            ever.update(expected)
+            assert reg.who_has(sorted(ever)) == [expected.get(h, {}) for h in sorted(ever)]
+            assert {t: reg.held_count(1, t) for t in Tier} == _held_per_tier(done, 1)
+        while reg.sweep():
+            pass
+        assert reg.client.hlen(reg.index_key) == len(reg.snapshot())  # nothing stale is left
+        # a purge drops every (block, tier) entry of the worker, and says how many
+        entries = sum(_held_per_tier(events, 1).values())
+        assert entries > 0 and reg.release(1) == entries
+        assert reg.snapshot() == {} and reg.who_has(list(live)) == [{}] * len(live)
+        assert {t: reg.held_count(1, t) for t in Tier} == dict.fromkeys(Tier, 0)
+        while reg.sweep():
+            pass
+        assert reg.client.hlen(reg.index_key) == 0
+    finally:
+        reg.delete_namespace()
+
+
+def _stored(emit: EventEmitter, tier: Tier, seq: TokenBlockSequence) -> None:
+    emit.stored(tier, None, list(zip(seq.sequence_hashes, seq.local_hashes, strict=True)))
+
+
+def test_cleared_then_stored_again_counts_only_the_new_blocks() -> None:
+    """Entries written before a Cleared stay stored (stale) until swept, but no reader sees
+    them; storing some of the blocks again makes exactly those live, on that tier only."""
+    reg = SharedRegistry(_client(), f"s-{uuid.uuid4().hex[:12]}", sweep_slice=0)
+    try:
+        events: list[AnyEvent] = []
+        emit = EventEmitter(events.append, worker_id=1)
+        seq = TokenBlockSequence(list(range(64)), 4)
+        _stored(emit, Tier.G1, seq)
+        _stored(emit, Tier.G2, seq)
+        emit.cleared(Tier.G1)
+        reg.apply(1, events)
+        seqs = seq.sequence_hashes
+        assert reg.who_has(seqs) == [{1: 2}] * 16  # G2 only: the G1 bits are stale
+        again = TokenBlockSequence(list(range(32)), 4)  # the first 8 blocks
+        _stored(emit, Tier.G1, again)
+        emit.removed(Tier.G2, seqs[:2])
+        assert reg.apply(1, events[3:]).applied == 2
+        assert reg.who_has(seqs) == [{1: 1}] * 2 + [{1: 3}] * 6 + [{1: 2}] * 8
         assert reg.snapshot() == holders_from_state(RegistryState.from_events(events))
-        # purge after compactions: every entry and every log of the worker goes
-        held_blocks = len(reg.snapshot())
-        assert held_blocks > 0 and reg.release(1) == held_blocks
-        assert reg.snapshot() == {}
-        assert not reg.client.keys(reg.prefix + "log:*")
-        assert reg.client.hlen(reg.prefix + "logs") == 0
+        assert reg.held_count(1, Tier.G1) == 8 and reg.held_count(1, Tier.G2) == 14
+        assert reg.prefix_depths(seqs) == {1: {Tier.G1: 8}}
+    finally:
+        reg.delete_namespace()
+
+
+def test_a_purged_worker_that_comes_back_sees_none_of_its_old_entries() -> None:
+    """After a purge the worker's old entries are stale, not gone: when it comes back and
+    re-sends a new stream from event 0, only what that stream holds is live, old blocks it
+    does not store again stay invisible, and the other worker is untouched."""
+    reg = SharedRegistry(_client(), f"p-{uuid.uuid4().hex[:12]}", sweep_slice=0)
+    try:
+        prompts = prompt_pool(31)
+        old, other = worker_events(31, 1, 80, prompts), worker_events(31, 2, 80, prompts)
+        reg.apply(1, old)
+        reg.apply(2, other)
+        assert reg.purge_expired() == {}
+        reg.client.delete(reg.prefix + "lease:1")  # the lease lapses
+        assert list(reg.purge_expired()) == [1]
+        assert reg.snapshot() == holders_from_state(RegistryState.from_events(other))
+        stored_keys = reg.client.hlen(reg.index_key)
+        assert stored_keys > len(reg.snapshot())  # the old entries are still stored, stale
+        back = worker_events(32, 1, 40, prompts)  # a new life of worker 1, ids from 0
+        assert reg.apply(1, back).applied == len(back)
+        expected = holders_from_state(RegistryState.from_events(back + other))
+        assert reg.snapshot() == expected
+        old_only = set(holders_from_state(RegistryState.from_events(old))) - set(expected)
+        assert old_only and all(h == {} for h in reg.who_has(sorted(old_only)))
+        assert {t: reg.held_count(1, t) for t in Tier} == _held_per_tier(back, 1)
+    finally:
+        reg.delete_namespace()
+
+
+def test_sweep_removes_stale_entries_and_stops() -> None:
+    """Stale entries are removed by the sweep a slice at a time; a pass ends on its own, and
+    a Cleared or purge during a pass asks for another one."""
+    reg = SharedRegistry(_client(), f"w-{uuid.uuid4().hex[:12]}", sweep_slice=0)
+    try:
+        assert reg.sweep() is False  # nothing to do
+        events: list[AnyEvent] = []
+        emit = EventEmitter(events.append, worker_id=1)
+        others: list[AnyEvent] = []
+        emit2 = EventEmitter(others.append, worker_id=2)
+        seqs = [TokenBlockSequence(list(range(k, k + 64)), 4) for k in range(0, 6400, 100)]
+        for seq in seqs:
+            _stored(emit, Tier.G1, seq)
+            _stored(emit2, Tier.G2, seq)
+        reg.apply(1, events)
+        reg.apply(2, others)
+        blocks = 16 * len(seqs)
+        assert reg.client.hlen(reg.index_key) == blocks
+        emit.cleared(Tier.G1)
+        reg.apply(1, events[-1:])
+        assert reg.sweep(64) is True  # one slice of a long pass
+        emit2.cleared(Tier.G2)
+        reg.apply(2, others[-1:])  # mid-pass: another pass must follow
+        while reg.sweep(64):
+            pass
+        # the blocks the first slice had passed lost worker 2's entries too: a second pass ran
+        assert reg.client.hlen(reg.index_key) == 0 and reg.snapshot() == {}
+        assert reg.sweep() is False
+        # with the default slice, applies sweep on their own
+        auto = SharedRegistry(reg.client, reg.namespace, sweep_slice=1000)
+        _stored(emit, Tier.G1, seqs[0])
+        emit.cleared(Tier.G1)
+        auto.apply(1, events[-2:])
+        for _ in range(blocks // 1000 + 2):
+            auto.apply(1, [])
+        assert reg.client.hlen(reg.index_key) == 0
     finally:
         reg.delete_namespace()
 
 
 def test_cleared_after_many_batches_clears_one_tier_of_one_worker() -> None:
-    """Cleared reaches blocks gained many batches and compactions earlier, and blocks gained
-    earlier in the same batch, on its own tier only and for its own worker only."""
-    reg = SharedRegistry(_client(), f"k-{uuid.uuid4().hex[:12]}", log_compact_min=16)
+    """Cleared reaches blocks gained many batches earlier, and blocks gained earlier in the
+    same batch, on its own tier only and for its own worker only."""
+    reg = SharedRegistry(_client(), f"k-{uuid.uuid4().hex[:12]}", sweep_slice=16)
     try:
         streams: dict[int, list[AnyEvent]] = {w: [] for w in (1, 2)}
         emitters = {w: EventEmitter(streams[w].append, worker_id=w) for w in (1, 2)}
@@ -374,8 +461,8 @@ def test_cleared_after_many_batches_clears_one_tier_of_one_worker() -> None:
         assert reg.snapshot() == expected
         assert _held(expected, 1, Tier.G1) == set()
         assert _held(expected, 1, Tier.G2) and _held(expected, 2, Tier.G1)
-        assert reg.tier_log_size(1, Tier.G1) == 0
-        assert _log_replay(reg, 1, Tier.G2)[0] == _held(expected, 1, Tier.G2)
+        assert reg.held_count(1, Tier.G1) == 0
+        assert reg.held_count(1, Tier.G2) == len(_held(expected, 1, Tier.G2))
     finally:
         reg.delete_namespace()
 
@@ -405,5 +492,7 @@ def test_malformed_records_are_refused_before_anything_is_written(
         assert registry.applied_event_id(3) == -1
         assert registry.snapshot() == {}
         assert registry.client.xlen(registry.stream_key) == 0
-    with pytest.raises(ValueError, match="log_compact_min"):
-        SharedRegistry(registry.client, "ok", log_compact_min=0)
+    with pytest.raises(ValueError, match="sweep_slice"):
+        SharedRegistry(registry.client, "ok", sweep_slice=-1)
+    with pytest.raises(ValueError, match="slice_blocks"):
+        registry.sweep(0)
