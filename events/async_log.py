@@ -19,6 +19,7 @@ from kvledger.events.log import (
     Durability,
     EventLogError,
     Row,
+    check_queue_sizes,
     engine_args,
     insert_sql,
     install_sqlite_pragmas,
@@ -44,11 +45,7 @@ class AsyncEventLog:
         max_delay: float = 0.05,
         create: bool = True,
     ) -> None:
-        if batch_size < 1 or queue_size < batch_size:
-            raise ValueError(
-                f"need 1 <= batch_size <= queue_size, got batch_size={batch_size}, "
-                f"queue_size={queue_size}"
-            )
+        check_queue_sizes(batch_size, queue_size)
         self.url = url
         self.batch_size = batch_size
         self.queue_size = queue_size

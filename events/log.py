@@ -141,6 +141,15 @@ def insert_sql(paramstyle: str) -> str:
     return f"INSERT INTO {events.name} ({', '.join(cols)}) VALUES ({', '.join([ph] * len(cols))})"
 
 
+def check_queue_sizes(batch_size: int, queue_size: int) -> None:
+    """The writer wakes every ``batch_size`` events, so the queue must hold at least one batch."""
+    if batch_size < 1 or queue_size < batch_size:
+        raise ValueError(
+            f"need 1 <= batch_size <= queue_size, got batch_size={batch_size}, "
+            f"queue_size={queue_size}"
+        )
+
+
 def order_error(worker: int, event_id: int, expected: int) -> ValueError:
     what = "repeats an id already logged" if event_id < expected else "leaves a gap"
     return ValueError(
@@ -178,11 +187,7 @@ class EventLog:
         read_only: bool = False,
         create: bool = True,
     ) -> None:
-        if batch_size < 1 or queue_size < batch_size:
-            raise ValueError(
-                f"need 1 <= batch_size <= queue_size, got batch_size={batch_size}, "
-                f"queue_size={queue_size}"
-            )
+        check_queue_sizes(batch_size, queue_size)
         self.url = database_url(url)
         parsed = sa.make_url(self.url)
         if parsed.get_backend_name() == "sqlite" and (read_only or not create):

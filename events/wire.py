@@ -19,6 +19,7 @@ from typing import Any
 
 import msgpack
 
+from kvledger.events.codec import KIND_CODES
 from kvledger.events.types import (
     AnyEvent,
     BlockInfo,
@@ -31,13 +32,6 @@ from kvledger.events.types import (
 )
 
 RECORD_VERSION = 1
-KIND_CODES: dict[type[AnyEvent], int] = {
-    Stored: 1,
-    Removed: 2,
-    Offloaded: 3,
-    Onboarded: 4,
-    Cleared: 5,
-}
 KIND_OF_CODE = {code: cls for cls, code in KIND_CODES.items()}
 _U64_MAX = (1 << 64) - 1
 
