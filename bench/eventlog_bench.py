@@ -127,6 +127,30 @@ def bare_fold(path: Path) -> float:
     return elapsed
 
 
+def keys_only_fold(path: Path) -> float:
+    """Context, not a target: the bare fold keeping only which blocks are resident (no local or
+    parent hashes): the cost of holding one Python int per live block, which any state made of
+    Python objects pays."""
+    conn = sqlite3.connect(path)
+    unpackb = msgpack.unpackb
+    tiers: dict[tuple[int, int], dict[int, None]] = {}
+    gc.disable()
+    t0 = time.perf_counter()
+    for _id, _ts, payload in conn.execute("SELECT id, ts, payload FROM events ORDER BY id"):
+        r = unpackb(payload, use_list=False)
+        blocks = tiers.setdefault((r[2], r[5]), {})
+        if r[1] == 2:
+            for seq in r[7]:
+                blocks.pop(seq, None)
+        else:
+            for seq in r[8]:
+                blocks[seq] = None
+    elapsed = time.perf_counter() - t0
+    gc.enable()
+    conn.close()
+    return elapsed
+
+
 def our_append(path: Path, events: list[AnyEvent]) -> float:
     log = EventLog(str(path), batch_size=BATCH)
     append = log.append
@@ -179,6 +203,7 @@ def main() -> None:
         raw_r = best_of(args.repeat, lambda i: raw_read(fresh("raw", 0)))
         ours_r = best_of(args.repeat, lambda i: our_replay(fresh("ours", 0), n))
         bare_r = best_of(args.repeat, lambda i: bare_fold(fresh("raw", 0)))
+        keys_r = best_of(args.repeat, lambda i: keys_only_fold(fresh("raw", 0)))
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
@@ -199,6 +224,9 @@ def main() -> None:
     )
     print(
         f"context: bare fold, no checks (ceiling):       {rate(bare_r)}  ratio {raw_r / bare_r:.2f}"
+    )
+    print(
+        f"context: bare fold keeping keys only:          {rate(keys_r)}  ratio {raw_r / keys_r:.2f}"
     )
 
 
