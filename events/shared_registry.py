@@ -1,9 +1,12 @@
 """The registry shared by all workers, kept in Redis.
 
-Each worker's events are applied by one Lua script per batch, so a batch is atomic and the
-per-worker "last applied event id" moves in the same step as the index: applying a batch twice
-changes nothing, and a batch that starts past the next expected id is refused at the gap and the
-caller fills it from the worker's durable log. The same script appends every applied event to one
+Each worker's events are applied by a Lua script, so a call is atomic and the per-worker "last
+applied event id" moves in the same step as the index: applying events twice changes nothing,
+and a call that starts past the next expected id is refused at the gap and the caller fills it
+from the worker's durable log. The Python side checks the records and reduces a run of events to
+what it leaves behind (each touched block once, with the bits it ends set or cleared, and the
+Cleared count per tier), so Lua only does the part that needs the stored values; a long batch
+goes out as several calls in one pipeline. The same script appends every applied event to one
 Redis stream (trimmed approximately), so routers reading it with a consumer group see each event
 exactly once, in order per worker.
 
@@ -39,15 +42,24 @@ no-op Cleared skip the sweep.
 
 from __future__ import annotations
 
+import functools
 import re
 import struct
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+import msgpack
 import redis
 
-from kvledger.events.types import AnyEvent, Tier
-from kvledger.events.wire import encode_record, hash_key
+from kvledger.events.codec import KIND_CODES
+from kvledger.events.types import AnyEvent, Cleared, Removed, Tier
+from kvledger.events.wire import (
+    KIND_OF_CODE,
+    RECORD_VERSION,
+    WireFormatError,
+    encode_record,
+    hash_key,
+)
 from kvledger.registry.index import prefix_depths
 
 _STAMPED = struct.Struct(">IB16s")
@@ -186,212 +198,172 @@ end
 """
 )
 
-# The apply reads the blocks a batch touches once (HMGET in chunks) into ``vals``, changes them
-# in Lua, and writes back only those that changed (HSET/HDEL) at the end: a batch costs a
-# handful of calls besides its XADDs, however many blocks it touches.
+# The apply gets the batch already reduced by ``_net_changes``: the records (only appended to the
+# stream), each tier's Cleared count, and every block the batch touches once, grouped by the
+# bits the batch leaves set or clear on it. Lua then does per block only what needs the stored
+# value: one HMGET slot, a mask edit, one HSET/HDEL slot. Cutting hashes out of records and
+# finding each block's last change cost more in Lua than the whole index update does.
 # KEYS: applied, count, events, workers, lease, held
-# ARGV: prefix, worker id, stream maxlen, lease ttl ms, sweep slice, record...
-# Returns {applied, repeated, last applied id, id at which a gap was found or -1}.
+# ARGV: prefix, worker id, stream maxlen, lease ttl ms, sweep slice, first event id, records n,
+#       Cleared count per tier (4), groups g, g x (set mask, clear mask, blocks), records, blocks
+# Returns {applied, repeated, last applied id, gap}: gap is the first event id when it does not
+# follow the last applied one, -2 when the batch starts inside what was applied (the caller
+# sends the rest again), else -1.
 _LUA_APPLY = (
     _LUA_COMMON
     + """
 local wid, maxlen = ARGV[2], ARGV[3]
 local ttl, slice = tonumber(ARGV[4]), tonumber(ARGV[5])
-local wnum = tonumber(wid)
-local wk = struct.pack('>I4', wnum)
+local first, nrec = tonumber(ARGV[6]), tonumber(ARGV[7])
+local wk = struct.pack('>I4', tonumber(wid))
 local last = tonumber(call('HGET', KEYS[1], wid) or '-1')
-local fmts = {}
--- Every block the run touches, once each (``need``), with its value: ``vals[k]`` is nil for
--- a block not seen yet, then false (not read yet, or no value) or the value.
-local vals, need, nn = {}, {}, 0
--- Append the 8-byte hashes packed in blob to out[n+1..]; returns the new n. struct.unpack
--- cuts up to 256 of them per call, far cheaper than string.sub each.
-local function split(blob, out, n)
-  local total, pos = #blob / 8, 1
-  while total > 0 do
-    local c = math.min(total, 256)
-    local f = fmts[c]
-    if not f then
-      f = string.rep('c8', c)
-      fmts[c] = f
+local applied, repeated, gap = 0, 0, -1
+if first > last + 1 then
+  gap = first
+elseif first + nrec - 1 <= last then
+  repeated = nrec
+elseif first <= last then
+  repeated, gap = last + 1 - first, -2
+else
+  applied = nrec
+end
+local stale = false
+if applied > 0 then
+  local ng = tonumber(ARGV[12])
+  local rec0 = 12 + 3 * ng
+  local q = rec0 + nrec
+  -- The worker's generations before and after the batch's Cleared events.
+  local wpre = gens_of(wk)
+  local wg, clears, anyclear = wpre, {}, false
+  for t = 1, 4 do
+    local c = tonumber(ARGV[7 + t])
+    clears[t] = c
+    if c > 0 then
+      anyclear = true
+      local at = 4 * (t - 1)
+      local g = struct.unpack('>I4', wg, at + 1)
+      wg = sub(wg, 1, at) .. struct.pack('>I4', (g + c) % 4294967296) .. sub(wg, at + 5)
     end
-    local parts = {struct.unpack(f, blob, pos)}
-    for q = 1, c do
-      local k = parts[q]
-      out[n + q] = k
-      if vals[k] == nil then
-        vals[k] = false
-        nn = nn + 1
-        need[nn] = k
-      end
-    end
-    n, pos, total = n + c, pos + 8 * c, total - c
   end
-  return n
-end
--- First pass, before any write: check every record and find the run that follows ``last``.
-local todo, keys, nt, nk = {}, {}, 0, 0
-local repeated, gap, expect = 0, -1, last + 1
-for i = 6, #ARGV do
-  local rec = cmsgpack.unpack(ARGV[i])
-  if rec[4] ~= wnum then
-    return redis.error_reply('record of worker ' .. tostring(rec[4]) .. ' sent as worker ' .. wid)
-  end
-  local kind, tier, eid = rec[2], rec[6], rec[3]
-  if kind ~= 1 and kind ~= 2 and kind ~= 3 and kind ~= 4 and kind ~= 5 then
-    return redis.error_reply('unknown event kind ' .. tostring(kind))
-  end
-  if tier ~= 1 and tier ~= 2 and tier ~= 3 and tier ~= 4 then
-    return redis.error_reply('unknown tier ' .. tostring(tier))
-  end
-  local seqs = rec[8]
-  if type(seqs) ~= 'string' or #seqs % 8 ~= 0 then
-    return redis.error_reply('event ' .. tostring(eid) .. ': hash blob is not whole 8-byte hashes')
-  end
-  if eid < expect then
-    repeated = repeated + 1
-  elseif eid ~= expect then
-    gap = eid
-    break
-  else
-    local first = nk + 1
-    nk = split(seqs, keys, nk)
-    nt = nt + 1
-    todo[nt] = {kind, tier, first, nk, ARGV[i]}
-    expect = eid + 1
-  end
-end
--- Read every block the run touches once; ``orig[i]`` is need[i]'s value as read.
-local orig = {}
-for p = 1, nn, 1024 do
-  local e = math.min(p + 1023, nn)
-  local got = call('HMGET', idx, unpack(need, p, e))
-  for q = p, e do
-    local v = got[q - p + 1]
-    orig[q] = v
-    if v then vals[need[q]] = v end
-  end
-end
-local wg = gens_of(wk)
-local delta, cleared = {0, 0, 0, 0}, {false, false, false, false}
--- This worker's single-entry values under the current generations, by mask and back: most
--- blocks hold one worker's entry, and these skip building and cutting strings for them.
-local ent, ment = {}, {}
-local function stamp_entries()
-  ent, ment = {}, {}
+  gcache[wk] = wg
+  -- This worker's single-entry values under the new generations, by mask and back: most
+  -- blocks hold one worker's entry, and these skip building and cutting strings for them.
+  local ent, ment = {[0] = false}, {}
   for m = 1, 15 do
     local e = wk .. char(m) .. wg
     ent[m], ment[e] = e, m
   end
-  ent[0] = false
-end
-stamp_entries()
--- This worker's entry in a block's value starts at a multiple of 21 bytes.
-local function locate(v, i)
-  while true do
-    local j = find(v, wk, i, true)
-    if not j then return nil end
-    if (j - 1) % 21 == 0 then return j end
-    i = j + 1
-  end
-end
--- Set (set=true) or clear bit ``b`` (tier ``tier``) of this worker on a loaded block; drops
--- the worker's stale bits on the way.
-local function remask(k, b, tier, set)
-  local v = vals[k]
-  local old = 0
-  if v then old = ment[v] end
-  if old or not v then
-    old = old or 0
-    local new
-    if set then new = bor(old, b) else new = band(old, bnot(b)) end
-    if new ~= old then
-      if set then delta[tier] = delta[tier] + 1 else delta[tier] = delta[tier] - 1 end
-      vals[k] = ent[new]
-    end
-    return
-  end
-  local j = locate(v, 1)
-  local raw, stamp = 0, nil
-  old = 0
-  if j then
-    raw = byte(v, j + 4)
-    stamp = sub(v, j + 5, j + 20)
-    old = valid_mask(raw, stamp, wg)
-  end
-  local new
-  if set then new = bor(old, b) else new = band(old, bnot(b)) end
-  if band(old, b) ~= band(new, b) then
-    if set then delta[tier] = delta[tier] + 1 else delta[tier] = delta[tier] - 1 end
-  end
-  if j then
-    if new == raw and stamp == wg then return end
-    local nv = sub(v, 1, j - 1) .. (ent[new] or '') .. sub(v, j + 21)
-    if nv == '' then vals[k] = false else vals[k] = nv end
-  elseif new ~= 0 then
-    vals[k] = v .. ent[new]
-  end
-end
-local stale = false
-for i = 1, nt do
-  local ev = todo[i]
-  local kind, tier = ev[1], ev[2]
-  local b = lshift(1, tier - 1)
-  if kind == 5 then
-    -- Cleared: a new generation for the tier makes every entry stamped before it stale.
-    local held = tonumber(call('HGET', KEYS[6], wid .. ':' .. tier) or '0')
-    if cleared[tier] then held = 0 end
-    if held + delta[tier] > 0 then stale = true end
-    local at = 4 * (tier - 1)
-    local g = struct.unpack('>I4', wg, at + 1)
-    wg = sub(wg, 1, at) .. struct.pack('>I4', (g + 1) % 4294967296) .. sub(wg, at + 5)
-    delta[tier], cleared[tier] = 0, true
-    stamp_entries()
-  else
-    local set = kind ~= 2
-    for q = ev[3], ev[4] do remask(keys[q], b, tier, set) end
-  end
-  call('XADD', KEYS[3], 'MAXLEN', '~', maxlen, '*', 'w', wid, 'r', ev[5])
-end
--- Write back the blocks that changed, dropping other workers' stale entries where they share
--- a block with this one.
-gcache[wk] = wg
-local sets, dels, ns, nd = {}, {}, 0, 0
-for i = 1, nn do
-  local k = need[i]
-  local v = vals[k]
-  if v ~= (orig[i] or false) then
-    if v and #v > 21 then v = clean(v) end
-    if v then
-      sets[ns + 1], sets[ns + 2] = k, v
-      ns = ns + 2
-    else
-      nd = nd + 1
-      dels[nd] = k
+  -- tr[old * 16 + new]: blocks whose live mask of this worker went from old to new; before[t]:
+  -- touched blocks that held a live tier-t bit before a Cleared of tier t.
+  local tr, before = {}, {0, 0, 0, 0}
+  local sets, dels, ns, nd = {}, {}, 0, 0
+  for grp = 0, ng - 1 do
+    local set, keep = tonumber(ARGV[13 + 3 * grp]), bnot(tonumber(ARGV[14 + 3 * grp]))
+    local stop = q + tonumber(ARGV[15 + 3 * grp])
+    while q < stop do
+      local e = math.min(q + 1024, stop)
+      local got = call('HMGET', idx, unpack(ARGV, q + 1, e))
+      for i = 1, e - q do
+        local k, v = ARGV[q + i], got[i]
+        local old
+        if v then old = ment[v] else old = 0 end
+        if old then
+          local new = bor(band(old, keep), set)
+          if new ~= old then
+            local c = old * 16 + new
+            tr[c] = (tr[c] or 0) + 1
+            if new == 0 then
+              nd = nd + 1
+              dels[nd] = k
+            else
+              sets[ns + 1], sets[ns + 2] = k, ent[new]
+              ns = ns + 2
+            end
+          end
+        else
+          -- Another worker's entries, or this worker's stamped before a Cleared or purge.
+          local j, i0 = nil, 1
+          while true do
+            j = find(v, wk, i0, true)
+            if not j or (j - 1) % 21 == 0 then break end
+            i0 = j + 1
+          end
+          local raw, stamp = 0, nil
+          old = 0
+          if j then
+            raw, stamp = byte(v, j + 4), sub(v, j + 5, j + 20)
+            old = valid_mask(raw, stamp, wg)
+            if anyclear then
+              local pre = valid_mask(raw, stamp, wpre)
+              for t = 1, 4 do
+                if clears[t] > 0 and band(pre, lshift(1, t - 1)) ~= 0 then
+                  before[t] = before[t] + 1
+                end
+              end
+            end
+          end
+          local new = bor(band(old, keep), set)
+          if new ~= old then
+            local c = old * 16 + new
+            tr[c] = (tr[c] or 0) + 1
+          end
+          local nv = v
+          if j then
+            if new ~= raw or stamp ~= wg then
+              nv = sub(v, 1, j - 1) .. (ent[new] or '') .. sub(v, j + 21)
+            end
+          elseif new ~= 0 then
+            nv = v .. ent[new]
+          end
+          if nv ~= v then
+            if #nv > 21 then nv = clean(nv) elseif nv == '' then nv = false end
+            if nv then
+              sets[ns + 1], sets[ns + 2] = k, nv
+              ns = ns + 2
+            else
+              nd = nd + 1
+              dels[nd] = k
+            end
+          end
+        end
+      end
+      q = e
     end
   end
-end
-write_back(sets, ns, dels, nd)
-if cleared[1] or cleared[2] or cleared[3] or cleared[4] then call('HSET', gkey, wk, wg) end
-for tier = 1, 4 do
-  local field = wid .. ':' .. tier
-  if cleared[tier] then
-    call('HSET', KEYS[6], field, delta[tier])
-  elseif delta[tier] ~= 0 then
-    call('HINCRBY', KEYS[6], field, delta[tier])
+  write_back(sets, ns, dels, nd)
+  local delta = {0, 0, 0, 0}
+  for c, n in pairs(tr) do
+    local old, new = math.floor(c / 16), c % 16
+    for t = 1, 4 do
+      local b = lshift(1, t - 1)
+      if band(new, b) ~= 0 then delta[t] = delta[t] + n end
+      if band(old, b) ~= 0 then delta[t] = delta[t] - n end
+    end
   end
+  if anyclear then call('HSET', gkey, wk, wg) end
+  for t = 1, 4 do
+    local field = wid .. ':' .. t
+    if clears[t] > 0 then
+      -- Entries of the tier the batch did not touch went stale with the new generation.
+      if tonumber(call('HGET', KEYS[6], field) or '0') > before[t] then stale = true end
+      call('HSET', KEYS[6], field, delta[t])
+    elseif delta[t] ~= 0 then
+      call('HINCRBY', KEYS[6], field, delta[t])
+    end
+  end
+  for i = rec0 + 1, rec0 + nrec do call('XADD', KEYS[3], '*', 'w', wid, 'r', ARGV[i]) end
+  call('XTRIM', KEYS[3], 'MAXLEN', '~', maxlen)
+  last = first + nrec - 1
+  call('HSET', KEYS[1], wid, last)
+  call('HINCRBY', KEYS[2], wid, nrec)
 end
 if stale then want_sweep() end
 if slice > 0 then sweep(slice) end
-if nt > 0 then
-  call('HSET', KEYS[1], wid, expect - 1)
-  call('HINCRBY', KEYS[2], wid, nt)
-end
 if ttl > 0 then
   call('SET', KEYS[5], '1', 'PX', ttl)
   call('SADD', KEYS[4], wid)
 end
-return {nt, repeated, expect - 1, gap}
+return {applied, repeated, last, gap}
 """
 )
 
@@ -464,6 +436,7 @@ class SharedRegistry:
         lease_ttl_s: float = 10.0,
         stream_maxlen: int = 1_000_000,
         sweep_slice: int = 256,
+        events_per_call: int = 128,
     ) -> None:
         if not _NAMESPACE.match(namespace):
             raise ValueError(
@@ -475,6 +448,8 @@ class SharedRegistry:
             raise ValueError(f"stream_maxlen must be at least 1, got {stream_maxlen}")
         if sweep_slice < 0:
             raise ValueError(f"sweep_slice must be 0 or more, got {sweep_slice}")
+        if events_per_call < 1:
+            raise ValueError(f"events_per_call must be at least 1, got {events_per_call}")
         if client.get_connection_kwargs().get("decode_responses"):
             raise ValueError("the shared registry needs a Redis client with decode_responses=False")
         self.client = client
@@ -484,6 +459,8 @@ class SharedRegistry:
         self.stream_maxlen = stream_maxlen
         self.sweep_slice = sweep_slice
         """Blocks of a running stale-entry sweep each apply cleans (0: only ``sweep`` does)."""
+        self.events_per_call = events_per_call
+        """Events per apply script call; a longer batch is several calls in one pipeline."""
         self.stream_key = self.prefix + "events"
         self.workers_key = self.prefix + "workers"
         self.index_key = self.prefix + "idx"
@@ -504,28 +481,123 @@ class SharedRegistry:
         return self.apply_records(worker_id, [encode_record(e) for e in events])
 
     def apply_records(self, worker_id: int, records: Sequence[bytes]) -> ApplyResult:
-        """``apply`` for records already encoded with ``wire.encode_record``."""
+        """``apply`` for records already encoded with ``wire.encode_record``.
+
+        Every record is checked here before anything is sent, so a malformed one
+        (``WireFormatError``) or one of another worker (``ValueError``) leaves Redis as it was.
+        A run of consecutive event ids goes out as script calls of ``events_per_call`` events,
+        all in one pipeline: the next call is packed while Redis runs the one before. Each call
+        is atomic, and one that does not follow the last applied id changes nothing, so a call
+        after a gap is refused like the gap itself.
+        """
         if not 0 <= worker_id < 1 << 32:
             raise ValueError(f"worker ids must fit in 32 bits, got {worker_id}")
+        parsed = [_parse_record(worker_id, record) for record in records]
+        try:
+            return self._apply_parsed(worker_id, records, parsed)
+        except redis.exceptions.NoScriptError:  # a restarted or flushed Redis: load, send again
+            self.client.script_load(_LUA_APPLY)
+            return self._apply_parsed(worker_id, records, parsed)
+
+    def _apply_parsed(
+        self, worker_id: int, records: Sequence[bytes], parsed: Sequence[_Parsed]
+    ) -> ApplyResult:
+        if not parsed:  # refreshes the lease and sweeps, like any apply
+            ((_, _, last, _),) = self._call(worker_id, [([], [])])
+            return ApplyResult(0, 0, last, None)
+        applied = repeated = 0
+        last, start = -1, 0
+        while start < len(parsed):
+            end = start + 1
+            while end < len(parsed) and parsed[end][0] == parsed[end - 1][0] + 1:
+                end += 1
+            step = self.events_per_call
+            calls = [
+                (records[at : min(at + step, end)], parsed[at : min(at + step, end)])
+                for at in range(start, end, step)
+            ]
+            at = start
+            for (done, again, last, gap), (call_records, _) in zip(
+                self._call(worker_id, calls), calls, strict=True
+            ):
+                applied, repeated = applied + done, repeated + again
+                if gap == -2:  # started inside what was applied: send the rest of the run again
+                    end = at + again
+                    break
+                if gap != -1:
+                    return ApplyResult(applied, repeated, last, gap)
+                at += len(call_records)
+            start = end
+        return ApplyResult(applied, repeated, last, None)
+
+    def _call(
+        self, worker_id: int, calls: Sequence[tuple[Sequence[bytes], Sequence[_Parsed]]]
+    ) -> list[tuple[int, int, int, int]]:
+        """Send one apply script call per (records, parsed) in one pipeline; their replies.
+
+        Built here rather than by redis-py: packing thousands of 8-byte arguments one by one
+        costs more client time than Redis spends applying them.
+        """
         wid = str(int(worker_id))
-        keys = [
-            self.prefix + "applied",
-            self.prefix + "count",
-            self.stream_key,
-            self.workers_key,
-            self.prefix + "lease:" + wid,
-            self.prefix + "held",
-        ]
-        args: list[bytes | str | int] = [
-            self.prefix,
-            wid,
-            self.stream_maxlen,
-            self.lease_ttl_ms,
-            self.sweep_slice,
-            *records,
-        ]
-        applied, repeated, last, gap = self._apply(keys=keys, args=args)
-        return ApplyResult(int(applied), int(repeated), int(last), None if gap == -1 else int(gap))
+        head = _resp_args(
+            [
+                b"EVALSHA",
+                self._apply.sha,
+                7,
+                self.prefix + "applied",
+                self.prefix + "count",
+                self.stream_key,
+                self.workers_key,
+                self.prefix + "lease:" + wid,
+                self.prefix + "held",
+                self.index_key,
+                self.prefix,
+                wid,
+                self.stream_maxlen,
+                self.lease_ttl_ms,
+                self.sweep_slice,
+            ]
+        )
+        pool = self.client.connection_pool
+        conn = pool.get_connection()
+
+        def send_and_read() -> list[tuple[int, int, int, int]]:
+            for records, parsed in calls:
+                clears, groups = _net_changes(parsed)
+                small: list[bytes | str | int] = [
+                    parsed[0][0] if parsed else 0,
+                    len(records),
+                    *clears,
+                    len(groups),
+                ]
+                blocks = 0
+                for set_mask, clear_mask, group in groups:
+                    small += (set_mask, clear_mask, len(group))
+                    blocks += len(group)
+                parts = [b"*%d\r\n" % (15 + len(small) + len(records) + blocks), head]
+                parts.append(_resp_args(small))
+                parts.append(_resp_args(records))
+                for _set, _clear, group in groups:
+                    parts.append(b"$8\r\n" + b"\r\n$8\r\n".join(group) + b"\r\n")
+                conn.send_packed_command(parts)  # type: ignore[no-untyped-call]
+            replies, error = [], None
+            for _ in calls:  # read every reply, so the connection stays in step
+                try:
+                    applied, repeated, last, gap = conn.read_response()
+                    replies.append((int(applied), int(repeated), int(last), int(gap)))
+                except redis.ResponseError as exc:
+                    error = error or exc
+            if error is not None:
+                raise error
+            return replies
+
+        try:
+            return conn.retry.call_with_retry(
+                send_and_read,
+                lambda _error: conn.disconnect(),  # type: ignore[no-untyped-call]
+            )
+        finally:
+            pool.release(conn)
 
     def heartbeat(self, worker_id: int) -> None:
         """Refresh the worker's lease (and list it, so its entries are purged when it lapses)."""
@@ -642,6 +714,93 @@ def _live_holders(value: bytes, generations: dict[bytes, bytes]) -> dict[int, in
         if mask:
             out[worker] = mask
     return out
+
+
+_Parsed = tuple[int, int, int, bytes]
+"""A checked record as the apply needs it: event id, kind code, tier, packed sequence hashes."""
+
+_REMOVED = KIND_CODES[Removed]
+_CLEARED = KIND_CODES[Cleared]
+
+
+def _resp_args(args: Sequence[bytes | str | int]) -> bytes:
+    """Arguments in the Redis protocol, without the array header."""
+    out = []
+    for arg in args:
+        data = arg if isinstance(arg, bytes) else str(arg).encode()
+        out.append(b"$%d\r\n%s\r\n" % (len(data), data))
+    return b"".join(out)
+
+
+def _parse_record(worker_id: int, record: bytes) -> _Parsed:
+    """The fields of a stream record the index needs, after the checks the script relies on."""
+    try:
+        fields = msgpack.unpackb(record, raw=True, use_list=False)
+    except (ValueError, msgpack.UnpackException) as exc:
+        raise WireFormatError(f"stream record is not msgpack: {exc}") from None
+    if not isinstance(fields, tuple) or len(fields) != 9:
+        raise WireFormatError("a stream record is a 9-item array")
+    version, kind, event_id, worker, _dp_rank, tier, _ts, seqs, _body = fields
+    if version != RECORD_VERSION:
+        raise WireFormatError(f"stream record version {version!r}; this reader knows 1")
+    if worker != worker_id:
+        raise ValueError(f"record of worker {worker!r} sent as worker {worker_id}")
+    if kind not in KIND_OF_CODE:
+        raise WireFormatError(f"unknown event kind {kind!r}")
+    if tier not in (1, 2, 3, 4):
+        raise WireFormatError(f"unknown tier {tier!r}")
+    if not isinstance(event_id, int) or event_id < 0:
+        raise WireFormatError(f"event id {event_id!r} is not a non-negative integer")
+    if not isinstance(seqs, bytes) or len(seqs) % 8:
+        raise WireFormatError(f"event {event_id}: hash blob is not whole 8-byte hashes")
+    return event_id, kind, tier, seqs
+
+
+@functools.lru_cache(maxsize=1024)
+def _cutter(n: int) -> struct.Struct:
+    return struct.Struct("8s" * n)
+
+
+def _net_changes(parsed: Sequence[_Parsed]) -> tuple[list[int], list[tuple[int, int, list[bytes]]]]:
+    """What a run of events leaves behind: Cleared events per tier, and every block it touches
+    once, grouped as (bits set, bits cleared, blocks).
+
+    A block's bit ends as the last change the run made to it; a Cleared drops everything
+    before it on its tier (entries stamped with the old generation are stale), so a block
+    changed on that tier only before the Cleared ends with the bit cleared.
+    """
+    clears = [0, 0, 0, 0]
+    last: dict[int, dict[bytes, bool]] = {}  # tier -> block -> set (True) or cleared
+    for _event_id, kind, tier, seqs in parsed:
+        if kind == _CLEARED:
+            clears[tier - 1] += 1
+            seen = last.get(tier)
+            if seen:
+                last[tier] = dict.fromkeys(seen, False)
+        elif seqs:
+            changes = dict.fromkeys(_cutter(len(seqs) // 8).unpack(seqs), kind != _REMOVED)
+            seen = last.get(tier)
+            if seen is None:
+                last[tier] = changes
+            else:
+                seen.update(changes)
+    if len(last) == 1:
+        ((tier, seen),) = last.items()
+        bit = 1 << (tier - 1)
+        on = [block for block, value in seen.items() if value]
+        off = [block for block, value in seen.items() if not value]
+        groups = [(bit, 0, on), (0, bit, off)]
+    else:
+        codes: dict[bytes, int] = {}
+        for tier, seen in last.items():
+            bit = 1 << (tier - 1)
+            for block, value in seen.items():
+                codes[block] = codes.get(block, 0) | (bit if value else bit << 4)
+        by_code: dict[int, list[bytes]] = {}
+        for block, code in codes.items():
+            by_code.setdefault(code, []).append(block)
+        groups = [(code & 15, code >> 4, blocks) for code, blocks in by_code.items()]
+    return clears, [group for group in groups if group[2]]
 
 
 def _chunks(items: list[bytes], size: int) -> Iterable[list[bytes]]:

@@ -25,7 +25,7 @@ from kvledger.events.publish import CallbackPublisher, RedisPublisher
 from kvledger.events.shared_registry import SharedRegistry
 from kvledger.events.subscribe import StreamSubscriber
 from kvledger.events.types import AnyEvent, BlockInfo, Cleared, Tier
-from kvledger.events.wire import decode_record, encode_record
+from kvledger.events.wire import WireFormatError, decode_record, encode_record
 from kvledger.registry.emitter import EventEmitter
 from kvledger.registry.hashing import TokenBlockSequence
 from kvledger.registry.index import RouterIndex, holders_from_state
@@ -77,16 +77,25 @@ def test_apply_is_idempotent_and_stops_at_gaps(registry: SharedRegistry) -> None
     assert _stream_ids(registry) == {4: list(range(len(events)))}
     with pytest.raises(ValueError, match="is from worker 4, not 5"):
         registry.apply(5, events[:1])
-    with pytest.raises(redis.ResponseError, match="record of worker 4 sent as worker 5"):
+    with pytest.raises(ValueError, match="record of worker 4 sent as worker 5"):
         registry.apply_records(5, [encode_record(events[0])])
+    assert registry.applied_event_id(5) == -1
 
 
 @settings(max_examples=15, deadline=None)
-@given(seed=st.integers(0, 10_000), ops=st.integers(1, 60), workers=st.integers(1, 3))
-def test_any_batching_with_replays_equals_the_fold(seed: int, ops: int, workers: int) -> None:
-    """Streams cut into random batches, some sent twice, interleaved across workers: the
-    shared index equals the fold of the streams and no event is applied twice."""
-    reg = SharedRegistry(_client(), f"h-{uuid.uuid4().hex[:12]}")
+@given(
+    seed=st.integers(0, 10_000),
+    ops=st.integers(1, 60),
+    workers=st.integers(1, 3),
+    per_call=st.sampled_from([1, 2, 5, 128]),
+)
+def test_any_batching_with_replays_equals_the_fold(
+    seed: int, ops: int, workers: int, per_call: int
+) -> None:
+    """Streams cut into random batches, some sent twice, interleaved across workers, each
+    batch sent as script calls of ``per_call`` events: the shared index equals the fold of the
+    streams and no event is applied twice."""
+    reg = SharedRegistry(_client(), f"h-{uuid.uuid4().hex[:12]}", events_per_call=per_call)
     try:
         rng = random.Random(seed)
         prompts = prompt_pool(seed)
@@ -104,6 +113,54 @@ def test_any_batching_with_replays_equals_the_fold(seed: int, ops: int, workers:
         for w, s in streams.items():
             assert reg.applied_count(w) == len(s)
         assert _stream_ids(reg) == {w: list(range(len(s))) for w, s in streams.items()}
+    finally:
+        reg.delete_namespace()
+
+
+def test_a_batch_split_into_calls_is_refused_from_its_gap_on() -> None:
+    """With several script calls per batch, a repeated head that ends inside a call and a gap
+    in a later call behave as one call would: the repeats are skipped, nothing at or after
+    the gap is applied, and the events before it are applied once."""
+    reg = SharedRegistry(_client(), f"g-{uuid.uuid4().hex[:12]}", events_per_call=3)
+    try:
+        events = worker_events(8, 1, 30, prompt_pool(8))
+        assert reg.apply(1, events[:5]).last_event_id == 4
+        result = reg.apply(1, events[2:12])  # 2-4 repeated, the first call ends at 4
+        assert (result.applied, result.repeated, result.last_event_id) == (7, 3, 11)
+        result = reg.apply(1, events[9:14] + events[16:25])  # a gap after 13
+        assert (result.applied, result.repeated, result.gap_at) == (2, 3, 16)
+        assert result.last_event_id == 13 and reg.applied_event_id(1) == 13
+        assert reg.snapshot() == holders_from_state(RegistryState.from_events(events[:14]))
+        assert _stream_ids(reg) == {1: list(range(14))}
+        result = reg.apply(1, events[20:])  # starts past the gap: refused in every call
+        assert (result.applied, result.gap_at, reg.applied_count(1)) == (0, 20, 14)
+        reg.apply(1, events[14:])
+        assert reg.snapshot() == holders_from_state(RegistryState.from_events(events))
+        assert _stream_ids(reg) == {1: list(range(len(events)))}
+    finally:
+        reg.delete_namespace()
+
+
+def test_blocks_stored_and_cleared_in_one_batch_leave_nothing_stale() -> None:
+    """A batch that stores blocks and then clears their tier writes none of them, and asks
+    for no sweep; a Cleared that leaves older entries behind does."""
+    reg = SharedRegistry(_client(), f"n-{uuid.uuid4().hex[:12]}", sweep_slice=0)
+    try:
+        events: list[AnyEvent] = []
+        emit = EventEmitter(events.append, worker_id=1)
+        seq = TokenBlockSequence(list(range(64)), 4)
+        _stored(emit, Tier.G1, seq)
+        emit.cleared(Tier.G1)
+        _stored(emit, Tier.G2, seq)
+        assert reg.apply(1, events).applied == 3
+        assert reg.who_has(seq.sequence_hashes) == [{1: 2}] * 16
+        assert reg.client.exists(reg.prefix + "sweep") == 0
+        assert reg.held_count(1, Tier.G1) == 0 and reg.held_count(1, Tier.G2) == 16
+        emit.cleared(Tier.G2)  # the G2 entries were stored by an earlier batch
+        reg.apply(1, events[-1:])
+        assert reg.client.exists(reg.prefix + "sweep") == 1
+        assert reg.who_has(seq.sequence_hashes) == [{}] * 16 and reg.snapshot() == {}
+        assert reg.held_count(1, Tier.G2) == 0
     finally:
         reg.delete_namespace()
 
@@ -298,11 +355,14 @@ def _held_per_tier(events: list[AnyEvent], worker: int) -> dict[Tier, int]:
     return {t: len(state.snapshot().get((worker, t), {})) for t in Tier}
 
 
-def test_long_churn_keeps_counts_exact_and_stale_entries_bounded() -> None:
+@pytest.mark.parametrize("per_call", [2, 128])
+def test_long_churn_keeps_counts_exact_and_stale_entries_bounded(per_call: int) -> None:
     """A long stream with churn on every tier (Cleared included), applied in small batches:
     after every batch the index and the per-tier counts equal the fold, and the sweep that runs
     with the applies keeps the stored entries (stale ones included) from piling up."""
-    reg = SharedRegistry(_client(), f"c-{uuid.uuid4().hex[:12]}", sweep_slice=64)
+    reg = SharedRegistry(
+        _client(), f"c-{uuid.uuid4().hex[:12]}", sweep_slice=64, events_per_call=per_call
+    )
     try:
         events = worker_events(21, 1, 600, prompt_pool(21))
         assert any(isinstance(e, Cleared) for e in events)
@@ -487,12 +547,14 @@ def test_malformed_records_are_refused_before_anything_is_written(
     ]
     for fields, message in cases:
         bad = msgpack.packb(fields, use_bin_type=False)
-        with pytest.raises(redis.ResponseError, match=message):
+        with pytest.raises(WireFormatError, match=message):
             registry.apply_records(3, [good, bad])
         assert registry.applied_event_id(3) == -1
         assert registry.snapshot() == {}
         assert registry.client.xlen(registry.stream_key) == 0
     with pytest.raises(ValueError, match="sweep_slice"):
         SharedRegistry(registry.client, "ok", sweep_slice=-1)
+    with pytest.raises(ValueError, match="events_per_call"):
+        SharedRegistry(registry.client, "ok", events_per_call=0)
     with pytest.raises(ValueError, match="slice_blocks"):
         registry.sweep(0)
