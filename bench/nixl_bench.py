@@ -1,4 +1,4 @@
-"""READ of blocks from another process over NIXL (UCX), against a plain copy of the same bytes.
+"""READ (or WRITE) of blocks between two processes over NIXL (UCX), against a plain copy.
 
 Two processes: the owner registers ``--blocks`` blocks of ``--block-mib`` MiB with its NIXL
 agent (through ``kvledger.tiers.remote.RemoteAgent``, the path G4 uses) and hands its agent card
@@ -6,6 +6,10 @@ over a pipe; the reader registers as many slots and READs all blocks in one tran
 times. The reference, measured in the same run by the reader, is one copy of the same bytes
 between two buffers of the same kinds in one process (``torch`` ``copy_``: memcpy for DRAM, a
 device copy for VRAM, a pinned host-to-device copy for DRAM -> VRAM).
+
+``--op write`` pushes instead: the reader WRITEs its slots into the owner's (UCX serves the two
+directions with different protocols; see ``bench/nixl_ucx_diag.py``). Every run checks the
+bytes that moved (xxh3 per block) after the timed transfers.
 
 ``--layout scattered`` reads the remote blocks in a shuffled order (one descriptor per block, as
 a prefix spread over an LRU pool is); ``contiguous`` lets consecutive blocks merge into one.
@@ -20,13 +24,16 @@ rounds so both see the same disk state.
     python bench/nixl_bench.py --src vram --dst vram   # on a CUDA machine
     python bench/nixl_bench.py --g3 kvledger-data      # G3: plain POSIX vs NIXL POSIX
     UCX_TLS=... python bench/nixl_bench.py ...         # UCX settings pass through the env
+    python bench/nixl_ucx_diag.py                      # GPU: which UCX settings make VRAM fast
 
-The ratio printed is NIXL READ bandwidth / reference copy bandwidth.
+The last line printed is ``RESULT {json}`` for scripts. The ratio printed is NIXL bandwidth /
+reference copy bandwidth.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import multiprocessing as mp
 import os
 import random
@@ -57,21 +64,24 @@ def block_shape(block_mib: float) -> BlockShape:
 
 
 def owner(conn: Any, kind: str, block_mib: float, blocks: int) -> None:
+    """Registers random blocks, hands over its card and their checksums, then answers
+    ``("verify", [(slot, checksum), ...])`` with the slots that do not match, until "done"."""
     shape = block_shape(block_mib)
     tier = make_tier(kind, shape, blocks)
-    tensor = tier.layout.tensor  # type: ignore[attr-defined]
+    layout: Any = tier.layout
+    tensor = layout.tensor
     tensor.view(torch.uint8).copy_(
         torch.randint(0, 256, tensor.view(torch.uint8).shape, dtype=torch.uint8)
     )
     agent = RemoteAgent(worker_id=1)
     agent.register(tier)
-    sums = (
-        [block_checksum(tier.layout, s) for s in range(blocks)]  # type: ignore[arg-type]
-        if kind == "dram"
-        else []
-    )
-    conn.send((agent.card(shape), sums))
-    conn.recv()  # until the reader is done
+    conn.send((agent.card(shape), [block_checksum(layout, s) for s in range(blocks)]))
+    while True:
+        message = conn.recv()
+        if message == "done":
+            break
+        _, expected = message
+        conn.send([slot for slot, want in expected if block_checksum(layout, slot) != want])
     agent.close()
 
 
@@ -165,6 +175,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--src", choices=("dram", "vram"), default="dram")
     p.add_argument("--dst", choices=("dram", "vram"), default="dram")
+    p.add_argument("--op", choices=("read", "write"), default="read")
     p.add_argument("--blocks", type=int, default=64)
     p.add_argument("--block-mib", type=float, default=2.0)
     p.add_argument("--repeat", type=int, default=10)
@@ -178,47 +189,54 @@ def main() -> None:
     cuda = "vram" in (args.src, args.dst)
     if cuda and not torch.cuda.is_available():
         raise SystemExit("VRAM needs CUDA, which torch does not see here")
+    # --src is where the bytes start, --dst where they land: a READ pulls from the owner's
+    # src, a WRITE pushes from the reader's src into the owner's dst.
+    remote_kind, local_kind = (args.src, args.dst) if args.op == "read" else (args.dst, args.src)
 
     shape = block_shape(args.block_mib)
     total = shape.block_bytes * args.blocks
     parent, child = mp.get_context("spawn").Pipe()
     proc = mp.get_context("spawn").Process(
-        target=owner, args=(child, args.src, args.block_mib, args.blocks)
+        target=owner, args=(child, remote_kind, args.block_mib, args.blocks)
     )
     proc.start()
     try:
         if not parent.poll(120):  # the owner died (e.g. NIXL missing there) or hangs
             raise SystemExit(f"the owner process gave no agent card (exit code {proc.exitcode})")
         card, sums = parent.recv()
-        tier = make_tier(args.dst, shape, args.blocks)
+        tier = make_tier(local_kind, shape, args.blocks)
+        layout: Any = tier.layout
+        layout.tensor.view(torch.uint8).copy_(
+            torch.randint(0, 256, layout.tensor.view(torch.uint8).shape, dtype=torch.uint8)
+        )
         agent = RemoteAgent(worker_id=2)
         agent.register(tier)
-        src_region = card.region(Tier.G1 if args.src == "vram" else Tier.G2)
-        dst_tier = Tier.G1 if args.dst == "vram" else Tier.G2
+        remote_region = card.region(Tier.G1 if remote_kind == "vram" else Tier.G2)
+        local_tier = Tier.G1 if local_kind == "vram" else Tier.G2
         remote = list(range(args.blocks))
         if args.layout == "scattered":
             random.Random(0).shuffle(remote)
         pairs = list(zip(remote, range(args.blocks), strict=True))
+        move = agent.read if args.op == "read" else agent.write
 
-        def read() -> None:
-            outcome = agent.read(card, src_region, dst_tier, pairs, timeout_s=60)
+        def transfer() -> None:
+            outcome = move(card, remote_region, local_tier, pairs, timeout_s=60)
             if not outcome.ok:
-                raise RuntimeError(f"READ failed: {outcome}")
+                raise RuntimeError(f"{args.op.upper()} failed: {outcome}")
 
-        read()  # connect and warm up (UCX wires up lazily, registers memory types)
-        nixl_s = timed(read, args.repeat, cuda)
-        if sums:
-            bad = [
-                d
-                for s, d in pairs
-                if block_checksum(tier.layout, d) != sums[s]  # type: ignore[arg-type]
-            ]
-            if bad:
-                raise SystemExit(f"{len(bad)} blocks read back wrong")
+        transfer()  # connect and warm up (UCX wires up lazily, registers memory types)
+        nixl_s = timed(transfer, args.repeat, cuda)
+        if args.op == "read":
+            bad = [d for s, d in pairs if block_checksum(layout, d) != sums[s]]
+        else:
+            parent.send(("verify", [(s, block_checksum(layout, d)) for s, d in pairs]))
+            bad = parent.recv()
+        if bad:
+            raise SystemExit(f"{len(bad)} blocks arrived wrong")
 
         # Reference: the same bytes between two buffers of the same kinds, in this process.
         ref_src = make_tier(args.src, shape, args.blocks).layout.tensor  # type: ignore[attr-defined]
-        ref_dst = tier.layout.tensor  # type: ignore[attr-defined]
+        ref_dst = make_tier(args.dst, shape, args.blocks).layout.tensor  # type: ignore[attr-defined]
         ref_src.view(torch.uint8).fill_(7)
         ref_dst.copy_(ref_src)
         ref_s = timed(lambda: ref_dst.copy_(ref_src, non_blocking=cuda), args.repeat, cuda)
@@ -228,23 +246,31 @@ def main() -> None:
         ref_gbps = gb / statistics.median(ref_s)
         env = {k: v for k, v in sorted(os.environ.items()) if k.startswith("UCX_")}
         print(
-            f"{args.src}->{args.dst} {args.blocks} x {args.block_mib:g} MiB ({args.layout}), "
-            f"median of {args.repeat}; UCX env {env or 'default'}"
+            f"{args.src}->{args.dst} {args.op.upper()} {args.blocks} x {args.block_mib:g} MiB "
+            f"({args.layout}), median of {args.repeat}, bytes verified; UCX env {env or 'default'}"
         )
-        print(f"  NIXL READ (2 processes) : {nixl_gbps:8.2f} GB/s")
-        print(f"  reference copy_ (1 proc): {ref_gbps:8.2f} GB/s")
-        print(f"  ratio NIXL/reference    : {nixl_gbps / ref_gbps:8.3f}")
-        if args.verify and args.dst == "dram":
-            host = tier.layout  # type: ignore[assignment]
+        print(f"  NIXL {args.op.upper():5} (2 processes): {nixl_gbps:8.2f} GB/s")
+        print(f"  reference copy_ (1 proc) : {ref_gbps:8.2f} GB/s")
+        print(f"  ratio NIXL/reference     : {nixl_gbps / ref_gbps:8.3f}")
+        result = {
+            "route": f"{args.src}->{args.dst}",
+            "op": args.op,
+            "bytes": total,
+            "nixl_gbps": round(nixl_gbps, 3),
+            "ref_gbps": round(ref_gbps, 3),
+        }
+        if args.verify and local_kind == "dram" and args.op == "read":
             check_s = timed(
-                lambda: [block_checksum(host, d) for d in range(args.blocks)],  # type: ignore[arg-type]
+                lambda: [block_checksum(layout, d) for d in range(args.blocks)],
                 args.repeat,
                 False,
             )
             check_gbps = gb / statistics.median(check_s)
             both = gb / (statistics.median(nixl_s) + statistics.median(check_s))
-            print(f"  xxh3 verify             : {check_gbps:8.2f} GB/s")
-            print(f"  READ + verify (G4 fetch): {both:8.2f} GB/s, ratio {both / ref_gbps:.3f}")
+            print(f"  xxh3 verify              : {check_gbps:8.2f} GB/s")
+            print(f"  READ + verify (G4 fetch) : {both:8.2f} GB/s, ratio {both / ref_gbps:.3f}")
+            result["verify_gbps"] = round(check_gbps, 3)
+        print("RESULT " + json.dumps(result), flush=True)
         agent.close()
     finally:
         if proc.is_alive():

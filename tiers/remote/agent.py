@@ -134,21 +134,52 @@ class RemoteAgent:
         Never raises for the remote side's failures and never returns before the transfer is
         finished or abandoned (see the module docstring).
         """
-        dst = self.region(dst_tier)
-        if src.stride != dst.stride:
-            raise ValueError(f"remote blocks are {src.stride} bytes, local ones {dst.stride}")
+        return self._transfer("READ", card, src, dst_tier, pairs, timeout_s)
+
+    def write(
+        self,
+        card: AgentCard,
+        dst: Region,
+        src_tier: Tier,
+        pairs: Pairs,
+        *,
+        timeout_s: float,
+    ) -> ReadOutcome:
+        """WRITE ``(remote slot, local slot)`` pairs from local ``src_tier`` into ``dst`` of
+        ``card``; the same contract as ``read``.
+
+        G4 pulls (``read``); this is the push direction, kept because UCX does not treat the
+        two alike: on a GPU without NVLink its ``cuda_ipc`` transport serves PUT but not GET by
+        default (``bench/RESULTS.md``), so a push protocol is the fallback to measure.
+        """
+        return self._transfer("WRITE", card, dst, src_tier, pairs, timeout_s)
+
+    def _transfer(
+        self,
+        op: str,
+        card: AgentCard,
+        remote_region: Region,
+        local_tier: Tier,
+        pairs: Pairs,
+        timeout_s: float,
+    ) -> ReadOutcome:
+        local_region = self.region(local_tier)
+        if remote_region.stride != local_region.stride:
+            raise ValueError(
+                f"remote blocks are {remote_region.stride} bytes, local ones {local_region.stride}"
+            )
         if not pairs:
             return ReadOutcome(True)
-        local, remote = _descriptors(src, dst, pairs)
+        local, remote = _descriptors(remote_region, local_region, pairs)
         started = time.monotonic()
         with self._lock:
             handle = None
             try:
                 peer = self._connect(card)
                 handle = self._agent.initialize_xfer(
-                    "READ",
-                    self._agent.get_xfer_descs(local, dst.mem_type),
-                    self._agent.get_xfer_descs(remote, src.mem_type),
+                    op,
+                    self._agent.get_xfer_descs(local, local_region.mem_type),
+                    self._agent.get_xfer_descs(remote, remote_region.mem_type),
                     peer,
                 )
                 state = self._agent.transfer(handle)
@@ -260,24 +291,35 @@ class RemoteAgent:
             self._regions.clear()
 
 
-def _descriptors(src: Region, dst: Region, pairs: Pairs) -> tuple[np.ndarray, np.ndarray]:
-    """Nx3 ``(address, length, device)`` arrays, one row per run of pairs that are consecutive
-    on both sides, so a batch of neighbouring blocks moves as one descriptor."""
+def _descriptors(
+    remote_region: Region, local_region: Region, pairs: Pairs
+) -> tuple[np.ndarray, np.ndarray]:
+    """Nx3 ``(address, length, device)`` arrays (local, remote), one row per run of
+    ``(remote slot, local slot)`` pairs that are consecutive on both sides, so a batch of
+    neighbouring blocks moves as one descriptor."""
     runs: list[list[int]] = []  # [remote slot, local slot, count]
-    for s, d in pairs:
-        if runs and runs[-1][0] + runs[-1][2] == s and runs[-1][1] + runs[-1][2] == d:
+    for r, loc in pairs:
+        if runs and runs[-1][0] + runs[-1][2] == r and runs[-1][1] + runs[-1][2] == loc:
             runs[-1][2] += 1
         else:
-            runs.append([s, d, 1])
+            runs.append([r, loc, 1])
     local = np.array(
-        [(dst.slot_address(d), n * dst.stride, dst.device_id) for _, d, n in runs], dtype=np.uint64
+        [
+            (local_region.slot_address(loc), n * local_region.stride, local_region.device_id)
+            for _, loc, n in runs
+        ],
+        dtype=np.uint64,
     )
     remote = np.array(
-        [(src.slot_address(s), n * src.stride, src.device_id) for s, _, n in runs], dtype=np.uint64
+        [
+            (remote_region.slot_address(r), n * remote_region.stride, remote_region.device_id)
+            for r, _, n in runs
+        ],
+        dtype=np.uint64,
     )
-    for s, d, n in runs:  # the last slot of each run must exist too
-        src.slot_address(s + n - 1)
-        dst.slot_address(d + n - 1)
+    for r, loc, n in runs:  # the last slot of each run must exist too
+        remote_region.slot_address(r + n - 1)
+        local_region.slot_address(loc + n - 1)
     return local, remote
 
 
