@@ -257,77 +257,96 @@ if applied > 0 then
   -- touched blocks that held a live tier-t bit before a Cleared of tier t.
   local tr, before = {}, {0, 0, 0, 0}
   local sets, dels, ns, nd = {}, {}, 0, 0
+  local argv, unpack = ARGV, unpack
   for grp = 0, ng - 1 do
-    local set, keep = tonumber(ARGV[13 + 3 * grp]), bnot(tonumber(ARGV[14 + 3 * grp]))
-    local stop = q + tonumber(ARGV[15 + 3 * grp])
+    local set = tonumber(argv[13 + 3 * grp])
+    local keep = bnot(tonumber(argv[14 + 3 * grp]))
+    local stop = q + tonumber(argv[15 + 3 * grp])
+    -- nm[old]: the mask this group leaves; moved[old]: blocks that went from old to nm[old]
+    -- (for the common cases: no value yet, or only this worker's current entry).
+    local nm, moved = {}, {}
+    for m = 0, 15 do
+      nm[m], moved[m] = bor(band(m, keep), set), 0
+    end
+    local fresh = ent[set]
     while q < stop do
       local e = math.min(q + 1024, stop)
-      local got = call('HMGET', idx, unpack(ARGV, q + 1, e))
+      local got = call('HMGET', idx, unpack(argv, q + 1, e))
       for i = 1, e - q do
-        local k, v = ARGV[q + i], got[i]
-        local old
-        if v then old = ment[v] else old = 0 end
-        if old then
-          local new = bor(band(old, keep), set)
-          if new ~= old then
-            local c = old * 16 + new
-            tr[c] = (tr[c] or 0) + 1
-            if new == 0 then
-              nd = nd + 1
-              dels[nd] = k
-            else
-              sets[ns + 1], sets[ns + 2] = k, ent[new]
-              ns = ns + 2
-            end
+        local v = got[i]
+        if not v then
+          if fresh then
+            moved[0] = moved[0] + 1
+            sets[ns + 1], sets[ns + 2] = argv[q + i], fresh
+            ns = ns + 2
           end
         else
-          -- Another worker's entries, or this worker's stamped before a Cleared or purge.
-          local j, i0 = nil, 1
-          while true do
-            j = find(v, wk, i0, true)
-            if not j or (j - 1) % 21 == 0 then break end
-            i0 = j + 1
-          end
-          local raw, stamp = 0, nil
-          old = 0
-          if j then
-            raw, stamp = byte(v, j + 4), sub(v, j + 5, j + 20)
-            old = valid_mask(raw, stamp, wg)
-            if anyclear then
-              local pre = valid_mask(raw, stamp, wpre)
-              for t = 1, 4 do
-                if clears[t] > 0 and band(pre, lshift(1, t - 1)) ~= 0 then
-                  before[t] = before[t] + 1
+          local old = ment[v]
+          if old then
+            local new = nm[old]
+            if new ~= old then
+              moved[old] = moved[old] + 1
+              if new == 0 then
+                nd = nd + 1
+                dels[nd] = argv[q + i]
+              else
+                sets[ns + 1], sets[ns + 2] = argv[q + i], ent[new]
+                ns = ns + 2
+              end
+            end
+          else
+            -- Another worker's entries, or this worker's stamped before a Cleared or purge.
+            local k = argv[q + i]
+            local j, i0 = nil, 1
+            while true do
+              j = find(v, wk, i0, true)
+              if not j or (j - 1) % 21 == 0 then break end
+              i0 = j + 1
+            end
+            local raw, stamp = 0, nil
+            old = 0
+            if j then
+              raw, stamp = byte(v, j + 4), sub(v, j + 5, j + 20)
+              old = valid_mask(raw, stamp, wg)
+              if anyclear then
+                local pre = valid_mask(raw, stamp, wpre)
+                for t = 1, 4 do
+                  if clears[t] > 0 and band(pre, lshift(1, t - 1)) ~= 0 then
+                    before[t] = before[t] + 1
+                  end
                 end
               end
             end
-          end
-          local new = bor(band(old, keep), set)
-          if new ~= old then
-            local c = old * 16 + new
-            tr[c] = (tr[c] or 0) + 1
-          end
-          local nv = v
-          if j then
-            if new ~= raw or stamp ~= wg then
-              nv = sub(v, 1, j - 1) .. (ent[new] or '') .. sub(v, j + 21)
+            local new = nm[old]
+            if new ~= old then moved[old] = moved[old] + 1 end
+            local nv = v
+            if j then
+              if new ~= raw or stamp ~= wg then
+                nv = sub(v, 1, j - 1) .. (ent[new] or '') .. sub(v, j + 21)
+              end
+            elseif new ~= 0 then
+              nv = v .. ent[new]
             end
-          elseif new ~= 0 then
-            nv = v .. ent[new]
-          end
-          if nv ~= v then
-            if #nv > 21 then nv = clean(nv) elseif nv == '' then nv = false end
-            if nv then
-              sets[ns + 1], sets[ns + 2] = k, nv
-              ns = ns + 2
-            else
-              nd = nd + 1
-              dels[nd] = k
+            if nv ~= v then
+              if #nv > 21 then nv = clean(nv) elseif nv == '' then nv = false end
+              if nv then
+                sets[ns + 1], sets[ns + 2] = k, nv
+                ns = ns + 2
+              else
+                nd = nd + 1
+                dels[nd] = k
+              end
             end
           end
         end
       end
       q = e
+    end
+    for m = 0, 15 do
+      if moved[m] > 0 then
+        local c = m * 16 + nm[m]
+        tr[c] = (tr[c] or 0) + moved[m]
+      end
     end
   end
   write_back(sets, ns, dels, nd)
