@@ -1,9 +1,12 @@
 """Shared registry throughput and ``who_has`` latency against the real Redis.
 
 Throughput: a mock engine's event stream (Stored/Removed of 16-token blocks, shared prefixes) is
-encoded once; the same records are then (a) XADDed raw in pipelines and (b) applied through the
-registry's Lua script (index update + XADD + idempotence bookkeeping), in batches of the same
-size. The ratio (b)/(a) is the price of the shared index over a bare stream.
+encoded once; the same records are then (a) XADDed raw in pipelines and (b) given to
+``SharedRegistry.apply_records`` (checks and per-batch reduction in Python, then the Lua script:
+index update + XADD + idempotence bookkeeping), in batches of the same size. The ratio (b)/(a)
+is the price of the shared index over a bare stream. Redis's own time per event (``INFO
+commandstats`` before and after each side; EVALSHA includes the commands it runs) shows how
+much of each side is server work.
 
 Latency: ``who_has`` of 32-block prefixes in one round trip, against a PING round trip measured
 in the same run.
@@ -68,11 +71,16 @@ def main() -> None:
         f"{sum(map(len, records)) / len(records):.0f} bytes/record, batch {args.batch}"
     )
 
-    raw_rates, apply_rates = [], []
+    def redis_usec(command: str) -> int:
+        stats = client.info("commandstats").get(f"cmdstat_{command}", {})
+        return int(stats.get("usec", 0))
+
+    raw_rates, apply_rates, raw_server, apply_server = [], [], [], []
     for _ in range(args.repeats):
         ns = f"bench-{uuid.uuid4().hex[:8]}"
         reg = SharedRegistry(client, ns, stream_maxlen=len(records) + 1)
         try:
+            before = redis_usec("xadd")
             t0 = time.perf_counter()
             for i in range(0, len(records), args.batch):
                 pipe = client.pipeline(transaction=False)
@@ -85,12 +93,16 @@ def main() -> None:
                     )
                 pipe.execute()
             raw_rates.append(len(records) / (time.perf_counter() - t0))
+            raw_server.append((redis_usec("xadd") - before) / len(records))
 
+            reg.apply_records(1, [])  # loads the script: not part of the timed run
+            before = redis_usec("evalsha")
             t0 = time.perf_counter()
             for i in range(0, len(records), args.batch):
                 result = reg.apply_records(1, records[i : i + args.batch])
                 assert result.gap_at is None
             apply_rates.append(len(records) / (time.perf_counter() - t0))
+            apply_server.append((redis_usec("evalsha") - before) / len(records))
             assert reg.applied_count(1) == len(records)
         finally:
             reg.delete_namespace()
@@ -99,6 +111,10 @@ def main() -> None:
     block_rate = applied * blocks / len(events)
     print(f"shared registry apply     {applied:12,.0f} events/s  ({block_rate:,.0f} blocks/s)")
     print(f"ratio apply / raw XADD    {applied / raw:12.2f}   (target >= 0.5)")
+    print(
+        f"Redis time per event      raw {min(raw_server):.1f} us, apply {min(apply_server):.1f} us"
+        f"  (wall: raw {1e6 / raw:.1f} us, apply {1e6 / applied:.1f} us)"
+    )
 
     # who_has: 32-block prefixes, held by some of 3 workers
     rng = random.Random(1)
