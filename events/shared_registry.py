@@ -206,7 +206,8 @@ end
 # finding each block's last change cost more in Lua than the whole index update does.
 # KEYS: applied, count, events, workers, lease, held
 # ARGV: prefix, worker id, stream maxlen, lease ttl ms, sweep slice, first event id, records n,
-#       Cleared count per tier (4), groups g, g x (set mask, clear mask, blocks), records, blocks
+#       Cleared count per tier (4), groups g, g x (set mask, clear mask, blocks), records, and
+#       per group its blocks' 8-byte hashes in one string
 # Returns {applied, repeated, last applied id, gap}: gap is the first event id when it does not
 # follow the last applied one, -2 when the batch starts inside what was applied (the caller
 # sends the rest again), else -1.
@@ -232,7 +233,6 @@ local stale = false
 if applied > 0 then
   local ng = tonumber(ARGV[12])
   local rec0 = 12 + 3 * ng
-  local q = rec0 + nrec
   -- The worker's generations before and after the batch's Cleared events.
   local wpre = gens_of(wk)
   local wg, clears, anyclear = wpre, {}, false
@@ -258,11 +258,11 @@ if applied > 0 then
   -- touched blocks that held a live tier-t bit before a Cleared of tier t.
   local tr, before = {}, {0, 0, 0, 0}
   local sets, dels, ns, nd = {}, {}, 0, 0
-  local argv, unpack = ARGV, unpack
+  local argv, unpack, cut, fmts = ARGV, unpack, struct.unpack, {}
   for grp = 0, ng - 1 do
     local set = tonumber(argv[13 + 3 * grp])
     local keep = bnot(tonumber(argv[14 + 3 * grp]))
-    local stop = q + tonumber(argv[15 + 3 * grp])
+    local left, blob, pos = tonumber(argv[15 + 3 * grp]), argv[rec0 + nrec + 1 + grp], 1
     -- nm[old]: the mask this group leaves; moved[old]: blocks that went from old to nm[old]
     -- (for the common cases: no value yet, or only this worker's current entry).
     local nm, moved = {}, {}
@@ -270,15 +270,23 @@ if applied > 0 then
       nm[m], moved[m] = bor(band(m, keep), set), 0
     end
     local fresh = ent[set]
-    while q < stop do
-      local e = math.min(q + 1024, stop)
-      local got = call('HMGET', idx, unpack(argv, q + 1, e))
-      for i = 1, e - q do
+    while left > 0 do
+      -- Cutting the hashes out of one string here is cheaper than Redis making an argument
+      -- (and a Lua string in ARGV) of each.
+      local e = math.min(left, 1024)
+      local f = fmts[e]
+      if not f then
+        f = string.rep('c8', e)
+        fmts[e] = f
+      end
+      local ks = {cut(f, blob, pos)}
+      local got = call('HMGET', idx, unpack(ks, 1, e))
+      for i = 1, e do
         local v = got[i]
         if not v then
           if fresh then
             moved[0] = moved[0] + 1
-            sets[ns + 1], sets[ns + 2] = argv[q + i], fresh
+            sets[ns + 1], sets[ns + 2] = ks[i], fresh
             ns = ns + 2
           end
         else
@@ -289,15 +297,15 @@ if applied > 0 then
               moved[old] = moved[old] + 1
               if new == 0 then
                 nd = nd + 1
-                dels[nd] = argv[q + i]
+                dels[nd] = ks[i]
               else
-                sets[ns + 1], sets[ns + 2] = argv[q + i], ent[new]
+                sets[ns + 1], sets[ns + 2] = ks[i], ent[new]
                 ns = ns + 2
               end
             end
           else
             -- Another worker's entries, or this worker's stamped before a Cleared or purge.
-            local k = argv[q + i]
+            local k = ks[i]
             local j, i0 = nil, 1
             while true do
               j = find(v, wk, i0, true)
@@ -341,7 +349,7 @@ if applied > 0 then
           end
         end
       end
-      q = e
+      pos, left = pos + 8 * e, left - e
     end
     for m = 0, 15 do
       if moved[m] > 0 then
@@ -558,8 +566,9 @@ class SharedRegistry:
     ) -> list[tuple[int, int, int, int]]:
         """Send one apply script call per (records, parsed) in one pipeline; their replies.
 
-        Built here rather than by redis-py: packing thousands of 8-byte arguments one by one
-        costs more client time than Redis spends applying them.
+        Packed and sent here rather than through a redis-py pipeline, which packs every call
+        before sending any: sending each call as soon as it is packed lets Redis run it while
+        the next one is packed.
         """
         wid = str(int(worker_id))
         head = _resp_args(
@@ -593,14 +602,12 @@ class SharedRegistry:
                     *clears,
                     len(groups),
                 ]
-                blocks = 0
-                for set_mask, clear_mask, count, _frames in groups:
+                for set_mask, clear_mask, count, _blob in groups:
                     small += (set_mask, clear_mask, count)
-                    blocks += count
-                parts = [b"*%d\r\n" % (15 + len(small) + len(records) + blocks), head]
+                parts = [b"*%d\r\n" % (15 + len(small) + len(records) + len(groups)), head]
                 parts.append(_resp_args(small))
                 parts.append(_resp_args(records))
-                parts += (frames for _set, _clear, _count, frames in groups)
+                parts.append(_resp_args([blob for _set, _clear, _count, blob in groups]))
                 conn.send_packed_command(parts)  # type: ignore[no-untyped-call]
             replies, error = [], None
             for _ in calls:  # read every reply, so the connection stays in step
@@ -781,13 +788,9 @@ def _parse_record(worker_id: int, record: bytes) -> _Parsed:
     return event_id, kind, tier, seqs
 
 
-_FRAME_HEAD = np.frombuffer(b"$8\r\n", np.uint8)
-_FRAME_TAIL = np.frombuffer(b"\r\n", np.uint8)
-
-
 def _net_changes(parsed: Sequence[_Parsed]) -> tuple[list[int], list[tuple[int, int, int, bytes]]]:
     """What a run of events leaves behind: Cleared events per tier, and every block it touches
-    once, grouped as (bits set, bits cleared, blocks, the blocks as Redis protocol arguments).
+    once, grouped as (bits set, bits cleared, how many blocks, their hashes in one string).
 
     A block's bit ends as the last change the run made to it; a Cleared drops everything
     before it on its tier (entries stamped with the old generation are stale), so a block
@@ -819,7 +822,7 @@ def _net_changes(parsed: Sequence[_Parsed]) -> tuple[list[int], list[tuple[int, 
         is_set = np.repeat(np.asarray(sets, dtype=bool), sizes)[last]
         bit = 1 << (tier - 1)
         if len(runs) == 1:
-            groups = [(bit, 0, *_frames(ids[last[is_set]])), (0, bit, *_frames(ids[last[~is_set]]))]
+            groups = [(bit, 0, *_blob(ids[last[is_set]])), (0, bit, *_blob(ids[last[~is_set]]))]
         touched.append(ids[last])
         codes.append(np.where(is_set, bit, bit << 4))
     if len(runs) > 1:  # a block changed on several tiers gets one code with every tier's bits
@@ -827,16 +830,13 @@ def _net_changes(parsed: Sequence[_Parsed]) -> tuple[list[int], list[tuple[int, 
         code = np.zeros(len(unique), np.int64)
         np.bitwise_or.at(code, inverse, np.concatenate(codes))
         for value in np.unique(code).tolist():
-            groups.append((value & 15, value >> 4, *_frames(unique[code == value])))
+            groups.append((value & 15, value >> 4, *_blob(unique[code == value])))
     return clears, [group for group in groups if group[2]]
 
 
-def _frames(blocks: np.ndarray) -> tuple[int, bytes]:
-    """Blocks (8 bytes each, as uint64 views) as Redis protocol bulk strings, and how many."""
-    frame = np.empty((len(blocks), 14), np.uint8)
-    frame[:, :4], frame[:, 12:] = _FRAME_HEAD, _FRAME_TAIL
-    frame[:, 4:12] = blocks.view(np.uint8).reshape(-1, 8)
-    return len(blocks), frame.tobytes()
+def _blob(blocks: np.ndarray) -> tuple[int, bytes]:
+    """How many blocks, and their 8-byte hashes in one string (uint64 views, bytes as read)."""
+    return len(blocks), blocks.tobytes()
 
 
 def _chunks(items: list[bytes], size: int) -> Iterable[list[bytes]]:
