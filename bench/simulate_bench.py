@@ -24,6 +24,7 @@ Run: bash bench/setup_bench_venv.sh   (once)
 from __future__ import annotations
 
 import argparse
+import os
 import subprocess
 import sys
 import tempfile
@@ -41,7 +42,12 @@ from kvledger.mocker.traces import TraceRequest, iter_arrivals, load_mooncake, r
 from kvledger.registry.emitter import EventEmitter
 from kvledger.simulate import EventCounter, replay_cache
 
-TRACE = Path(__file__).resolve().parents[2] / "shared/data/mooncake/conversation_trace.jsonl"
+# The shared data folder sits beside the checkout; KVLEDGER_SHARED_DATA points elsewhere
+# (a clone in another folder).
+SHARED_DATA = Path(
+    os.environ.get("KVLEDGER_SHARED_DATA", Path(__file__).resolve().parents[2] / "shared/data")
+)
+TRACE = SHARED_DATA / "mooncake/conversation_trace.jsonl"
 BLOCK = 512
 
 

@@ -19,7 +19,12 @@ from kvledger.commands.simulate import Progress
 from kvledger.events.replay import load_state, replay
 from kvledger.events.types import Tier
 
-TRACE = Path(__file__).resolve().parents[1].parent / "shared/data/mooncake/conversation_trace.jsonl"
+# The shared data folder sits beside the checkout; KVLEDGER_SHARED_DATA points elsewhere
+# (a clone in another folder).
+SHARED_DATA = Path(
+    os.environ.get("KVLEDGER_SHARED_DATA", Path(__file__).resolve().parents[2] / "shared/data")
+)
+TRACE = SHARED_DATA / "mooncake/conversation_trace.jsonl"
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 SUMMARY_KEYS = {
     "requests",
@@ -106,7 +111,9 @@ def test_table_output_and_default_log_under_the_working_folder(tmp_path: Path) -
     assert "TTFT" not in proc.stdout  # no timing with the engine off
 
 
-@pytest.mark.skipif(not TRACE.exists(), reason=f"trace not found at {TRACE}")
+@pytest.mark.skipif(
+    not TRACE.exists(), reason=f"trace not found at {TRACE} (set KVLEDGER_SHARED_DATA)"
+)
 def test_mooncake_trace_implies_512_token_blocks(tmp_path: Path) -> None:
     s = simulate_json(
         "--trace", str(TRACE), "--requests", "400", "--engine", "off", "--policy", "lru",

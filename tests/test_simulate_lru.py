@@ -10,6 +10,7 @@ block first (so its first block is the most recently used).
 from __future__ import annotations
 
 import json
+import os
 from collections import OrderedDict
 from itertools import islice
 from pathlib import Path
@@ -20,10 +21,17 @@ from kvledger.mocker.cache import SimulatedCache
 from kvledger.mocker.traces import load_mooncake
 from kvledger.simulate import replay_cache
 
-TRACE = Path(__file__).resolve().parents[1].parent / "shared/data/mooncake/conversation_trace.jsonl"
+# The shared data folder sits beside the checkout; KVLEDGER_SHARED_DATA points elsewhere
+# (a clone in another folder).
+SHARED_DATA = Path(
+    os.environ.get("KVLEDGER_SHARED_DATA", Path(__file__).resolve().parents[2] / "shared/data")
+)
+TRACE = SHARED_DATA / "mooncake/conversation_trace.jsonl"
 BLOCK = 512
 
-pytestmark = pytest.mark.skipif(not TRACE.exists(), reason=f"trace not found at {TRACE}")
+pytestmark = pytest.mark.skipif(
+    not TRACE.exists(), reason=f"trace not found at {TRACE} (set KVLEDGER_SHARED_DATA)"
+)
 
 
 def lru_prefix_hits(path: Path, capacity: int) -> tuple[int, int, int, int]:
