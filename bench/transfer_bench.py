@@ -9,6 +9,8 @@ G1 LayerSeparate, random source and destination slots.
   of the same bytes into a separate preallocated file, in 16 MiB requests.
 - The ceiling once gathering costs nothing: the engine's own device->host copies (one per run
   of consecutive G2 slots) from a contiguous device buffer, against the same plain copy.
+- On CUDA, the same copies dealt to 2 and 4 streams: whether overlapping copy engines close the
+  gaps between one stream's copies.
 - G1<->G2 again with the layers in separate allocations (engine tensors with no block-major
   view: gathered and scattered one layer at a time).
 - Engine and reference runs alternate, and each figure is the median of ``--reps`` runs.
@@ -80,6 +82,23 @@ def runs(slots: list[int]) -> list[tuple[int, int, int]]:
     return out
 
 
+_streams: list[torch.cuda.Stream] = []
+
+
+def copies_on_streams(dsts: list[torch.Tensor], srcs: list[torch.Tensor], k: int) -> None:
+    """``dst.copy_(src)`` for each pair, the pairs dealt round-robin to ``k`` CUDA streams that
+    start after, and are waited for by, the current stream."""
+    while len(_streams) < k:
+        _streams.append(torch.cuda.Stream())  # type: ignore[no-untyped-call]
+    current = torch.cuda.current_stream()
+    for i, stream in enumerate(_streams[:k]):
+        stream.wait_stream(current)
+        with torch.cuda.stream(stream):
+            torch._foreach_copy_(dsts[i::k], srcs[i::k], non_blocking=True)
+    for stream in _streams[:k]:
+        current.wait_stream(stream)
+
+
 def gbps(nbytes: int, seconds: float) -> float:
     return nbytes / seconds / 1e9
 
@@ -147,6 +166,27 @@ def memory_bench(args: argparse.Namespace, shape: BlockShape, rows: list[tuple[s
         args.reps,
         sync,
     )
+    # The same copies spread over several streams: whether the gaps between one stream's DMA
+    # copies (what keeps the engine under the plain copy) close when copy engines overlap.
+    spread: list[tuple[str, float, float]] = []
+    if cuda:
+        down_pairs = (
+            [host_rows[s : s + c] for r, s, c in host_runs],
+            [dev_rows[r : r + c] for r, s, c in host_runs],
+        )
+        up_pairs = (down_pairs[1], down_pairs[0])
+        for k in (2, 4):
+            for name, (dsts, srcs), ref_copy in [
+                ("D2H", down_pairs, lambda: ref_host.copy_(ref_dev, non_blocking=True)),
+                ("H2D", up_pairs, lambda: ref_dev.copy_(ref_host, non_blocking=True)),
+            ]:
+                ref_t, t = paired_medians(
+                    ref_copy,
+                    lambda d=dsts, s=srcs, k=k: copies_on_streams(d, s, k),  # type: ignore[misc]
+                    args.reps,
+                    sync,
+                )
+                spread.append((f"{name} copies only, {len(host_runs)} runs, {k} streams", t, ref_t))
     # Engine tensors from one allocation per layer: no block-major view, one op per layer.
     separate = DeviceTier.from_layout(
         LayerSeparate(shape, [torch.empty_like(t) for t in g1.layout.layers])  # type: ignore[attr-defined]
@@ -171,6 +211,7 @@ def memory_bench(args: argparse.Namespace, shape: BlockShape, rows: list[tuple[s
         (f"D2H copies only, {len(host_runs)} runs", runs_down, runs_down_ref),
         ("G1->G2 layers apart", sep_down, sep_down_ref),
         ("G2->G1 layers apart", sep_up, sep_up_ref),
+        *spread,
     ]:
         rows.append(
             (
