@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from operator import itemgetter
 from pathlib import Path
@@ -78,12 +78,18 @@ def replay_report(
     until_ts: float | None = None,
     use_checkpoints: bool = True,
     checkpoint_every: int | None = DEFAULT_CHECKPOINT_EVERY,
+    on_progress: Callable[[ReplayReport], None] | None = None,
 ) -> ReplayReport:
-    """``replay`` with an account of where it started and what it folded."""
+    """``replay`` with an account of where it started and what it folded.
+
+    ``on_progress`` is called with the report so far after each chunk of rows (about every 10k),
+    for a progress display on long logs.
+    """
+    args = (until_event_id, until_ts, use_checkpoints, checkpoint_every, on_progress)
     if isinstance(log_or_url, EventLog):
-        return _replay(log_or_url, until_event_id, until_ts, use_checkpoints, checkpoint_every)
+        return _replay(log_or_url, *args)
     with EventLog(log_or_url, read_only=True) as log:
-        return _replay(log, until_event_id, until_ts, use_checkpoints, checkpoint_every)
+        return _replay(log, *args)
 
 
 def _replay(
@@ -92,6 +98,7 @@ def _replay(
     until_ts: float | None,
     use_checkpoints: bool,
     checkpoint_every: int | None,
+    on_progress: Callable[[ReplayReport], None] | None,
 ) -> ReplayReport:
     checkpoint = (
         log.latest_checkpoint(max_event_id=until_event_id, max_ts=until_ts)
@@ -130,6 +137,8 @@ def _replay(
                     if _try_checkpoint(log, report.last_position, state, max_ts):
                         report.checkpoints_written.append(report.last_position)
                     since_checkpoint = 0
+            if on_progress is not None:
+                on_progress(report)
             if stopped:
                 break
     finally:

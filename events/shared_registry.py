@@ -3,12 +3,12 @@
 Each worker's events are applied by a Lua script (``shared_registry_lua.py``), so a call is
 atomic and the per-worker "last applied event id" moves in the same step as the index: applying
 events twice changes nothing, and a call that starts past the next expected id is refused at the
-gap and the caller fills it from the worker's durable log. The Python side checks the records and reduces a run of events to
-what it leaves behind (each touched block once, with the bits it ends set or cleared, and the
-Cleared count per tier), so Lua only does the part that needs the stored values; a long batch
-goes out as several calls in one pipeline. The same script appends every applied event to one
-Redis stream (trimmed approximately), so routers reading it with a consumer group see each event
-exactly once, in order per worker.
+gap and the caller fills it from the worker's durable log. The Python side checks the records
+and reduces a run of events to what it leaves behind (each touched block once, with the bits it
+ends set or cleared, and the Cleared count per tier), so Lua only does the part that needs the
+stored values; a long batch goes out as several calls in one pipeline. The same script appends
+every applied event to one Redis stream (trimmed approximately), so routers reading it with a
+consumer group see each event exactly once, in order per worker.
 
 Keys, all under ``kvl:{<namespace>}:`` (the braces are a hash tag: Redis Cluster keeps a whole
 namespace on one slot, which the scripts need because they touch keys they derive):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import threading
 import time
@@ -10,7 +11,7 @@ import pytest
 
 from kvledger.cli import main
 from kvledger.events.log import EventLog
-from kvledger.events.replay import save_state
+from kvledger.events.replay import replay_report, save_state
 from kvledger.events.types import BlockInfo, Tier
 from kvledger.migrations import runner
 from kvledger.registry.emitter import EventEmitter
@@ -118,3 +119,36 @@ def test_missing_log_is_a_clear_error(tmp_path, capsys: pytest.CaptureFixture[st
     for command in ("replay", "inspect", "tail"):
         assert main([command, str(tmp_path / "nope.db")]) == 2
         assert "no event log at" in capsys.readouterr().err
+
+
+def test_replay_reports_progress_per_chunk_and_draws_it_on_a_terminal(
+    tmp_path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:  # type: ignore[no-untyped-def]
+    """A long replay calls back after every chunk with a growing position, and the command shows
+    it as a bar on a terminal (and prints nothing extra when stderr is not one)."""
+    path = str(tmp_path / "long.db")
+    events: list = []
+    emitter = EventEmitter(events.append, worker_id=0)
+    for i in range(25_000):
+        emitter.stored(Tier.G1, None, [(i, i)])
+    with EventLog(path) as log:
+        log.append_many(events)
+    seen: list[int] = []
+    report = replay_report(
+        path, use_checkpoints=False, on_progress=lambda r: seen.append(r.rows_folded)
+    )
+    assert seen == [10_000, 20_000, 25_000] and report.rows_folded == 25_000
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    terminal = Terminal()
+    monkeypatch.setattr("sys.stderr", terminal)
+    assert main(["replay", path, "--no-checkpoints"]) == 0
+    assert terminal.getvalue().startswith("\rreplay [")
+    assert terminal.getvalue().endswith("] 25000/25000 rows\n")
+    assert "replayed 25000 events" in capsys.readouterr().out
+    monkeypatch.setattr("sys.stderr", io.StringIO())
+    assert main(["replay", path, "--no-checkpoints"]) == 0
+    assert capsys.readouterr().err == ""

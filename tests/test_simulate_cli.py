@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from kvledger.commands.simulate import Progress
+from kvledger.commands.progress import Progress
 from kvledger.events.replay import load_state, replay
 from kvledger.events.types import Tier
 

@@ -5,7 +5,9 @@ from __future__ import annotations
 import argparse
 import json
 
-from kvledger.events.replay import load_state, replay_report, save_state, verify
+from kvledger.commands.progress import Progress
+from kvledger.events.log import EventLog
+from kvledger.events.replay import ReplayReport, load_state, replay_report, save_state, verify
 from kvledger.registry.state import RegistryState
 
 
@@ -31,12 +33,29 @@ def summary(state: RegistryState) -> dict[str, object]:
 
 
 def run(args: argparse.Namespace) -> int:
-    report = replay_report(
-        args.log,
-        until_event_id=args.until,
-        until_ts=args.until_ts,
-        use_checkpoints=not args.no_checkpoints,
-    )
+    with EventLog(args.log, read_only=True) as log:
+        # The bar counts row positions up to the newest row: an upper bound on what is folded
+        # (positions can skip, and --until stops earlier), so the bar ends where replay does.
+        end = log.last_position()
+        progress: Progress | None = None
+
+        def show(report: ReplayReport) -> None:
+            nonlocal progress
+            if progress is None:
+                progress = Progress(end - report.start_position, "replay", unit="rows")
+            progress(report.last_position - report.start_position)
+
+        try:
+            report = replay_report(
+                log,
+                until_event_id=args.until,
+                until_ts=args.until_ts,
+                use_checkpoints=not args.no_checkpoints,
+                on_progress=show,
+            )
+        finally:
+            if progress is not None:
+                progress.close()
     state = report.state
     if args.dump:
         save_state(args.dump, state)

@@ -22,6 +22,7 @@ from typing import Any, TextIO
 
 import sqlalchemy as sa
 
+from kvledger.commands.progress import Progress
 from kvledger.config import Settings
 from kvledger.events.log import EventLog
 from kvledger.events.replay import replay, save_state
@@ -169,37 +170,6 @@ def run_workload(
         )
     config = EngineConfig.from_settings(settings, speedup=speedup)
     return MockEngine(cache, config).run(requests, progress=progress, sample_every=sample_every)
-
-
-class Progress:
-    """A one-line progress bar on stderr, drawn only when stderr is a terminal."""
-
-    def __init__(self, total: int, label: str, stream: TextIO = sys.stderr) -> None:
-        self.total = max(total, 1)
-        self.label = label
-        self.stream = stream
-        self.enabled = stream.isatty()
-        self._last = 0.0
-        self.listeners: list[Callable[[int], None]] = []
-
-    def __call__(self, done: int) -> None:
-        now = time.monotonic()
-        if now - self._last < 0.1 and done < self.total:
-            return
-        self._last = now
-        for listener in self.listeners:
-            listener(done)
-        if self.enabled:
-            width = 30
-            filled = width * done // self.total
-            bar = "#" * filled + "." * (width - filled)
-            self.stream.write(f"\r{self.label} [{bar}] {done}/{self.total} requests")
-            self.stream.flush()
-
-    def close(self) -> None:
-        if self.enabled:
-            self.stream.write("\n")
-            self.stream.flush()
 
 
 # -- the command -------------------------------------------------------------------------

@@ -11,8 +11,8 @@ import json
 import sys
 from typing import Any
 
+from kvledger.commands.progress import Progress
 from kvledger.commands.simulate import (
-    Progress,
     add_workload_args,
     build_cache,
     load_workload,
