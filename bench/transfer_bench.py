@@ -43,6 +43,7 @@ from kvledger.tiers import (
     LayerSeparate,
     TransferEngine,
 )
+from kvledger.tiers.transfer import slot_runs
 
 
 def median_seconds(fn: Callable[[], object], reps: int, sync: Callable[[], object]) -> float:
@@ -69,17 +70,6 @@ def paired_medians(
         ta.append(median_seconds(a, 1, sync))
         tb.append(median_seconds(b, 1, sync))
     return statistics.median(ta), statistics.median(tb)
-
-
-def runs(slots: list[int]) -> list[tuple[int, int, int]]:
-    """``(first row, first slot, count)`` per run of consecutive sorted slots."""
-    out: list[tuple[int, int, int]] = []
-    for row, slot in enumerate(slots):
-        if out and out[-1][1] + out[-1][2] == slot:
-            out[-1] = (out[-1][0], out[-1][1], out[-1][2] + 1)
-        else:
-            out.append((row, slot, 1))
-    return out
 
 
 _streams: list[torch.cuda.Stream] = []
@@ -153,7 +143,7 @@ def memory_bench(args: argparse.Namespace, shape: BlockShape, rows: list[tuple[s
     )
     # The ceiling left once gathering is free: the same host<->device copies the engine issues,
     # one per run of consecutive host slots, straight from/to a contiguous device buffer.
-    host_runs = runs(sorted(dst))
+    host_runs = slot_runs(sorted(dst))  # the runs the engine copies
     dev_rows = ref_dev.view(n, shape.block_bytes)
     host_rows = g2.layout.block_bytes_view()
     runs_down_ref, runs_down = paired_medians(

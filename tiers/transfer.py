@@ -396,7 +396,7 @@ class TransferEngine:
                     gathered[n % 2].record(gather_stream)
                 copy_stream.wait_event(gathered[n % 2])
                 with torch.cuda.stream(copy_stream):
-                    runs = _runs([d for _, d in chunk])
+                    runs = slot_runs([d for _, d in chunk])
                     _copy_all(
                         [dst.tensor[slot : slot + count] for _, slot, count in runs],
                         [rows[row : row + count] for row, _, count in runs],
@@ -423,7 +423,7 @@ class TransferEngine:
                 rows = buffers[n % 2][: len(chunk)]
                 copy_stream.wait_event(free[n % 2])
                 with torch.cuda.stream(copy_stream):
-                    runs = _runs([s for s, _ in chunk])
+                    runs = slot_runs([s for s, _ in chunk])
                     _copy_all(
                         [rows[row : row + count] for row, _, count in runs],
                         [src.tensor[slot : slot + count] for _, slot, count in runs],
@@ -548,7 +548,7 @@ def _wait(stream: torch.cuda.Stream, event: torch.cuda.Event | None) -> None:
 def _single_run(layout: KVLayout, slots: list[int]) -> torch.Tensor | None:
     """The ``[n, layers, ...]`` rows of ``slots`` when they are consecutive in a
     FullyContiguous layout, else None."""
-    if not isinstance(layout, FullyContiguous) or len(_runs(slots)) != 1:
+    if not isinstance(layout, FullyContiguous) or len(slot_runs(slots)) != 1:
         return None
     return layout.tensor[slots[0] : slots[0] + len(slots)]
 
@@ -615,7 +615,7 @@ def _words(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     return flat[0].view(word), flat[1].view(word)
 
 
-def _runs(slots: list[int]) -> list[tuple[int, int, int]]:
+def slot_runs(slots: list[int]) -> list[tuple[int, int, int]]:
     """``(first row, first slot, count)`` for each run of consecutive slots, rows in order."""
     runs: list[tuple[int, int, int]] = []
     for row, slot in enumerate(slots):
