@@ -39,6 +39,6 @@ class Progress:
             self.stream.flush()
 
     def close(self) -> None:
-        if self.enabled:
+        if self.enabled and self._last:  # end the line only if a bar was drawn on it
             self.stream.write("\n")
             self.stream.flush()

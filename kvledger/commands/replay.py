@@ -7,7 +7,7 @@ import json
 
 from kvledger.commands.progress import Progress
 from kvledger.events.log import EventLog
-from kvledger.events.replay import ReplayReport, load_state, replay_report, save_state, verify
+from kvledger.events.replay import load_state, replay_report, save_state, verify
 from kvledger.registry.state import RegistryState
 
 
@@ -34,28 +34,19 @@ def summary(state: RegistryState) -> dict[str, object]:
 
 def run(args: argparse.Namespace) -> int:
     with EventLog(args.log, read_only=True) as log:
-        # The bar counts row positions up to the newest row: an upper bound on what is folded
-        # (positions can skip, and --until stops earlier), so the bar ends where replay does.
-        end = log.last_position()
-        progress: Progress | None = None
-
-        def show(report: ReplayReport) -> None:
-            nonlocal progress
-            if progress is None:
-                progress = Progress(end - report.start_position, "replay", unit="rows")
-            progress(report.last_position - report.start_position)
-
+        # The bar shows the position reached in the log (a replay from a checkpoint starts part
+        # way): positions can skip and --until stops earlier, so it ends where replay does.
+        progress = Progress(log.last_position(), "replay", unit="rows")
         try:
             report = replay_report(
                 log,
                 until_event_id=args.until,
                 until_ts=args.until_ts,
                 use_checkpoints=not args.no_checkpoints,
-                on_progress=show,
+                on_progress=lambda report: progress(report.last_position),
             )
         finally:
-            if progress is not None:
-                progress.close()
+            progress.close()
     state = report.state
     if args.dump:
         save_state(args.dump, state)
