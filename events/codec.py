@@ -1,27 +1,37 @@
 """msgpack encoding of events and registry snapshots.
 
 One event is one self-contained record (a msgpack array) that starts with the schema version,
-so a log row can be decoded without its columns and a record from a future layout is refused
-instead of misread. Hashes travel as parallel integer arrays (all sequence hashes, then all
-local hashes): packing and unpacking them is the hot part of appending and replaying, and
-parallel arrays let replay fold a whole event with C-level ``zip``/``dict.update``.
+so a log row can be decoded without its columns and a record from another layout is refused
+instead of misread.
 
-Record layout, version 1::
+Record layout, version 2::
 
-    [1, kind, worker_id, event_id, dp_rank, tier, ts, *body]
-    stored (1):              parent_hash|nil, [seq...], [local...], token_ids|nil
-    removed (2):             [seq...]
-    offloaded/onboarded (3/4): src_tier, [seq...], [local...], [parent|nil...]
-    cleared (5):             (no body)
+    [2, kind, worker_id, event_id, dp_rank, tier, ts, *body]
+    stored (1):                parent_hash|nil, blocks: bin of (seq, local), token_ids|nil
+    removed (2):               hashes: bin of seq
+    offloaded/onboarded (3/4): src_tier, blocks: bin of (seq, local, parent), roots: nil|bin
+    cleared (5):               (no body)
+
+Hashes are u64 and travel packed, big-endian, in one msgpack ``bin`` per event; ``roots``
+holds one byte per copied block, 1 where the block has no parent (its parent word is 0), and
+is nil when every block has one. The writer always uses the same widths (int64 for
+``worker_id`` and ``dp_rank``, uint64 for ``event_id`` and a parent, float64 for ``ts``, bin32
+for the hashes), so every field of a record sits at an offset the fields before it fix: that
+is what lets replay check and unpack a whole chunk of records with array operations
+(``events/chunk_decode.py``) instead of running Python code per record. Any msgpack reader still
+reads the records; ``decode`` accepts any encoding of the same values.
 """
 
 from __future__ import annotations
 
+import struct
 import threading
 from collections.abc import Iterable, Iterator
+from itertools import chain
 from typing import Any
 
 import msgpack
+import numpy as np
 
 from kvledger.events.types import (
     AnyEvent,
@@ -33,10 +43,11 @@ from kvledger.events.types import (
     Stored,
     Tier,
 )
+from kvledger.registry.columns import BlockColumns
 from kvledger.registry.state import RegistryState
 
-RECORD_VERSION = 1
-SNAPSHOT_VERSION = 1
+RECORD_VERSION = 2
+SNAPSHOT_VERSION = 2
 
 KIND_CODES: dict[type[AnyEvent], int] = {
     Stored: 1,
@@ -53,10 +64,36 @@ KIND_NAMES: dict[type[AnyEvent], str] = {
     Cleared: "cleared",
 }
 _TIERS: dict[int, Tier] = {int(t): t for t in Tier}
-_INT_ONLY = frozenset({int})
-_INT_OR_NONE = frozenset({int, type(None)})
 _HEADER_LEN = 7
-_BODY_LEN = {1: 4, 2: 1, 3: 4, 4: 4, 5: 0}
+_BODY_LEN = {1: 3, 2: 1, 3: 3, 4: 3, 5: 0}
+# bytes per block in each kind's hash bin
+BLOCK_WIDTH = {1: 16, 2: 8, 3: 24, 4: 24}
+
+# The fixed-width header: fixarray, version, kind, int64 worker_id, uint64 event_id,
+# int64 dp_rank, fixint tier, float64 ts -- HEADER_BYTES bytes, the same for every record.
+_HEADER_FORMAT = ">BBBBqBQBqBBd"
+HEADER_BYTES = struct.calcsize(_HEADER_FORMAT)
+FIXARRAY = {kind: 0x90 + _HEADER_LEN + n for kind, n in _BODY_LEN.items()}
+NIL, UINT64, INT64, FLOAT64, BIN32 = 0xC0, 0xCF, 0xD3, 0xCB, 0xC6
+
+_structs: dict[tuple[int, int, int], struct.Struct] = {}
+
+
+def _struct(kind: int, n_words: int, variant: int) -> struct.Struct:
+    """The packer of one record shape (cached: building a Struct costs more than using it).
+
+    ``variant`` is, for a stored event, whether it has a parent; for a copy, how many root
+    flags follow the blocks (0: none, roots is nil).
+    """
+    fmt = _HEADER_FORMAT
+    if kind == 1:  # ends with nil token ids (a record with them drops that byte)
+        fmt += ("BQ" if variant else "B") + f"BI{n_words}QB"
+    elif kind == 2:
+        fmt += f"BI{n_words}Q"
+    elif kind in (3, 4):
+        fmt += f"BBI{n_words}Q" + (f"BI{variant}B" if variant else "B")
+    packer = _structs[(kind, n_words, variant)] = struct.Struct(fmt)
+    return packer
 
 
 _packers = threading.local()
@@ -85,20 +122,21 @@ class CodecError(ValueError):
 
 
 def encode(event: AnyEvent) -> bytes:
-    """One event as a version-1 record.
+    """One event as a version-2 record.
 
     Refuses (``CodecError``) whatever ``decode`` would refuse, so that no record is ever
     written that replay cannot read back.
     """
     try:
-        return _pack(_to_record(event))
-    except (OverflowError, TypeError) as exc:
+        return _encode(event)
+    except (OverflowError, TypeError, struct.error) as exc:
         raise CodecError(f"cannot encode {event!r}: {exc}") from None
 
 
-def _to_record(event: AnyEvent) -> tuple[Any, ...]:
+def _encode(event: AnyEvent) -> bytes:
     cls = type(event)
-    if cls not in KIND_CODES:
+    kind = KIND_CODES.get(cls)
+    if kind is None:
         raise CodecError(f"not an event: {event!r}")
     worker_id, event_id, dp_rank, tier, ts = (
         event.worker_id,
@@ -119,70 +157,53 @@ def _to_record(event: AnyEvent) -> tuple[Any, ...]:
             f"worker_id, dp_rank and event_id >= 0 must be integers, tier a Tier and ts a "
             f"number in {event!r}"
         )
+    # fmt: off
+    head = (FIXARRAY[kind], RECORD_VERSION, kind, INT64, worker_id, UINT64, event_id,
+            INT64, dp_rank, tier, FLOAT64, ts)
+    # fmt: on
     if cls is Stored:
         assert isinstance(event, Stored)
         blocks = event.blocks
         parent = event.parent_hash
-        try:
-            seqs, locals_ = zip(*blocks, strict=True)
-        except ValueError:
-            raise CodecError(
-                f"stored blocks must be a non-empty chain of pairs: {event!r}"
-            ) from None
-        if (
-            not _INT_ONLY.issuperset(map(type, seqs))
-            or not _INT_ONLY.issuperset(map(type, locals_))
-            or (parent is not None and type(parent) is not int)
-        ):
-            raise CodecError(f"stored blocks must be (int, int) pairs, parent an int: {event!r}")
+        n = len(blocks)
+        if not n or set(map(len, blocks)) != {2}:
+            raise CodecError(f"stored blocks must be a non-empty chain of pairs: {event!r}")
+        variant = parent is not None
+        packer = _structs.get((1, 2 * n, variant)) or _struct(1, 2 * n, variant)
+        if parent is None:
+            data = packer.pack(*head, NIL, BIN32, 16 * n, *chain.from_iterable(blocks), NIL)
+        else:
+            pairs = chain.from_iterable(blocks)
+            data = packer.pack(*head, UINT64, parent, BIN32, 16 * n, *pairs, NIL)
         tokens = event.token_ids
-        if tokens is not None:
-            _check_tokens(tokens, len(blocks), None)
-        return (
-            RECORD_VERSION,
-            1,
-            worker_id,
-            event_id,
-            dp_rank,
-            tier,
-            ts,
-            parent,
-            seqs,
-            locals_,
-            tokens,
-        )
+        if tokens is None:
+            return data
+        return data[:-1] + _pack(_check_tokens(tokens, n, None))
     if cls is Removed:
         assert isinstance(event, Removed)
         hashes = event.sequence_hashes
-        if not hashes or not _INT_ONLY.issuperset(map(type, hashes)):
-            raise CodecError(f"removed hashes must be a non-empty sequence of ints: {event!r}")
-        return (RECORD_VERSION, 2, worker_id, event_id, dp_rank, tier, ts, hashes)
+        n = len(hashes)
+        if not n:
+            raise CodecError(f"removed hashes must be a non-empty sequence: {event!r}")
+        packer = _structs.get((2, n, 0)) or _struct(2, n, 0)
+        return packer.pack(*head, BIN32, 8 * n, *hashes)
     if cls is Offloaded or cls is Onboarded:
         assert isinstance(event, Offloaded | Onboarded)
-        try:
-            columns = tuple(zip(*event.blocks, strict=True))
-            _check_copied(columns, None)
-        except ValueError:
-            raise CodecError(
-                f"copied blocks must be non-empty BlockInfo triples: {event!r}"
-            ) from None
+        infos = event.blocks
+        n = len(infos)
+        if not n or set(map(len, infos)) != {3}:
+            raise CodecError(f"copied blocks must be non-empty BlockInfo triples: {event!r}")
         if event.src_tier not in _TIERS or event.src_tier == tier:
             raise CodecError(f"a copy needs two different tiers: {event!r}")
-        kind = 3 if cls is Offloaded else 4
-        return (
-            RECORD_VERSION,
-            kind,
-            worker_id,
-            event_id,
-            dp_rank,
-            tier,
-            ts,
-            event.src_tier,
-            *columns,
-        )
-    if cls is Cleared:
-        return (RECORD_VERSION, 5, worker_id, event_id, dp_rank, tier, ts)
-    raise CodecError(f"not an event: {event!r}")
+        roots = [info[2] is None for info in infos]
+        if any(roots):
+            flat = [w for s, loc, p in infos for w in (s, loc, 0 if p is None else p)]
+            packer = _structs.get((kind, 3 * n, n)) or _struct(kind, 3 * n, n)
+            return packer.pack(*head, event.src_tier, BIN32, 24 * n, *flat, BIN32, n, *roots)
+        packer = _structs.get((kind, 3 * n, 0)) or _struct(kind, 3 * n, 0)
+        return packer.pack(*head, event.src_tier, BIN32, 24 * n, *chain.from_iterable(infos), NIL)
+    packer = _structs.get((5, 0, 0)) or _struct(5, 0, 0)
+    return packer.pack(*head)
 
 
 def decode(data: bytes, position: int | None = None) -> AnyEvent:
@@ -200,9 +221,10 @@ def from_record(record: object, position: int | None = None) -> AnyEvent:
         raise CodecError(f"expected an array of at least {_HEADER_LEN} fields", position)
     version, kind, worker_id, event_id, dp_rank, tier_code, ts = record[:_HEADER_LEN]
     if type(version) is not int or version != RECORD_VERSION:
+        written_by = "an older" if type(version) is int and version < RECORD_VERSION else "a newer"
         raise CodecError(
             f"record version {version!r} is not supported (this code reads version "
-            f"{RECORD_VERSION}); was the log written by a newer kvledger?",
+            f"{RECORD_VERSION}); was the log written by {written_by} kvledger?",
             position,
         )
     if type(kind) is not int or kind not in _BODY_LEN:
@@ -212,7 +234,7 @@ def from_record(record: object, position: int | None = None) -> AnyEvent:
             f"kind {kind} needs {_HEADER_LEN + _BODY_LEN[kind]} fields, got {len(record)}",
             position,
         )
-    if not _INT_ONLY.issuperset(map(type, (worker_id, event_id, dp_rank))):
+    if type(worker_id) is not int or type(event_id) is not int or type(dp_rank) is not int:
         raise CodecError("worker_id, event_id and dp_rank must be integers", position)
     if event_id < 0:
         raise CodecError(f"negative event_id {event_id}", position)
@@ -221,66 +243,59 @@ def from_record(record: object, position: int | None = None) -> AnyEvent:
         raise CodecError(f"unknown tier {tier_code!r}", position)
     if type(ts) is not float and type(ts) is not int:
         raise CodecError(f"timestamp must be a number, got {ts!r}", position)
-    common = {
+    common: dict[str, Any] = {
         "event_id": event_id,
         "worker_id": worker_id,
         "dp_rank": dp_rank,
         "tier": tier,
         "ts": float(ts),
     }
+    if kind == 5:
+        return Cleared(**common)
     if kind == 1:
-        parent, seqs, locals_, tokens = record[7:]
-        _check_hashes(seqs, position)
-        _check_hashes(locals_, position)
-        if len(seqs) != len(locals_):
-            raise CodecError("stored sequence and local hash arrays differ in length", position)
-        if parent is not None and type(parent) is not int:
-            raise CodecError(f"parent hash must be an integer or nil, got {parent!r}", position)
+        parent, blob, tokens = record[7:]
+        if parent is not None and (type(parent) is not int or not 0 <= parent < 2**64):
+            raise CodecError(f"parent hash must be a u64 or nil, got {parent!r}", position)
+        words = _words(blob, BLOCK_WIDTH[1], position)
         return Stored(
             **common,
             parent_hash=parent,
-            blocks=tuple(zip(seqs, locals_, strict=False)),
-            token_ids=_check_tokens(tokens, len(seqs), position),
+            blocks=tuple(zip(words[0::2], words[1::2], strict=True)),
+            token_ids=_check_tokens(tokens, len(words) // 2, position),
         )
     if kind == 2:
-        (hashes,) = record[7:]
-        _check_hashes(hashes, position)
-        return Removed(**common, sequence_hashes=hashes)
-    if kind == 5:
-        return Cleared(**common)
-    src_code, columns = record[7], record[8:]
+        return Removed(**common, sequence_hashes=_words(record[7], BLOCK_WIDTH[2], position))
+    src_code, blob, roots = record[7:]
     src = _TIERS.get(src_code) if type(src_code) is int else None
     if src is None or src == tier:
         raise CodecError(f"bad source tier {src_code!r} for a copy to {tier.name}", position)
-    _check_copied(columns, position)
-    infos = tuple(map(BlockInfo, *columns))
+    words = _words(blob, BLOCK_WIDTH[kind], position)
+    parents: tuple[int | None, ...] = words[2::3]
+    if roots is not None:
+        if type(roots) is not bytes or len(roots) != len(parents) or not set(roots) <= {0, 1}:
+            raise CodecError(
+                f"roots must be nil or one 0/1 byte per block ({len(parents)})", position
+            )
+        parents = tuple(None if root else p for p, root in zip(parents, roots, strict=True))
+    infos = tuple(map(BlockInfo, words[0::3], words[1::3], parents))
     cls = Offloaded if kind == 3 else Onboarded
     return cls(**common, src_tier=src, blocks=infos)
 
 
-def _check_hashes(hashes: object, position: int | None) -> None:
-    if type(hashes) is not tuple or not hashes or not _INT_ONLY.issuperset(map(type, hashes)):
-        raise CodecError("hashes must be a non-empty array of integers", position)
-
-
-def _check_copied(columns: Any, position: int | None) -> None:
-    """(seqs, locals, parents): equal non-empty lengths; parents may hold nil."""
-    if type(columns) is not tuple or len(columns) != 3:
-        raise CodecError("copied blocks must be three arrays (seq, local, parent|nil)", position)
-    seqs, locals_, parents = columns
-    if (
-        type(seqs) is not tuple
-        or type(locals_) is not tuple
-        or type(parents) is not tuple
-        or not seqs
-        or not len(seqs) == len(locals_) == len(parents)
-        or not _INT_ONLY.issuperset(map(type, seqs))
-        or not _INT_ONLY.issuperset(map(type, locals_))
-        or not _INT_OR_NONE.issuperset(map(type, parents))
-    ):
+def _words(blob: object, width: int, position: int | None) -> tuple[int, ...]:
+    """The big-endian u64 words of a hash bin holding ``width``-byte blocks."""
+    if type(blob) is not bytes or not blob or len(blob) % width:
         raise CodecError(
-            "copied blocks must be three equal non-empty arrays (seq, local, parent|nil)", position
+            f"hashes must be a non-empty bin of {width}-byte blocks, got {_describe(blob)}",
+            position,
         )
+    return struct.unpack(f">{len(blob) // 8}Q", blob)
+
+
+def _describe(value: object) -> str:
+    if type(value) is bytes:
+        return f"{len(value)} bytes"
+    return "an array" if type(value) is tuple else repr(value)[:40]
 
 
 def _check_tokens(tokens: Any, n_blocks: int, position: int | None) -> Any:
@@ -289,7 +304,7 @@ def _check_tokens(tokens: Any, n_blocks: int, position: int | None) -> Any:
     if (
         type(tokens) is not tuple
         or len(tokens) != n_blocks
-        or not all(type(t) is tuple and _INT_ONLY.issuperset(map(type, t)) for t in tokens)
+        or not all(type(t) is tuple and all(type(x) is int for x in t) for t in tokens)
     ):
         raise CodecError(f"token_ids must be nil or {n_blocks} arrays of integers", position)
     return tokens
@@ -305,13 +320,29 @@ def iter_decode(records: Iterable[bytes], first_position: int = 0) -> Iterator[A
 
 
 def encode_state(state: RegistryState) -> bytes:
-    """A registry snapshot: every worker's last event id and its blocks per tier."""
+    """A registry snapshot: every worker's last event id and its blocks per tier.
+
+    Each tier is its four columns packed as bins (big-endian u64 words, parent flags as
+    bytes), sorted by sequence hash, so that a checkpoint loads without a Python object per
+    block.
+    """
     tiers = []
-    for (worker, tier), blocks in sorted(state.tiers.items()):
-        if not blocks:
-            continue
-        flat = [v for seq, (local, parent) in blocks.items() for v in (seq, local, parent)]
-        tiers.append((worker, int(tier), flat))
+    try:
+        for (worker, tier), columns in state.iter_columns():
+            tiers.append(
+                (
+                    worker,
+                    int(tier),
+                    columns.seq.astype(">u8").tobytes(),
+                    columns.local.astype(">u8").tobytes(),
+                    columns.parent.astype(">u8").tobytes(),
+                    columns.has_parent.tobytes(),
+                )
+            )
+    except (OverflowError, TypeError) as exc:
+        raise CodecError(
+            f"cannot snapshot a state holding a hash that is not a u64: {exc}"
+        ) from None
     last = [v for item in sorted(state.last_event_id.items()) for v in item]
     return msgpack.packb(  # type: ignore[no-any-return]
         (SNAPSHOT_VERSION, last, tiers), use_bin_type=True
@@ -327,12 +358,26 @@ def decode_state(data: bytes) -> RegistryState:
         state = RegistryState()
         it = iter(last)
         state.last_event_id = dict(zip(it, it, strict=True))
-        for worker, tier_code, flat in tiers:
-            blocks = state.tiers[(worker, _TIERS[tier_code])] = {}
-            for i in range(0, len(flat), 3):
-                blocks[flat[i]] = (flat[i + 1], flat[i + 2])
+        for worker, tier_code, *blobs in tiers:
+            state.set_columns((worker, _TIERS[tier_code]), _columns(*blobs))
         return state
     except CodecError:
         raise
     except Exception as exc:
         raise CodecError(f"not a registry snapshot ({type(exc).__name__}: {exc})") from None
+
+
+def _columns(seq: bytes, local: bytes, parent: bytes, has_parent: bytes) -> BlockColumns:
+    n = len(has_parent)
+    if not len(seq) == len(local) == len(parent) == 8 * n:
+        raise ValueError(f"columns of unequal length for {n} blocks")
+    flags = np.frombuffer(has_parent, np.uint8)
+    columns = BlockColumns(
+        np.frombuffer(seq, ">u8").astype(np.uint64),
+        np.frombuffer(local, ">u8").astype(np.uint64),
+        np.frombuffer(parent, ">u8").astype(np.uint64),
+        flags.astype(np.bool_),
+    )
+    if (flags > 1).any() or (columns.seq[1:] <= columns.seq[:-1]).any():
+        raise ValueError("sequence hashes must be sorted and unique, parent flags 0 or 1")
+    return columns

@@ -546,21 +546,26 @@ class EventLog:
     # -- checkpoints --------------------------------------------------------------------------
 
     def save_checkpoint(self, position: int, state: RegistryState, max_ts: float) -> None:
-        """Store ``state`` as the fold of every row up to ``position`` (ignored if one exists)."""
-        max_event_id = max(state.last_event_id.values(), default=-1)
+        """Store ``state`` as the fold of every row up to ``position``.
+
+        One there already is replaced: it holds the same fold, unless it was written in an
+        older snapshot format, which this heals.
+        """
+        values = {
+            "max_event_id": max(state.last_event_id.values(), default=-1),
+            "max_ts": max_ts,
+            "created": time.time(),
+            "snapshot": encode_state(state),
+        }
         with self._engine.begin() as conn:
             exists = conn.execute(
                 sa.select(checkpoints.c.id).where(checkpoints.c.position == position)
             ).first()
             if exists is None:
+                conn.execute(checkpoints.insert().values(position=position, **values))
+            else:
                 conn.execute(
-                    checkpoints.insert().values(
-                        position=position,
-                        max_event_id=max_event_id,
-                        max_ts=max_ts,
-                        created=time.time(),
-                        snapshot=encode_state(state),
-                    )
+                    checkpoints.update().where(checkpoints.c.id == exists[0]).values(**values)
                 )
 
     def latest_checkpoint(

@@ -9,38 +9,23 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from operator import itemgetter
 from pathlib import Path
 
-import msgpack
 import sqlalchemy as sa
 
-from kvledger.events.codec import (
-    _INT_ONLY,
-    _INT_OR_NONE,
-    _TIERS,
-    decode,
-    decode_state,
-    encode_state,
-)
-from kvledger.events.log import EventLog
-from kvledger.registry.state import EventOrderError, RegistryState
+from kvledger.events.chunk_decode import decode_chunk
+from kvledger.events.codec import CodecError, decode, decode_state, encode_state
+from kvledger.events.log import Checkpoint, EventLog
+from kvledger.events.types import AnyEvent
+from kvledger.registry.columns import ops_from_events
+from kvledger.registry.state import EventOrderError, RegistryState, take_next
 
 DEFAULT_CHECKPOINT_EVERY = 100_000
-# The top-level field types of each record the fast fold handles (codec.py has the layout):
-# version, kind, worker_id, event_id, dp_rank, tier, ts, then the body.
-_HEAD = (int, int, int, int, int, int, float)
-_NONE = type(None)
-_SHAPES: dict[tuple[type, ...], str] = {
-    (*_HEAD, _NONE, tuple, tuple, _NONE): "stored",  # at the start of a sequence
-    (*_HEAD, int, tuple, tuple, _NONE): "stored",  # after a parent
-    (*_HEAD, tuple): "removed",
-    (*_HEAD, int, tuple, tuple, tuple): "copied",
-}
-_SHAPE_OF_KIND = {1: "stored", 2: "removed", 3: "copied", 4: "copied"}
 _TS = itemgetter(1)
+_PAYLOAD = itemgetter(2)
 
 
 @dataclass
@@ -100,11 +85,7 @@ def _replay(
     checkpoint_every: int | None,
     on_progress: Callable[[ReplayReport], None] | None,
 ) -> ReplayReport:
-    checkpoint = (
-        log.latest_checkpoint(max_event_id=until_event_id, max_ts=until_ts)
-        if use_checkpoints
-        else None
-    )
+    checkpoint = _latest_checkpoint(log, until_event_id, until_ts) if use_checkpoints else None
     if checkpoint is None:
         state, start, max_ts = RegistryState(), 0, -math.inf
     else:
@@ -147,78 +128,51 @@ def _replay(
 
 
 def fold_chunk(state: RegistryState, chunk: Sequence[tuple[int, float, bytes]]) -> None:
-    """Fold log rows into ``state``, straight from the records.
+    """Fold log rows ``(position, ts, payload)`` into ``state``.
 
-    Equivalent to ``state.apply(decode(payload, position))`` for each row, and checks the same
-    things, but builds no event objects: constructing frozen dataclasses costs more than
-    reading the row, and replay exists to be fast. Anything the fast path does not vouch for
-    (an unusual or bad record, an out-of-order id) goes through
-    ``decode`` + ``apply``, which raise the precise error.
+    The same as ``state.apply(decode(payload, position))`` for each row, and as strict, but
+    the whole chunk is checked and unpacked by array operations (``chunk_decode``) and folded
+    into the state's arrays in one batch. A chunk the array decoder does not vouch for is
+    decoded row by row, which raises the precise error or skips a repeated event.
     """
-    tiers = state.tiers
-    last_ids = state.last_event_id
-    int_only = _INT_ONLY
-    shapes = _SHAPES
-    unpackb = msgpack.unpackb
+    if not chunk:
+        return
+    decoded = decode_chunk(list(map(_PAYLOAD, chunk)), state.last_event_id)
+    if decoded is None:
+        last_event_id = dict(state.last_event_id)
+        ops = ops_from_events(_accepted(chunk, last_event_id))
+    else:
+        ops, last_event_id = decoded.ops, decoded.last_event_id
+    for key, batch in ops.items():
+        state.fold_ops(key, batch)
+    state.last_event_id.update(last_event_id)
+
+
+def _accepted(
+    chunk: Sequence[tuple[int, float, bytes]], last_event_id: dict[int, int]
+) -> Iterator[AnyEvent]:
+    """The chunk's events one by one, repeats skipped, a gap or a bad record raised."""
     for position, _ts, payload in chunk:
+        event = decode(payload, position)
         try:
-            record = unpackb(payload, use_list=False)
-            shape = shapes.get(tuple(map(type, record)))
-        except Exception:
-            shape = None
-        # `shape` is set only when every top-level field has the type its kind needs
-        if shape is not None and shape == _SHAPE_OF_KIND.get(record[1]) and record[0] == 1:
-            kind = record[1]
-            worker, event_id = record[2], record[3]
-            tier = _TIERS.get(record[5])
-            if tier is not None and event_id == last_ids.get(worker, -1) + 1:
-                blocks = tiers.get((worker, tier))
-                if blocks is None:
-                    blocks = tiers[(worker, tier)] = {}
-                if kind == 1:
-                    parent, seqs, locals_ = record[7], record[8], record[9]
-                    if (
-                        seqs
-                        and len(seqs) == len(locals_)
-                        and int_only.issuperset(map(type, seqs))
-                        and int_only.issuperset(map(type, locals_))
-                    ):
-                        last_ids[worker] = event_id
-                        for seq, local in zip(seqs, locals_):  # noqa: B905 (lengths checked)
-                            blocks[seq] = (local, parent)
-                            parent = seq
-                        continue
-                elif kind == 2:
-                    hashes = record[7]
-                    if hashes and int_only.issuperset(map(type, hashes)):
-                        last_ids[worker] = event_id
-                        for seq in hashes:
-                            blocks.pop(seq, None)
-                        continue
-                else:
-                    src, seqs, locals_, parents = record[7:]
-                    if (
-                        src != tier
-                        and src in _TIERS
-                        and seqs
-                        and len(seqs) == len(locals_) == len(parents)
-                        and int_only.issuperset(map(type, seqs))
-                        and int_only.issuperset(map(type, locals_))
-                        and _INT_OR_NONE.issuperset(map(type, parents))
-                    ):
-                        last_ids[worker] = event_id
-                        for seq, local, parent in zip(seqs, locals_, parents):  # noqa: B905
-                            blocks[seq] = (local, parent)
-                        continue
-        _fold_slowly(state, payload, position)
+            if take_next(last_event_id, event):
+                yield event
+        except EventOrderError as exc:
+            raise EventOrderError(f"event at position {position}: {exc}") from None
 
 
-def _fold_slowly(state: RegistryState, payload: bytes, position: int) -> None:
-    """The reference path: full decode, then the registry's own fold."""
+def _latest_checkpoint(
+    log: EventLog, until_event_id: int | None, until_ts: float | None
+) -> Checkpoint | None:
+    """Checkpoints are an optimisation: one that cannot be read (an older snapshot format, a
+    damaged row) means folding from the start, not failing."""
     try:
-        state.apply(decode(payload, position))
-    except EventOrderError as exc:
-        raise EventOrderError(f"event at position {position}: {exc}") from None
+        return log.latest_checkpoint(max_event_id=until_event_id, max_ts=until_ts)
+    except CodecError as exc:
+        warnings.warn(
+            f"ignoring the newest checkpoint, replaying from the start: {exc}", stacklevel=4
+        )
+        return None
 
 
 def _try_checkpoint(log: EventLog, position: int, state: RegistryState, max_ts: float) -> bool:

@@ -2,12 +2,16 @@
 
 This is what replay rebuilds and what a live pool can dump, so the two can be compared:
 ``RegistryState.from_events(log) == pool_state`` is the invariant the event log exists for.
+
+A tier's blocks are held either as a dict (what ``apply`` edits one event at a time) or as
+sorted arrays (what replay folds whole batches into, ``registry/columns.py``). ``counts``,
+``digest`` and snapshots read either form; ``tiers`` turns arrays into dicts on first use.
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 
 from kvledger.events.types import (
     AnyEvent,
@@ -19,9 +23,13 @@ from kvledger.events.types import (
     Stored,
     Tier,
 )
+from kvledger.registry.columns import BlockColumns, BlockOps, TierBlocks, TierKey, concat, fold
 
-# (worker_id, tier) -> sequence_hash -> (local_hash, parent_hash)
-TierBlocks = dict[int, tuple[int, int | None]]
+__all__ = ["EventOrderError", "RegistryState", "TierBlocks", "take_next"]
+
+# fold_ops merges a tier's waiting batches once they hold this many operations (or half the
+# tier's blocks, whichever is more)
+_MIN_MERGE = 1 << 16
 
 
 class EventOrderError(ValueError):
@@ -50,11 +58,67 @@ def take_next(last_event_id: dict[int, int], event: AnyEvent, *, strict: bool = 
 class RegistryState:
     """Per worker and tier, the resident blocks with their local and parent hashes."""
 
-    __slots__ = ("tiers", "last_event_id")
+    __slots__ = ("_dicts", "_columns", "_pending", "last_event_id")
 
     def __init__(self) -> None:
-        self.tiers: dict[tuple[int, Tier], TierBlocks] = {}
+        # a (worker, tier) is in at most one of the two
+        self._dicts: dict[TierKey, TierBlocks] = {}
+        self._columns: dict[TierKey, BlockColumns] = {}
+        # batches handed to fold_ops and not yet merged into _columns (see there)
+        self._pending: dict[TierKey, list[BlockOps]] = {}
         self.last_event_id: dict[int, int] = {}
+
+    @property
+    def tiers(self) -> dict[TierKey, TierBlocks]:
+        """Per (worker, tier), sequence hash -> (local hash, parent hash), for editing in place.
+
+        Tiers held as arrays become dicts here, once: a Python tuple per block is what this
+        costs, and what a replay that only wants counts and a digest never pays.
+        """
+        self._settle()
+        if self._columns:
+            for key, columns in self._columns.items():
+                self._dicts[key] = columns.to_dict()
+            self._columns.clear()
+        return self._dicts
+
+    def fold_ops(self, key: TierKey, ops: BlockOps) -> None:
+        """Fold a batch of block operations (already accepted, in order) into one tier.
+
+        Merging a batch copies the tier's arrays, so small batches wait until they add up to
+        a good part of the tier (or someone reads the state): each merge then costs about
+        what its batch does, however large the tier has grown.
+        """
+        if key in self._dicts:
+            self._columns[key] = BlockColumns.from_dict(self._dicts.pop(key))
+        pending = self._pending.setdefault(key, [])
+        pending.append(ops)
+        waiting = sum(map(len, pending))
+        if waiting >= max(_MIN_MERGE, len(self._columns.get(key, ())) // 2):
+            self._merge(key)
+
+    def _merge(self, key: TierKey) -> None:
+        batch = concat(self._pending.pop(key))
+        self._columns[key] = fold(self._columns.get(key, BlockColumns.empty()), batch)
+
+    def _settle(self) -> None:
+        for key in list(self._pending):
+            self._merge(key)
+
+    def set_columns(self, key: TierKey, columns: BlockColumns) -> None:
+        self._pending.pop(key, None)
+        self._dicts.pop(key, None)
+        self._columns[key] = columns
+
+    def iter_columns(self) -> Iterator[tuple[TierKey, BlockColumns]]:
+        """Every non-empty tier as arrays, sorted by key; tiers held as dicts stay dicts."""
+        self._settle()
+        for key in sorted(self._dicts.keys() | self._columns.keys()):
+            columns = self._columns.get(key)
+            if columns is None:
+                columns = BlockColumns.from_dict(self._dicts[key])
+            if len(columns):
+                yield key, columns
 
     @classmethod
     def from_events(cls, events: Iterable[AnyEvent], *, strict: bool = True) -> RegistryState:
@@ -100,18 +164,25 @@ class RegistryState:
         """Non-empty tiers only, copied: what two states must agree on."""
         return {key: dict(blocks) for key, blocks in self.tiers.items() if blocks}
 
-    def counts(self) -> dict[tuple[int, Tier], int]:
-        return {key: len(blocks) for key, blocks in sorted(self.tiers.items()) if blocks}
+    def counts(self) -> dict[TierKey, int]:
+        self._settle()
+        held: dict[TierKey, BlockColumns | TierBlocks] = {**self._dicts, **self._columns}
+        return {key: len(blocks) for key, blocks in sorted(held.items()) if len(blocks)}
 
     def digest(self) -> str:
         """A short fingerprint of the state: sorted sequence hashes per (worker, tier)."""
+        self._settle()
         h = hashlib.sha256()
-        for (worker, tier), blocks in sorted(self.tiers.items()):
-            if not blocks:
-                continue
-            h.update(f"{worker}:{tier.name}:".encode())
-            for seq in sorted(blocks):
-                h.update(seq.to_bytes(8, "little"))
+        for key in sorted(self._dicts.keys() | self._columns.keys()):
+            columns = self._columns.get(key)
+            if columns is not None:
+                seqs = columns.seq.astype("<u8").tobytes()
+            else:
+                seqs = b"".join(seq.to_bytes(8, "little") for seq in sorted(self._dicts[key]))
+            if seqs:
+                worker, tier = key
+                h.update(f"{worker}:{tier.name}:".encode())
+                h.update(seqs)
         return h.hexdigest()[:16]
 
     def infos(self, worker_id: int, tier: Tier) -> list[BlockInfo]:

@@ -317,6 +317,27 @@ def test_replay_to_event_and_checkpoints(log_url: str) -> None:
         assert verify(replay(log), full) != []
 
 
+def test_unreadable_checkpoint_is_skipped_and_rewritten(log_url: str) -> None:
+    """A checkpoint in an older snapshot format (or damaged) costs a full fold, not a failure,
+    and the fold writes a readable one in its place."""
+    seen: list = []
+    with EventLog(log_url) as log:
+        emit_some(EventEmitter(lambda e: (log.append(e), seen.append(e))), 60)
+        log.flush()
+        written = replay_report(log, checkpoint_every=50).checkpoints_written
+        assert written
+    engine = sa.create_engine(log_url)
+    with engine.begin() as conn:
+        conn.execute(sa.text("UPDATE checkpoints SET snapshot = :s"), {"s": b"\x93\x01\x90\x90"})
+    engine.dispose()
+    with EventLog(log_url) as log:
+        with pytest.warns(UserWarning, match="ignoring the newest checkpoint.*snapshot version 1"):
+            report = replay_report(log, checkpoint_every=50)
+        assert report.start_position == 0
+        assert report.state == RegistryState.from_events(seen)
+        assert replay_report(log, checkpoint_every=50).start_position == written[-1]
+
+
 def test_corrupt_row_stops_replay_naming_its_position(log_url: str) -> None:
     with EventLog(log_url) as log:
         emit_some(EventEmitter(log.append), 20)
