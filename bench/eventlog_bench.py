@@ -3,7 +3,9 @@
 Append: our EventLog (encode + queue + group-committed writer) against raw
 ``sqlite3.executemany`` of the already-encoded msgpack rows, in batches of 10k, WAL mode,
 same table. Replay: read + decode + fold into a RegistryState against raw
-``SELECT`` + ``msgpack.unpackb`` of the same rows. Each figure is the best of --repeat runs.
+``SELECT`` + ``msgpack.unpackb`` of the same rows; one more line adds turning the replayed
+state's arrays into per-block dicts (``RegistryState.tiers``). Each figure is the best of
+--repeat rounds, each round running every measure once.
 
     .venv/bin/python bench/eventlog_bench.py [--events 200000] [--repeat 3] [--dir DIR]
 """
@@ -16,7 +18,6 @@ import shutil
 import sqlite3
 import tempfile
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import msgpack
@@ -55,10 +56,6 @@ def workload(n_events: int, seed: int = 7) -> list[AnyEvent]:
         else:
             emitter.copied(Tier.G1, Tier.G2, rng.sample(resident, rng.randint(1, 3)))
     return out[:n_events]
-
-
-def best_of(repeat: int, run: Callable[[int], float]) -> float:
-    return min(run(i) for i in range(repeat))
 
 
 RAW_DDL = """
@@ -148,33 +145,40 @@ def main() -> None:
         def fresh(name: str, i: int) -> Path:
             return work / f"{name}-{i}.db"
 
-        raw_a = best_of(args.repeat, lambda i: raw_append(fresh("raw", i), rows))
-        ours_a = best_of(args.repeat, lambda i: our_append(fresh("ours", i), events))
-        ours_m = best_of(args.repeat, lambda i: our_append_many(fresh("many", i), events))
-        raw_r = best_of(args.repeat, lambda i: raw_read(fresh("raw", 0)))
-        ours_r = best_of(args.repeat, lambda i: our_replay(fresh("ours", 0), n))
-        dicts_r = best_of(args.repeat, lambda i: our_replay(fresh("ours", 0), n, as_dicts=True))
+        # Rounds interleave every measure, so that a slow spell of the shared machine hits
+        # both sides of a ratio instead of one side's runs.
+        times: dict[str, list[float]] = {}
+        for i in range(args.repeat):
+            round_ = {  # measured in this order
+                "raw_a": raw_append(fresh("raw", i), rows),
+                "ours_a": our_append(fresh("ours", i), events),
+                "ours_m": our_append_many(fresh("many", i), events),
+                "raw_r": raw_read(fresh("raw", 0)),
+                "ours_r": our_replay(fresh("ours", 0), n),
+                "dicts_r": our_replay(fresh("ours", 0), n, as_dicts=True),
+            }
+            for name, seconds in round_.items():
+                times.setdefault(name, []).append(seconds)
     finally:
         shutil.rmtree(work, ignore_errors=True)
+    raw_a, ours_a, ours_m, raw_r, ours_r, dicts_r = (min(times[k]) for k in times)
 
-    def rate(seconds: float) -> str:
-        return f"{n / seconds / 1e6:6.3f} M events/s"
+    def spread(ours: str, raw: str) -> str:
+        """The ratio of each round on its own: how much the machine moved under the best."""
+        ratios = [r / o for r, o in zip(times[raw], times[ours], strict=True)]
+        return f"  (rounds {min(ratios):.2f}-{max(ratios):.2f})"
+
+    def line(label: str, seconds: float, reference: float | None = None, rounds: str = "") -> None:
+        ratio = "" if reference is None else f"  ratio {reference / seconds:.2f}{rounds}"
+        print(f"{label:<46} {n / seconds / 1e6:6.3f} M events/s{ratio}")
 
     print(f"events: {n}, batch {BATCH}, WAL, synchronous=NORMAL, best of {args.repeat}")
-    print(f"append  raw sqlite3.executemany (pre-encoded): {rate(raw_a)}")
-    print(
-        f"append  EventLog.append (one by one):          {rate(ours_a)}  ratio {raw_a / ours_a:.2f}"
-    )
-    print(
-        f"append  EventLog.append_many (10k):            {rate(ours_m)}  ratio {raw_a / ours_m:.2f}"
-    )
-    print(f"read    raw SELECT + msgpack.unpackb:          {rate(raw_r)}")
-    print(
-        f"replay  read + decode + fold (no checkpoint):  {rate(ours_r)}  ratio {raw_r / ours_r:.2f}"
-    )
-    print(
-        f"replay  + every block as a dict:             {rate(dicts_r)}  ratio {raw_r / dicts_r:.2f}"
-    )
+    line("append  raw sqlite3.executemany (pre-encoded):", raw_a)
+    line("append  EventLog.append (one by one):", ours_a, raw_a, spread("ours_a", "raw_a"))
+    line("append  EventLog.append_many (10k):", ours_m, raw_a, spread("ours_m", "raw_a"))
+    line("read    raw SELECT + msgpack.unpackb:", raw_r)
+    line("replay  read + decode + fold (no checkpoint):", ours_r, raw_r, spread("ours_r", "raw_r"))
+    line("replay  and then every block as a dict:", dicts_r, raw_r, spread("dicts_r", "raw_r"))
 
 
 if __name__ == "__main__":

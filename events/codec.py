@@ -195,13 +195,15 @@ def _encode(event: AnyEvent) -> bytes:
             raise CodecError(f"copied blocks must be non-empty BlockInfo triples: {event!r}")
         if event.src_tier not in _TIERS or event.src_tier == tier:
             raise CodecError(f"a copy needs two different tiers: {event!r}")
-        roots = [info[2] is None for info in infos]
-        if any(roots):
-            flat = [w for s, loc, p in infos for w in (s, loc, 0 if p is None else p)]
+        flat = list(chain.from_iterable(infos))
+        if None in flat:  # a parentless block (a None elsewhere fails to pack below)
+            parents = flat[2::3]
+            roots = [p is None for p in parents]
+            flat[2::3] = [0 if p is None else p for p in parents]
             packer = _structs.get((kind, 3 * n, n)) or _struct(kind, 3 * n, n)
             return packer.pack(*head, event.src_tier, BIN32, 24 * n, *flat, BIN32, n, *roots)
         packer = _structs.get((kind, 3 * n, 0)) or _struct(kind, 3 * n, 0)
-        return packer.pack(*head, event.src_tier, BIN32, 24 * n, *chain.from_iterable(infos), NIL)
+        return packer.pack(*head, event.src_tier, BIN32, 24 * n, *flat, NIL)
     packer = _structs.get((5, 0, 0)) or _struct(5, 0, 0)
     return packer.pack(*head)
 
