@@ -31,8 +31,11 @@ from kvledger.registry.emitter import EventEmitter
 BATCH = 10_000
 
 
-def workload(n_events: int, seed: int = 7) -> list[AnyEvent]:
-    """A mocker-like mix: sequences stored in 1-4 block runs, evictions, offloads to G2."""
+def workload(n_events: int, seed: int = 7, block_tokens: int = 0) -> list[AnyEvent]:
+    """A mocker-like mix: sequences stored in 1-4 block runs, evictions, offloads to G2.
+
+    With ``block_tokens``, stored events carry that many token ids per block, as an engine's
+    do (vLLM's BlockStored has them)."""
     rng = random.Random(seed)
     out: list[AnyEvent] = []
     emitter = EventEmitter(out.append, worker_id=0)
@@ -49,7 +52,10 @@ def workload(n_events: int, seed: int = 7) -> list[AnyEvent]:
                 blocks.append((seq, local))
                 resident.append(BlockInfo(seq, local, parent))
                 parent = seq
-            emitter.stored(Tier.G1, resident[-len(blocks)].parent_hash, blocks)
+            tokens = None
+            if block_tokens:
+                tokens = [[rng.randrange(150_000) for _ in range(block_tokens)] for _ in blocks]
+            emitter.stored(Tier.G1, resident[-len(blocks)].parent_hash, blocks, tokens)
         elif roll < 0.85:
             gone = [resident.pop(rng.randrange(len(resident))) for _ in range(rng.randint(1, 3))]
             emitter.removed(Tier.G1, [b.sequence_hash for b in gone])
@@ -132,9 +138,12 @@ def main() -> None:
     parser.add_argument("--events", type=int, default=200_000)
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--dir", default="kvledger-data", help="where the bench files go")
+    parser.add_argument(
+        "--block-tokens", type=int, default=0, help="token ids per stored block (default none)"
+    )
     args = parser.parse_args()
     n = args.events
-    events = workload(n)
+    events = workload(n, block_tokens=args.block_tokens)
     rows = [
         (e.worker_id, e.event_id, KIND_NAMES[type(e)], int(e.tier), e.ts, encode(e)) for e in events
     ]
@@ -172,7 +181,10 @@ def main() -> None:
         ratio = "" if reference is None else f"  ratio {reference / seconds:.2f}{rounds}"
         print(f"{label:<46} {n / seconds / 1e6:6.3f} M events/s{ratio}")
 
-    print(f"events: {n}, batch {BATCH}, WAL, synchronous=NORMAL, best of {args.repeat}")
+    print(
+        f"events: {n}, {args.block_tokens} token ids per stored block, batch {BATCH}, WAL, "
+        f"synchronous=NORMAL, best of {args.repeat}"
+    )
     line("append  raw sqlite3.executemany (pre-encoded):", raw_a)
     line("append  EventLog.append (one by one):", ours_a, raw_a, spread("ours_a", "raw_a"))
     line("append  EventLog.append_many (10k):", ours_m, raw_a, spread("ours_m", "raw_a"))

@@ -6,8 +6,8 @@ buffer each field sits at an offset the fields before it determine: numpy can ch
 tag byte, length and cross-field rule of all records together and gather their hashes.
 
 The decoder vouches only for what it fully checked. It returns None when any record of the
-chunk is not in the writer's exact layout, carries token ids, or breaks the per-worker
-event-id sequence (a repeat or a gap); the caller then decodes that chunk record by record,
+chunk is not in the writer's exact layout or breaks the per-worker event-id sequence (a
+repeat or a gap); the caller then decodes that chunk record by record,
 which accepts any valid encoding and raises the precise error. So both paths agree on every
 input, good or bad (``tests/test_event_codec.py`` checks this with hypothesis).
 """
@@ -187,10 +187,13 @@ class _Body:
             return None
         blocks_at = bin_at + 5
         after = blocks_at + size
-        # what follows the blocks: nil tokens ending a stored record, nothing after removed
-        # hashes, nil or a bin of one flag per block ending a copy
+        # what follows the blocks: nil or a token bin ending a stored record, nothing after
+        # removed hashes, nil or a bin of one flag per block ending a copy
         tail = buf[np.minimum(after, last)]
-        if (stored & ((tail != NIL) | (after + 1 != ends))).any():
+        with_tokens = stored & (tail == BIN32)
+        if (stored & ~with_tokens & ((tail != NIL) | (after + 1 != ends))).any():
+            return None
+        if with_tokens.any() and not _tokens_fit(buf, after, ends, count, with_tokens):
             return None
         if (removed & (after != ends)).any():
             return None
@@ -249,6 +252,19 @@ class _Body:
         parent[first[with_parent]] = _u64(buf, self.parent_at[with_parent])
         has_parent[first[with_parent]] = True
         return _split_by_tier(worker, tier, kind == 5, count, seq, local, parent, has_parent, store)
+
+
+def _tokens_fit(buf: Bytes, at: Ints, ends: Ints, count: Ints, mine: npt.NDArray[np.bool_]) -> bool:
+    """Whether each token bin at ``at`` (records ``mine``) ends its record and holds what its
+    counts say: one u32 count per block, then as many u32 ids as the counts add up to."""
+    at, ends, count = at[mine], ends[mine], count[mine]
+    size = _u32(buf, np.minimum(at + 1, len(buf) - 4))
+    words = size // 4
+    if (at + 5 + size != ends).any() or (size % 4 != 0).any() or (words < count).any():
+        return False
+    counts = _u32(buf, _spread(at + 5, count, 4))
+    per_record = np.add.reduceat(counts, np.cumsum(count) - count)
+    return bool((per_record == words - count).all())
 
 
 def _index_in_record(count: Ints) -> Ints:

@@ -7,25 +7,27 @@ instead of misread.
 Record layout, version 2::
 
     [2, kind, worker_id, event_id, dp_rank, tier, ts, *body]
-    stored (1):                parent_hash|nil, blocks: bin of (seq, local), token_ids|nil
+    stored (1):                parent_hash|nil, blocks: bin of (seq, local), token_ids: nil|bin
     removed (2):               hashes: bin of seq
     offloaded/onboarded (3/4): src_tier, blocks: bin of (seq, local, parent), roots: nil|bin
     cleared (5):               (no body)
 
-Hashes are u64 and travel packed, big-endian, in one msgpack ``bin`` per event; ``roots``
-holds one byte per copied block, 1 where the block has no parent (its parent word is 0), and
-is nil when every block has one. The writer always uses the same widths (int64 for
-``worker_id`` and ``dp_rank``, uint64 for ``event_id`` and a parent, float64 for ``ts``, bin32
-for the hashes), so every field of a record sits at an offset the fields before it fix: that
-is what lets replay check and unpack a whole chunk of records with array operations
-(``events/chunk_decode.py``) instead of running Python code per record. Any msgpack reader still
-reads the records; ``decode`` accepts any encoding of the same values.
+Hashes are u64 and travel packed, big-endian, in one msgpack ``bin`` per event. ``roots``
+holds one byte per copied block: 1 where the block has no parent (its parent word is then 0).
+It is nil when every block has a parent. ``token_ids`` holds a u32 count per block, then every
+block's token ids as u32.
+
+The writer always uses the same widths: int64 for ``worker_id`` and ``dp_rank``, uint64 for
+``event_id`` and a parent, float64 for ``ts``, bin32 for hashes and token ids. So every field
+of a record sits at an offset that the fields before it fix. That is what lets replay check
+and unpack a whole chunk of records with array operations (``events/chunk_decode.py``)
+instead of running Python code per record. Any msgpack reader still reads the records, and
+``decode`` accepts any encoding of the same values.
 """
 
 from __future__ import annotations
 
 import struct
-import threading
 from collections.abc import Iterable, Iterator
 from itertools import chain
 from typing import Any
@@ -94,18 +96,6 @@ def _struct(kind: int, n_words: int, variant: int) -> struct.Struct:
         fmt += f"BBI{n_words}Q" + (f"BI{variant}B" if variant else "B")
     packer = _structs[(kind, n_words, variant)] = struct.Struct(fmt)
     return packer
-
-
-_packers = threading.local()
-
-
-def _pack(obj: object) -> bytes:
-    """Pack with this thread's reusable Packer (half the cost of ``msgpack.packb``)."""
-    try:
-        packer = _packers.packer
-    except AttributeError:
-        packer = _packers.packer = msgpack.Packer(use_bin_type=True)
-    return packer.pack(obj)  # type: ignore[no-any-return]
 
 
 class CodecError(ValueError):
@@ -178,7 +168,7 @@ def _encode(event: AnyEvent) -> bytes:
         tokens = event.token_ids
         if tokens is None:
             return data
-        return data[:-1] + _pack(_check_tokens(tokens, n, None))
+        return data[:-1] + _token_bin(tokens, n)
     if cls is Removed:
         assert isinstance(event, Removed)
         hashes = event.sequence_hashes
@@ -263,7 +253,7 @@ def from_record(record: object, position: int | None = None) -> AnyEvent:
             **common,
             parent_hash=parent,
             blocks=tuple(zip(words[0::2], words[1::2], strict=True)),
-            token_ids=_check_tokens(tokens, len(words) // 2, position),
+            token_ids=_tokens(tokens, len(words) // 2, position),
         )
     if kind == 2:
         return Removed(**common, sequence_hashes=_words(record[7], BLOCK_WIDTH[2], position))
@@ -300,16 +290,34 @@ def _describe(value: object) -> str:
     return "an array" if type(value) is tuple else repr(value)[:40]
 
 
-def _check_tokens(tokens: Any, n_blocks: int, position: int | None) -> Any:
-    if tokens is None:
+def _token_bin(tokens: Any, n_blocks: int) -> bytes:
+    """Token ids as one bin: a u32 count per block, then every block's ids as u32."""
+    # the ids themselves are checked by struct: anything but an int in 0..2**32-1 fails to pack
+    if type(tokens) is not tuple or len(tokens) != n_blocks or {*map(type, tokens)} != {tuple}:
+        raise CodecError(f"token_ids must be None or {n_blocks} tuples of integers")
+    counts = list(map(len, tokens))
+    words = n_blocks + sum(counts)
+    return struct.pack(f">BI{words}I", BIN32, 4 * words, *counts, *chain.from_iterable(tokens))
+
+
+def _tokens(blob: object, n_blocks: int, position: int | None) -> Any:
+    """Inverse of ``_token_bin``; None for nil."""
+    if blob is None:
         return None
-    if (
-        type(tokens) is not tuple
-        or len(tokens) != n_blocks
-        or not all(type(t) is tuple and all(type(x) is int for x in t) for t in tokens)
-    ):
-        raise CodecError(f"token_ids must be nil or {n_blocks} arrays of integers", position)
-    return tokens
+    if type(blob) is bytes and len(blob) % 4 == 0 and len(blob) >= 4 * n_blocks:
+        words = struct.unpack(f">{len(blob) // 4}I", blob)
+        counts = words[:n_blocks]
+        if sum(counts) == len(words) - n_blocks:
+            out, start = [], n_blocks
+            for count in counts:
+                out.append(words[start : start + count])
+                start += count
+            return tuple(out)
+    raise CodecError(
+        f"token_ids must be nil or a bin of {n_blocks} u32 counts and the u32 ids, got "
+        f"{_describe(blob)}",
+        position,
+    )
 
 
 def iter_decode(records: Iterable[bytes], first_position: int = 0) -> Iterator[AnyEvent]:

@@ -3,6 +3,8 @@ agreeing with decode + fold on every record, good or bad."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import msgpack
 import pytest
 from hypothesis import given, settings
@@ -130,7 +132,9 @@ ZERO_COPY = bytes(24)
         ([2, 1, 0, 0, 0, 1, 0.0, None, bytes(24), None], "16-byte blocks, got 24 bytes"),
         ([2, 1, 0, 0, 0, 1, 0.0, "p", ZERO_BLOCK, None], "parent hash"),
         ([2, 1, 0, 0, 0, 1, 0.0, -1, ZERO_BLOCK, None], "parent hash"),
-        ([2, 1, 0, 0, 0, 1, 0.0, None, ZERO_BLOCK, [[1], [2]]], "token_ids"),
+        ([2, 1, 0, 0, 0, 1, 0.0, None, ZERO_BLOCK, [[1], [2]]], "token_ids must be nil or a bin"),
+        ([2, 1, 0, 0, 0, 1, 0.0, None, ZERO_BLOCK, bytes(2)], "u32 counts and the u32 ids, got 2"),
+        ([2, 1, 0, 0, 0, 1, 0.0, None, ZERO_BLOCK, bytes(4) + b"x"], "token_ids must be nil"),
         ([2, 3, 0, 0, 0, 2, 0.0, 2, ZERO_COPY, None], "bad source tier 2"),
         ([2, 3, 0, 0, 0, 2, 0.0, 1, bytes(20), None], "24-byte blocks"),
         ([2, 3, 0, 0, 0, 2, 0.0, 1, ZERO_COPY, b"\x00\x01"], "roots must be nil or one"),
@@ -142,71 +146,26 @@ def test_malformed_records_are_refused(record: object, message: str) -> None:
         decode(msgpack.packb(record), position=3)
 
 
+G1: dict[str, Any] = {"event_id": 0, "worker_id": 0, "dp_rank": 0, "tier": Tier.G1, "ts": 0.0}
+
+
 @pytest.mark.parametrize(
     "event",
     [
-        Stored(
-            event_id=0, worker_id=0, dp_rank=0, tier=Tier.G1, ts=0.0, parent_hash=None, blocks=()
-        ),
-        Stored(
-            event_id=0,
-            worker_id=0,
-            dp_rank=0,
-            tier=Tier.G1,
-            ts=0.0,
-            parent_hash=None,
-            blocks=((1.5, 2),),
-        ),  # type: ignore[arg-type]
-        Stored(
-            event_id=0,
-            worker_id=0,
-            dp_rank=0,
-            tier=Tier.G1,
-            ts=0.0,
-            parent_hash=None,
-            blocks=((1, 2, 3),),
-        ),  # type: ignore[arg-type]
-        Stored(
-            event_id=0,
-            worker_id=0,
-            dp_rank=0,
-            tier=Tier.G1,
-            ts=0.0,
-            parent_hash=None,
-            blocks=((2**64, 2),),
-        ),
-        Stored(
-            event_id=0,
-            worker_id=0,
-            dp_rank=0,
-            tier=Tier.G1,
-            ts=0.0,
-            parent_hash=-1,
-            blocks=((1, 2),),
-        ),
-        Removed(event_id=-1, worker_id=0, dp_rank=0, tier=Tier.G1, ts=0.0, sequence_hashes=(1,)),
-        Removed(event_id=0, worker_id=0, dp_rank=0, tier=Tier.G1, ts=0.0, sequence_hashes=()),
-        Removed(event_id=0, worker_id=2**63, dp_rank=0, tier=Tier.G1, ts=0.0, sequence_hashes=(1,)),
-        Removed(event_id=0, worker_id=True, dp_rank=0, tier=Tier.G1, ts=0.0, sequence_hashes=(1,)),
-        Removed(event_id=0, worker_id=0, dp_rank=0, tier=Tier.G1, ts="x", sequence_hashes=(1,)),  # type: ignore[arg-type]
-        Offloaded(
-            event_id=0,
-            worker_id=0,
-            dp_rank=0,
-            tier=Tier.G2,
-            ts=0.0,
-            src_tier=Tier.G2,
-            blocks=(BlockInfo(1, 2, None),),
-        ),
-        Offloaded(
-            event_id=0,
-            worker_id=0,
-            dp_rank=0,
-            tier=Tier.G2,
-            ts=0.0,
-            src_tier=Tier.G1,
-            blocks=(BlockInfo(None, 2, None),),  # type: ignore[arg-type]
-        ),
+        Stored(**G1, parent_hash=None, blocks=()),
+        Stored(**G1, parent_hash=None, blocks=((1.5, 2),)),
+        Stored(**G1, parent_hash=None, blocks=((1, 2, 3),)),
+        Stored(**G1, parent_hash=None, blocks=((2**64, 2),)),
+        Stored(**G1, parent_hash=-1, blocks=((1, 2),)),
+        Stored(**G1, parent_hash=None, blocks=((1, 2),), token_ids=((2**32,),)),
+        Stored(**G1, parent_hash=None, blocks=((1, 2),), token_ids=([1],)),
+        Removed(**{**G1, "event_id": -1}, sequence_hashes=(1,)),
+        Removed(**G1, sequence_hashes=()),
+        Removed(**{**G1, "worker_id": 2**63}, sequence_hashes=(1,)),
+        Removed(**{**G1, "worker_id": True}, sequence_hashes=(1,)),
+        Removed(**{**G1, "ts": "x"}, sequence_hashes=(1,)),
+        Offloaded(**{**G1, "tier": Tier.G2}, src_tier=Tier.G2, blocks=(BlockInfo(1, 2, None),)),
+        Offloaded(**{**G1, "tier": Tier.G2}, src_tier=Tier.G1, blocks=(BlockInfo(None, 2, 3),)),
         Cleared(event_id=0, worker_id=0, dp_rank=0, tier=9, ts=0.0),  # type: ignore[arg-type]
     ],
 )
@@ -378,14 +337,8 @@ def test_bad_snapshot_is_refused() -> None:
 
 @given(st.lists(events(), min_size=1, max_size=12))
 def test_chunk_decoder_reads_what_the_writer_writes(evs: list[AnyEvent]) -> None:
-    """Records straight from ``encode`` (without token ids) never need the per-row path."""
-    evs = [
-        type(e)(**{**_fields(e, e.worker_id), "event_id": i, "token_ids": None})
-        if isinstance(e, Stored)
-        else type(e)(**{**_fields(e, e.worker_id), "event_id": i})
-        for i, e in enumerate(evs)
-    ]
-    evs = [type(e)(**{**_fields(e, 5)}) for e in evs]
+    """Records straight from ``encode`` never need the per-row path."""
+    evs = [type(e)(**{**_fields(e, 5), "event_id": i}) for i, e in enumerate(evs)]
     decoded = decode_chunk([encode(e) for e in evs], {})
     assert decoded is not None
     assert decoded.last_event_id == {5: len(evs) - 1}
@@ -407,7 +360,14 @@ def test_chunk_decoder_declines_what_it_cannot_vouch_for() -> None:
     assert decode_chunk(good, {0: 0}) is None  # a repeat
     assert decode_chunk(good, {0: -2}) is None  # after a gap
     assert decode_chunk([good[0], encode(stored(2))], {}) is None  # a gap inside
-    assert decode_chunk([good[0], encode(stored(1, token_ids=((3,),)))], {}) is None
+    with_tokens = encode(stored(1, token_ids=((3, 4),)))
+    assert decode(with_tokens).token_ids == ((3, 4),)  # type: ignore[union-attr]
+    assert decode_chunk([good[0], with_tokens], {}) is not None
+    # a token bin whose counts do not add up: decode refuses it, the chunk decoder declines
+    bad_count = with_tokens[:-12] + (5).to_bytes(4, "big") + with_tokens[-8:]
+    with pytest.raises(CodecError, match="token_ids must be nil or a bin of 1 u32 counts"):
+        decode(bad_count)
+    assert decode_chunk([good[0], bad_count], {}) is None
     smallest = msgpack.packb(msgpack.unpackb(good[1]))  # valid, but not the writer's widths
     assert decode(smallest) == stored(1)
     assert decode_chunk([good[0], smallest], {}) is None
