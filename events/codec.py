@@ -78,24 +78,31 @@ HEADER_BYTES = struct.calcsize(_HEADER_FORMAT)
 FIXARRAY = {kind: 0x90 + _HEADER_LEN + n for kind, n in _BODY_LEN.items()}
 NIL, UINT64, INT64, FLOAT64, BIN32 = 0xC0, 0xCF, 0xD3, 0xCB, 0xC6
 
-_structs: dict[tuple[int, int, int], struct.Struct] = {}
+
+class _Packers(dict[int, struct.Struct]):
+    """One record shape's packers by block count, built on first use (building a Struct
+    costs more than using it)."""
+
+    def __init__(self, body: str, words_per_block: int) -> None:
+        super().__init__()
+        self.body = body  # the format after the header: {w} hash words, {n} blocks
+        self.words_per_block = words_per_block
+
+    def __missing__(self, n: int) -> struct.Struct:
+        body = self.body.format(n=n, w=self.words_per_block * n)
+        packer = self[n] = struct.Struct(_HEADER_FORMAT + body)
+        return packer
 
 
-def _struct(kind: int, n_words: int, variant: int) -> struct.Struct:
-    """The packer of one record shape (cached: building a Struct costs more than using it).
-
-    ``variant`` is, for a stored event, whether it has a parent; for a copy, how many root
-    flags follow the blocks (0: none, roots is nil).
-    """
-    fmt = _HEADER_FORMAT
-    if kind == 1:  # ends with nil token ids (a record with them drops that byte)
-        fmt += ("BQ" if variant else "B") + f"BI{n_words}QB"
-    elif kind == 2:
-        fmt += f"BI{n_words}Q"
-    elif kind in (3, 4):
-        fmt += f"BBI{n_words}Q" + (f"BI{variant}B" if variant else "B")
-    packer = _structs[(kind, n_words, variant)] = struct.Struct(fmt)
-    return packer
+# stored: parent (nil or uint64), the (seq, local) words, nil token ids (a record with token
+# ids drops that last byte); removed: the seq words; a copy: its source tier and (seq, local,
+# parent) words, then nil roots or a bin of n root flags; a clear: the header alone
+_STORED_ROOT = _Packers("BBI{w}QB", 2)
+_STORED = _Packers("BQBI{w}QB", 2)
+_REMOVED = _Packers("BI{w}Q", 1)
+_COPIED = _Packers("BBI{w}QB", 3)
+_COPIED_ROOTS = _Packers("BBI{w}QBI{n}B", 3)
+_CLEARED = struct.Struct(_HEADER_FORMAT)
 
 
 class CodecError(ValueError):
@@ -115,15 +122,9 @@ def encode(event: AnyEvent) -> bytes:
     """One event as a version-2 record.
 
     Refuses (``CodecError``) whatever ``decode`` would refuse, so that no record is ever
-    written that replay cannot read back.
+    written that replay cannot read back. ``struct`` checks the type and range of every
+    hash, id and token id as it packs them.
     """
-    try:
-        return _encode(event)
-    except (OverflowError, TypeError, struct.error) as exc:
-        raise CodecError(f"cannot encode {event!r}: {exc}") from None
-
-
-def _encode(event: AnyEvent) -> bytes:
     cls = type(event)
     kind = KIND_CODES.get(cls)
     if kind is None:
@@ -151,51 +152,56 @@ def _encode(event: AnyEvent) -> bytes:
     head = (FIXARRAY[kind], RECORD_VERSION, kind, INT64, worker_id, UINT64, event_id,
             INT64, dp_rank, tier, FLOAT64, ts)
     # fmt: on
-    if cls is Stored:
-        assert isinstance(event, Stored)
-        blocks = event.blocks
-        parent = event.parent_hash
-        n = len(blocks)
-        if not n or set(map(len, blocks)) != {2}:
-            raise CodecError(f"stored blocks must be a non-empty chain of pairs: {event!r}")
-        variant = parent is not None
-        packer = _structs.get((1, 2 * n, variant)) or _struct(1, 2 * n, variant)
-        if parent is None:
-            data = packer.pack(*head, NIL, BIN32, 16 * n, *chain.from_iterable(blocks), NIL)
-        else:
-            pairs = chain.from_iterable(blocks)
-            data = packer.pack(*head, UINT64, parent, BIN32, 16 * n, *pairs, NIL)
-        tokens = event.token_ids
-        if tokens is None:
-            return data
-        return data[:-1] + _token_bin(tokens, n)
-    if cls is Removed:
-        assert isinstance(event, Removed)
-        hashes = event.sequence_hashes
-        n = len(hashes)
-        if not n:
-            raise CodecError(f"removed hashes must be a non-empty sequence: {event!r}")
-        packer = _structs.get((2, n, 0)) or _struct(2, n, 0)
-        return packer.pack(*head, BIN32, 8 * n, *hashes)
-    if cls is Offloaded or cls is Onboarded:
-        assert isinstance(event, Offloaded | Onboarded)
-        infos = event.blocks
-        n = len(infos)
-        if not n or set(map(len, infos)) != {3}:
-            raise CodecError(f"copied blocks must be non-empty BlockInfo triples: {event!r}")
-        if event.src_tier not in _TIERS or event.src_tier == tier:
-            raise CodecError(f"a copy needs two different tiers: {event!r}")
-        flat = list(chain.from_iterable(infos))
-        if None in flat:  # a parentless block (a None elsewhere fails to pack below)
-            parents = flat[2::3]
-            roots = [p is None for p in parents]
-            flat[2::3] = [0 if p is None else p for p in parents]
-            packer = _structs.get((kind, 3 * n, n)) or _struct(kind, 3 * n, n)
-            return packer.pack(*head, event.src_tier, BIN32, 24 * n, *flat, BIN32, n, *roots)
-        packer = _structs.get((kind, 3 * n, 0)) or _struct(kind, 3 * n, 0)
-        return packer.pack(*head, event.src_tier, BIN32, 24 * n, *flat, NIL)
-    packer = _structs.get((5, 0, 0)) or _struct(5, 0, 0)
-    return packer.pack(*head)
+    try:
+        if cls is Stored:
+            return _stored(event, head)  # type: ignore[arg-type]
+        if cls is Removed:
+            hashes = event.sequence_hashes  # type: ignore[union-attr]
+            n = len(hashes)
+            if not n:
+                raise CodecError(f"removed hashes must be a non-empty sequence: {event!r}")
+            return _REMOVED[n].pack(*head, BIN32, 8 * n, *hashes)
+        if cls is Cleared:
+            return _CLEARED.pack(*head)
+        return _copied(event, head)  # type: ignore[arg-type]
+    except (OverflowError, TypeError, struct.error) as exc:
+        raise CodecError(f"cannot encode {event!r}: {exc}") from None
+
+
+def _stored(event: Stored, head: tuple[Any, ...]) -> bytes:
+    blocks = event.blocks
+    n = len(blocks)
+    # struct checks the word count; with more than one block, a short block and a long one
+    # could make up for each other
+    if not n or (n > 1 and min(map(len, blocks)) != 2):
+        raise CodecError(f"stored blocks must be a non-empty chain of pairs: {event!r}")
+    parent = event.parent_hash
+    words = chain.from_iterable(blocks)
+    if parent is None:
+        data = _STORED_ROOT[n].pack(*head, NIL, BIN32, 16 * n, *words, NIL)
+    else:
+        data = _STORED[n].pack(*head, UINT64, parent, BIN32, 16 * n, *words, NIL)
+    tokens = event.token_ids
+    if tokens is None:
+        return data
+    return data[:-1] + _token_bin(tokens, n)
+
+
+def _copied(event: Offloaded | Onboarded, head: tuple[Any, ...]) -> bytes:
+    infos = event.blocks
+    n = len(infos)
+    if not n or min(map(len, infos)) != 3:
+        raise CodecError(f"copied blocks must be non-empty BlockInfo triples: {event!r}")
+    src = event.src_tier
+    if src not in _TIERS or src == event.tier:
+        raise CodecError(f"a copy needs two different tiers: {event!r}")
+    flat = list(chain.from_iterable(infos))
+    if None in flat:  # a parentless block (a None elsewhere fails to pack)
+        parents = flat[2::3]
+        roots = [p is None for p in parents]
+        flat[2::3] = [0 if p is None else p for p in parents]
+        return _COPIED_ROOTS[n].pack(*head, src, BIN32, 24 * n, *flat, BIN32, n, *roots)
+    return _COPIED[n].pack(*head, src, BIN32, 24 * n, *flat, NIL)
 
 
 def decode(data: bytes, position: int | None = None) -> AnyEvent:
