@@ -44,7 +44,6 @@ for _kind, _byte in FIXARRAY.items():
     _FIXARRAY[_kind] = _byte
 _TIER = np.zeros(256, np.bool_)
 _TIER[[int(t) for t in Tier]] = True
-_TIERS = {int(t): t for t in Tier}
 # bytes per block, per kind code (a clear has no blocks; its entry only keeps arithmetic simple)
 _WIDTH = np.array([8, *(BLOCK_WIDTH[kind] for kind in range(1, 5)), 8], np.int64)
 # the smallest record of each kind: header, then nil parent + one block + nil tokens; one
@@ -301,7 +300,7 @@ def _split_by_tier(
         cleared_by = np.flatnonzero(clears & (record_key == key))
         if len(cleared_by):
             mine &= block_record > cleared_by[-1]
-        out[(int(workers[key // 256]), _TIERS[key % 256])] = BlockOps(
+        out[(int(workers[key // 256]), Tier(key % 256))] = BlockOps(
             seq[mine],
             local[mine],
             parent[mine],

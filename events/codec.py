@@ -83,10 +83,10 @@ class _Packers(dict[int, struct.Struct]):
     """One record shape's packers by block count, built on first use (building a Struct
     costs more than using it)."""
 
-    def __init__(self, body: str, words_per_block: int) -> None:
+    def __init__(self, body: str, kind: int) -> None:
         super().__init__()
         self.body = body  # the format after the header: {w} hash words, {n} blocks
-        self.words_per_block = words_per_block
+        self.words_per_block = BLOCK_WIDTH[kind] // 8
 
     def __missing__(self, n: int) -> struct.Struct:
         body = self.body.format(n=n, w=self.words_per_block * n)
@@ -97,9 +97,9 @@ class _Packers(dict[int, struct.Struct]):
 # stored: parent (nil or uint64), the (seq, local) words, nil token ids (a record with token
 # ids drops that last byte); removed: the seq words; a copy: its source tier and (seq, local,
 # parent) words, then nil roots or a bin of n root flags; a clear: the header alone
-_STORED_ROOT = _Packers("BBI{w}QB", 2)
-_STORED = _Packers("BQBI{w}QB", 2)
-_REMOVED = _Packers("BI{w}Q", 1)
+_STORED_ROOT = _Packers("BBI{w}QB", 1)
+_STORED = _Packers("BQBI{w}QB", 1)
+_REMOVED = _Packers("BI{w}Q", 2)
 _COPIED = _Packers("BBI{w}QB", 3)
 _COPIED_ROOTS = _Packers("BBI{w}QBI{n}B", 3)
 _CLEARED = struct.Struct(_HEADER_FORMAT)

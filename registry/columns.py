@@ -182,24 +182,17 @@ def ops_from_events(events: Iterable[AnyEvent]) -> dict[TierKey, BlockOps]:
             cleared.add(key)
             continue
         seq, local, parent, has_parent, store = lists.setdefault(key, ([], [], [], [], []))
-        if isinstance(event, Stored):
-            previous = event.parent_hash
-            for s, loc in event.blocks:
-                seq.append(s)
-                local.append(loc)
-                parent.append(0 if previous is None else previous)
-                has_parent.append(previous is not None)
-                store.append(True)
-                previous = s
-        elif isinstance(event, Removed):
+        if isinstance(event, Removed):
             n = len(event.sequence_hashes)
             seq.extend(event.sequence_hashes)
             local.extend([0] * n)
             parent.extend([0] * n)
             has_parent.extend([False] * n)
             store.extend([False] * n)
-        elif isinstance(event, Offloaded | Onboarded):
-            for info in event.blocks:
+        elif isinstance(event, Stored | Offloaded | Onboarded):
+            # a stored chain spelled out as BlockInfos, each with its parent
+            infos = event.infos() if isinstance(event, Stored) else event.blocks
+            for info in infos:
                 seq.append(info.sequence_hash)
                 local.append(info.local_hash)
                 parent.append(0 if info.parent_hash is None else info.parent_hash)

@@ -171,18 +171,10 @@ class RegistryState:
 
     def digest(self) -> str:
         """A short fingerprint of the state: sorted sequence hashes per (worker, tier)."""
-        self._settle()
         h = hashlib.sha256()
-        for key in sorted(self._dicts.keys() | self._columns.keys()):
-            columns = self._columns.get(key)
-            if columns is not None:
-                seqs = columns.seq.astype("<u8").tobytes()
-            else:
-                seqs = b"".join(seq.to_bytes(8, "little") for seq in sorted(self._dicts[key]))
-            if seqs:
-                worker, tier = key
-                h.update(f"{worker}:{tier.name}:".encode())
-                h.update(seqs)
+        for (worker, tier), columns in self.iter_columns():
+            h.update(f"{worker}:{tier.name}:".encode())
+            h.update(columns.seq.astype("<u8").tobytes())
         return h.hexdigest()[:16]
 
     def infos(self, worker_id: int, tier: Tier) -> list[BlockInfo]:
