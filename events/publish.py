@@ -141,6 +141,7 @@ class RedisPublisher:
 
     def _run(self) -> None:
         next_beat = 0.0
+        down_since: float | None = None  # an outage is reported when it starts and ends, once
         while not self._stop.is_set():
             try:
                 now = time.monotonic()
@@ -148,12 +149,27 @@ class RedisPublisher:
                     self.registry.heartbeat(self.worker_id)
                     self.registry.purge_expired()
                     next_beat = now + self.heartbeat_s
+                if down_since is not None:
+                    log.warning(
+                        "worker %d: Redis reachable again after %.1f s; catching up from the log",
+                        self.worker_id,
+                        now - down_since,
+                    )
+                    down_since = None
                 if not self._publish_some():
                     self._wake.wait(min(self.heartbeat_s, 0.05))
                     self._wake.clear()
             except (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError) as exc:
                 self.outages += 1
-                log.warning("worker %d: Redis unavailable (%s); retrying", self.worker_id, exc)
+                if down_since is None:
+                    down_since = time.monotonic()
+                    log.warning(
+                        "worker %d: Redis unreachable (%s); retrying every %g s, events wait "
+                        "in the log",
+                        self.worker_id,
+                        exc,
+                        self.retry_s,
+                    )
                 self._stop.wait(self.retry_s)
                 next_beat = 0.0
             except Exception as exc:  # a bug or a broken log: stop loudly, keep the engine going

@@ -9,8 +9,12 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
+import re
+import sqlite3
 import sys
-from collections.abc import Sequence
+import warnings
+from collections.abc import Callable, Sequence
 
 COMMAND_MODULES = (
     "kvledger.commands.demo",
@@ -41,15 +45,92 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 0
+    prefix = f"kvledger {args.command}"
+    with warnings.catch_warnings():
+        warnings.showwarning = _warning_printer(prefix)
+        try:
+            status = int(args.func(args) or 0)
+            sys.stdout.flush()  # a closed pipe shows up here, not at interpreter exit
+            return status
+        except KeyboardInterrupt:
+            return 130
+        except BrokenPipeError:
+            # The reader of our output went away (`kvledger inspect LOG | head -1`): stop
+            # quietly, as Python's documentation recommends, without a "Broken pipe" at exit.
+            _discard_stdout()
+            return 1
+        except Exception as exc:
+            message = operator_error(exc, getattr(args, "log", None) or getattr(args, "url", None))
+            if message is None:
+                raise  # not an operator's mistake: a bug, whose traceback is the report
+            print(f"{prefix}: error: {message}", file=sys.stderr)
+            return 2
+
+
+def operator_error(exc: Exception, where: str | None = None) -> str | None:
+    """The message for an error an operator can fix (bad settings, flags or input files, a
+    database or Redis that is missing or down, a full disk); None for anything else.
+
+    ``where`` names the log or database the command was given, for messages from the database
+    driver that do not say which database they mean.
+    """
+    import redis
+    import sqlalchemy as sa
+    from alembic.util import CommandError
+
+    from kvledger.events.log import EventLogError
+
+    if isinstance(exc, sa.exc.DBAPIError):
+        return _database_message(exc, where)
+    if isinstance(exc, redis.ConnectionError | redis.TimeoutError):
+        return f"redis unreachable: {_one_line(exc)}"
+    if isinstance(exc, OSError):
+        if exc.strerror and exc.filename is not None:
+            return f"{exc.filename}: {exc.strerror}"
+        return exc.strerror or _one_line(exc)
+    if isinstance(exc, EventLogError | CommandError | sa.exc.ArgumentError):
+        return _one_line(exc)
+    if isinstance(exc, ValueError):  # settings, traces, schema, codec: messages we wrote
+        return str(exc)
+    return None
+
+
+def _database_message(exc: Exception, where: str | None) -> str:
+    import sqlalchemy as sa
+
+    from kvledger.events.schema import database_url, shown_url
+
+    orig = getattr(exc, "orig", None) or exc
+    text = _one_line(orig)
+    shown = f"{shown_url(database_url(where))}: " if where else ""
+    if isinstance(orig, sqlite3.DatabaseError):
+        if "not a database" in text or "malformed" in text:
+            return f"{shown}{text}: the file is damaged or is not a SQLite database"
+        if "unable to open" in text:
+            return f"{shown}{text}: its folder is missing, or it is not a file we may open"
+    if isinstance(exc, sa.exc.OperationalError) and "does not exist" in text:
+        return f"{shown}{text}; create the database or fix the URL"
+    return f"{shown}{text}"
+
+
+def _one_line(exc: BaseException) -> str:
+    text = re.sub(r"\s*\(Background on this error at: [^\s)]+\)", "", str(exc))
+    return " ".join(text.split())
+
+
+def _warning_printer(prefix: str) -> Callable[..., None]:
+    def show(message: Warning | str, category: type[Warning], *_: object, **__: object) -> None:
+        print(f"{prefix}: warning: {message}", file=sys.stderr)
+
+    return show
+
+
+def _discard_stdout() -> None:
     try:
-        return int(args.func(args) or 0)
-    except KeyboardInterrupt:
-        return 130
-    except (ValueError, OSError) as exc:
-        # Errors the user can act on (bad settings, missing files, corrupt logs) carry a
-        # message that names the problem; a traceback would only hide it.
-        print(f"kvledger {args.command}: error: {exc}", file=sys.stderr)
-        return 2
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):  # stdout without a file descriptor (captured in a test)
+        pass
 
 
 if __name__ == "__main__":

@@ -9,6 +9,9 @@ cache without a CPU cache makes G1 offload straight to G3.
 
 from __future__ import annotations
 
+import difflib
+import os
+import warnings
 from pathlib import Path
 from typing import Any, Literal
 
@@ -21,8 +24,18 @@ GIB = 1 << 30
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "uint8": 1}
 
 
+#: ``KVLEDGER_*`` variables that are not settings (read by the test suite and benchmarks).
+OTHER_VARIABLES = ("KVLEDGER_SHARED_DATA",)
+OTHER_PREFIXES = ("KVLEDGER_TEST_",)
+_warned: set[str] = set()
+
+
 class SettingsError(ValueError):
     """One or more settings are invalid; the message names each and what is allowed."""
+
+
+class SettingsWarning(UserWarning):
+    """A ``KVLEDGER_*`` variable that no setting reads (most likely a misspelling)."""
 
 
 def _env(field: str, *aliases: str) -> Any:
@@ -31,8 +44,14 @@ def _env(field: str, *aliases: str) -> Any:
 
 
 class Settings(BaseSettings):
+    # allow_inf_nan=False: a size of inf or nan GB would pass ge=0 (nan compares false) and
+    # only fail later, as an overflow deep inside a tier.
     model_config = SettingsConfigDict(
-        env_prefix="KVLEDGER_", extra="forbid", populate_by_name=True, frozen=True
+        env_prefix="KVLEDGER_",
+        extra="forbid",
+        populate_by_name=True,
+        frozen=True,
+        allow_inf_nan=False,
     )
 
     block_size: int = Field(16, gt=0, le=1 << 16, description="tokens per KV block")
@@ -85,7 +104,15 @@ class Settings(BaseSettings):
 
     @classmethod
     def load(cls, **overrides: Any) -> Settings:
-        """Build settings, turning pydantic's report into one message per bad setting."""
+        """Build settings, turning pydantic's report into one message per bad setting.
+
+        ``KVLEDGER_*`` variables that no setting reads get a ``SettingsWarning`` naming the
+        closest setting: a misspelt variable would otherwise be ignored without a word.
+        """
+        for message in unknown_variables(os.environ):
+            if message not in _warned:  # once per process, not once per load
+                _warned.add(message)
+                warnings.warn(message, SettingsWarning, stacklevel=2)
         try:
             return cls(**overrides)
         except ValidationError as exc:
@@ -133,6 +160,31 @@ class Settings(BaseSettings):
         if self.event_log_url:
             return self.event_log_url
         return f"sqlite:///{self.data_dir / 'events.db'}"
+
+
+def unknown_variables(environ: Any) -> list[str]:
+    """A warning for each ``KVLEDGER_*`` name in ``environ`` that is not a setting."""
+    known = [name.upper() for name in Settings.model_fields]
+    out = []
+    for name in sorted(environ):
+        upper = name.upper()
+        if not upper.startswith("KVLEDGER_") or upper in OTHER_VARIABLES:
+            continue
+        if upper.startswith(OTHER_PREFIXES) or upper.removeprefix("KVLEDGER_") in known:
+            continue
+        close = difflib.get_close_matches(upper.removeprefix("KVLEDGER_"), known, n=1)
+        hint = f"did you mean KVLEDGER_{close[0]}?" if close else "see the Settings table"
+        out.append(f"{name} is not a kvledger setting and is ignored; {hint}")
+    return out
+
+
+def ensure_log_folder(url: str) -> None:
+    """Create the folder of a SQLite log file, so a first run in an empty folder works."""
+    import sqlalchemy as sa
+
+    parsed = sa.make_url(url)
+    if parsed.get_backend_name() == "sqlite" and parsed.database not in (None, "", ":memory:"):
+        Path(parsed.database).parent.mkdir(parents=True, exist_ok=True)
 
 
 def _env_names(field: str) -> str:

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kvledger.config import Settings
+from kvledger.config import Settings, ensure_log_folder
 from kvledger.events.log import EventLog
 from kvledger.events.publish import CallbackPublisher, RedisPublisher
 from kvledger.events.shared_registry import SharedRegistry
@@ -79,6 +79,8 @@ class BlockManager:
             s.num_layers, s.outer_dim, s.block_size, s.inner_dim, TORCH_DTYPES[s.dtype]
         )
         self._own_log = event_log is None and log_events
+        if self._own_log:
+            ensure_log_folder(s.log_url)  # a first run in an empty folder makes kvledger-data/
         self.event_log = EventLog(s.log_url) if self._own_log else event_log
         self.publisher: RedisPublisher | None = None
         try:

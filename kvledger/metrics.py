@@ -173,4 +173,11 @@ class Metrics:
     def serve(self, port: int, addr: str = "127.0.0.1") -> tuple[WSGIServer, threading.Thread]:
         """Serve ``/metrics`` on ``addr:port`` from a daemon thread. Port 0 picks a free one
         (``server.server_port`` says which); ``server.shutdown()`` stops it."""
-        return start_http_server(port, addr=addr, registry=self.registry)
+        if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
+            raise ValueError(f"metrics port must be a TCP port 0..65535, got {port!r}")
+        try:
+            return start_http_server(port, addr=addr, registry=self.registry)
+        except OSError as exc:  # in use, or not ours to bind: say which address
+            raise OSError(
+                exc.errno, f"cannot serve metrics on {addr}:{port}: {exc.strerror or exc}"
+            ) from None

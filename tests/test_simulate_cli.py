@@ -141,9 +141,9 @@ def test_sweep_reports_hit_rate_rising_with_capacity(tmp_path: Path) -> None:
     ("args", "message"),
     [
         (["--trace", "no/such/trace.jsonl"], "cannot read trace"),
-        (["--requests", "0"], "--requests must be a positive number"),
+        (["--requests", "0"], "argument --requests: must be 1 or more, got 0"),
         (["--engine", "off", "--speedup", "2"], "--speedup needs --engine on"),
-        (["--g1-blocks", "0"], "g1_blocks"),
+        (["--g1-blocks", "0"], "argument --g1-blocks: must be 1 or more"),
         (["--g1-blocks", "4"], "needs"),  # a request larger than G1
         (["--plot", "chart.jpg"], "give a file name ending in .png"),
         (["--log", "nosuchdriver://x/y"], "cannot open the event log"),

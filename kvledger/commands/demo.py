@@ -6,6 +6,7 @@ import argparse
 import random
 from collections import Counter
 
+from kvledger.commands.args import non_negative_int, positive_int
 from kvledger.events.types import AnyEvent
 from kvledger.mocker.kv_manager import Deref, FullBlock, KvManager, Use
 from kvledger.registry.hashing import TokenBlockSequence
@@ -14,9 +15,9 @@ from kvledger.registry.state import RegistryState
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("demo", help="run a small shared-prefix workload through the registry")
-    p.add_argument("--requests", type=int, default=2000)
-    p.add_argument("--blocks", type=int, default=2048, help="G1 capacity in blocks")
-    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--requests", type=non_negative_int, default=2000)
+    p.add_argument("--blocks", type=positive_int, default=2048, help="G1 capacity in blocks")
+    p.add_argument("--block-size", type=positive_int, default=16)
     p.add_argument("--policy", choices=["lru", "lineage", "multi_lru"], default="lineage")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=run)

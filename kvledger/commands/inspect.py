@@ -6,13 +6,16 @@ import argparse
 import datetime as dt
 import json
 
+from kvledger.commands.args import log_location
 from kvledger.events.log import EventLog
 from kvledger.events.schema import shown_url
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("inspect", help="summarise an event log")
-    p.add_argument("log", metavar="LOG", help="SQLite file path or SQLAlchemy URL")
+    p.add_argument(
+        "log", metavar="LOG", type=log_location, help="SQLite file path or SQLAlchemy URL"
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=run)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
+from kvledger.commands.args import log_location, non_negative_int, output_file, timestamp
 from kvledger.commands.progress import Progress
 from kvledger.events.log import EventLog
 from kvledger.events.replay import load_state, replay_report, save_state, verify
@@ -13,13 +14,25 @@ from kvledger.registry.state import RegistryState
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("replay", help="rebuild the registry from an event log")
-    p.add_argument("log", metavar="LOG", help="SQLite file path or SQLAlchemy URL")
-    p.add_argument("--until", type=int, metavar="N", help="stop after each worker's event N")
-    p.add_argument("--until-ts", type=float, metavar="T", help="stop at the first event after T")
+    p.add_argument(
+        "log", metavar="LOG", type=log_location, help="SQLite file path or SQLAlchemy URL"
+    )
+    p.add_argument(
+        "--until", type=non_negative_int, metavar="N", help="stop after each worker's event N"
+    )
+    p.add_argument(
+        "--until-ts",
+        type=timestamp,
+        metavar="T",
+        help="stop at the first event after T (seconds since the epoch, or an ISO time as "
+        "`kvledger inspect` prints it)",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--no-checkpoints", action="store_true", help="fold the whole log")
     p.add_argument("--verify", metavar="DUMP", help="compare with a state dump; exit 1 if differs")
-    p.add_argument("--dump", metavar="FILE", help="write the replayed state to FILE")
+    p.add_argument(
+        "--dump", metavar="FILE", type=output_file, help="write the replayed state to FILE"
+    )
     p.set_defaults(func=run)
 
 

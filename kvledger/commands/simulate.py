@@ -22,8 +22,15 @@ from typing import Any, TextIO
 
 import sqlalchemy as sa
 
+from kvledger.commands.args import (
+    log_location,
+    non_negative_int,
+    output_file,
+    port,
+    positive_int,
+)
 from kvledger.commands.progress import Progress
-from kvledger.config import Settings
+from kvledger.config import Settings, ensure_log_folder
 from kvledger.events.log import EventLog
 from kvledger.events.replay import replay, save_state
 from kvledger.events.schema import database_url, shown_url
@@ -48,14 +55,14 @@ def add_workload_args(p: argparse.ArgumentParser, *, engine_default: str) -> Non
     p.add_argument("--trace", metavar="PATH", help="Mooncake JSONL trace (default: built-in)")
     p.add_argument(
         "--block-size",
-        type=int,
+        type=positive_int,
         metavar="N",
         help="tokens per block (default: settings; 512 with a Mooncake trace)",
     )
-    p.add_argument("--requests", type=int, metavar="N", help="only the first N requests")
-    p.add_argument("--g1-blocks", type=int, metavar="N")
-    p.add_argument("--g2-blocks", type=int, metavar="N", help="0: no G2")
-    p.add_argument("--g3-blocks", type=int, metavar="N", help="0: no G3")
+    p.add_argument("--requests", type=positive_int, metavar="N", help="only the first N requests")
+    p.add_argument("--g1-blocks", type=positive_int, metavar="N")
+    p.add_argument("--g2-blocks", type=non_negative_int, metavar="N", help="0: no G2")
+    p.add_argument("--g3-blocks", type=non_negative_int, metavar="N", help="0: no G3")
     p.add_argument("--policy", choices=POLICIES, help="G1 eviction policy")
     p.add_argument("--offload-filter", choices=OFFLOAD_FILTERS, help="which blocks go to G3")
     p.add_argument(
@@ -82,14 +89,20 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     )
     add_workload_args(p, engine_default="on")
     p.add_argument(
-        "--log", metavar="LOG", help="event log: SQLite file or URL (default: settings' log URL)"
+        "--log",
+        metavar="LOG",
+        type=log_location,
+        help="event log: SQLite file or URL (default: settings' log URL)",
     )
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
-    p.add_argument("--plot", metavar="FILE.png", help="chart hit rate and tier occupancy")
-    p.add_argument("--metrics-port", type=int, metavar="N", help="serve kvbm_* metrics on N")
+    p.add_argument(
+        "--plot", metavar="FILE.png", type=output_file, help="chart hit rate and tier occupancy"
+    )
+    p.add_argument("--metrics-port", type=port, metavar="N", help="serve kvbm_* metrics on N")
     p.add_argument(
         "--dump-state",
         metavar="FILE",
+        type=output_file,
         help="write the final live state for `kvledger replay LOG --verify FILE`",
     )
     p.set_defaults(func=run)
@@ -123,8 +136,6 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
 
 
 def load_workload(args: argparse.Namespace, settings: Settings) -> tuple[list[TraceRequest], str]:
-    if args.requests is not None and args.requests <= 0:
-        raise ValueError(f"--requests must be a positive number, got {args.requests}")
     if args.trace:
         requests = load_mooncake(args.trace)
         if args.requests is not None:
@@ -184,9 +195,7 @@ class Outcome:
 
 def _open_log(url: str) -> EventLog:
     try:
-        parsed = sa.make_url(url)
-        if parsed.get_backend_name() == "sqlite" and parsed.database:
-            Path(parsed.database).parent.mkdir(parents=True, exist_ok=True)
+        ensure_log_folder(url)
         return EventLog(url)
     except sa.exc.ArgumentError as exc:  # unparsable URL, unknown driver
         raise ValueError(f"cannot open the event log {url!r}: {exc}") from None

@@ -11,6 +11,7 @@ import json
 import sys
 from typing import Any
 
+from kvledger.commands.args import output_file
 from kvledger.commands.progress import Progress
 from kvledger.commands.simulate import (
     add_workload_args,
@@ -36,7 +37,9 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         help="G1 sizes in blocks (default: 1/8, 1/4, 1/2, 1 and 2 times settings' g1_blocks)",
     )
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
-    p.add_argument("--plot", metavar="FILE.png", help="chart hit rate against capacity")
+    p.add_argument(
+        "--plot", metavar="FILE.png", type=output_file, help="chart hit rate against capacity"
+    )
     p.set_defaults(func=run)
 
 

@@ -5,17 +5,22 @@ from __future__ import annotations
 import argparse
 import time
 
+from kvledger.commands.args import log_location, non_negative_int, positive_int
 from kvledger.events.log import EventLog
 from kvledger.events.types import AnyEvent, Cleared, Offloaded, Onboarded, Removed, Stored
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("tail", help="print the newest events of a log and follow new ones")
-    p.add_argument("log", metavar="LOG", help="SQLite file path or SQLAlchemy URL")
-    p.add_argument("-n", "--lines", type=int, default=10, help="events to show first")
+    p.add_argument(
+        "log", metavar="LOG", type=log_location, help="SQLite file path or SQLAlchemy URL"
+    )
+    p.add_argument("-n", "--lines", type=non_negative_int, default=10, help="events to show first")
     p.add_argument("--no-follow", action="store_true", help="print and exit")
     p.add_argument("--interval", type=float, default=0.2, help="seconds between polls")
-    p.add_argument("--max-events", type=int, help="exit after following this many new events")
+    p.add_argument(
+        "--max-events", type=positive_int, help="exit after following this many new events"
+    )
     p.set_defaults(func=run)
 
 

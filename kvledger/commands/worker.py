@@ -12,14 +12,17 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import random
 import signal
 import sys
 import threading
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
 import redis
 
+from kvledger.commands.args import log_location, non_negative_int, positive_int
 from kvledger.events.log import EventLog
 from kvledger.events.publish import CallbackPublisher, RedisPublisher
 from kvledger.events.shared_registry import SharedRegistry
@@ -30,17 +33,31 @@ from kvledger.registry.hashing import TokenBlockSequence
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("worker", help="run a mock engine that publishes to the shared registry")
-    p.add_argument("--worker-id", type=int, required=True)
-    p.add_argument("--dp-rank", type=int, default=0)
+    p.add_argument("--worker-id", type=non_negative_int, required=True)
+    p.add_argument("--dp-rank", type=non_negative_int, default=0)
     p.add_argument("--redis-url", default="redis://127.0.0.1:6379/0")
     p.add_argument("--namespace", default="kvledger")
-    p.add_argument("--log", required=True, help="event log URL or SQLite path of this worker")
-    p.add_argument("--requests", type=int, default=1000)
-    p.add_argument("--blocks", type=int, default=512, help="G1 capacity in blocks")
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--prefixes", type=int, default=8, help="distinct shared prompt prefixes")
+    p.add_argument(
+        "--log",
+        type=log_location,
+        required=True,
+        help="event log URL or SQLite path of this worker",
+    )
+    p.add_argument("--requests", type=non_negative_int, default=1000)
+    p.add_argument("--blocks", type=positive_int, default=512, help="G1 capacity in blocks")
+    p.add_argument("--block-size", type=positive_int, default=16)
+    p.add_argument(
+        "--prefixes", type=positive_int, default=8, help="distinct shared prompt prefixes"
+    )
     p.add_argument("--interval", type=float, default=0.0, help="seconds between requests")
     p.add_argument("--lease-ttl", type=float, default=10.0, help="lease TTL in seconds")
+    p.add_argument(
+        "--publish-timeout",
+        type=float,
+        default=30.0,
+        metavar="S",
+        help="after the workload, how long to wait for Redis to take every event (default 30)",
+    )
     p.add_argument("--seed", type=int, default=0, help="workload seed (prefixes are shared)")
     p.add_argument("--linger", action="store_true", help="stay alive until SIGTERM")
     p.add_argument("--release-on-exit", action="store_true", help="drop entries when leaving")
@@ -48,8 +65,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.requests < 0 or args.blocks < 1 or args.prefixes < 1:
-        raise ValueError("--requests must be >= 0, --blocks and --prefixes >= 1")
+    _report_publisher_warnings()
     client = redis.Redis.from_url(args.redis_url)
     registry = SharedRegistry(client, args.namespace, lease_ttl_s=args.lease_ttl)
     log = EventLog(args.log)
@@ -69,12 +85,21 @@ def run(args: argparse.Namespace) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     publisher.start()
+    drain_timeout = 10.0
     try:
         if resumed_from >= 0:
             mgr.emitter.cleared(Tier.G1)
         _workload(mgr, args, stop)
         log.flush()
-        drained = publisher.wait_applied(timeout=30.0)
+        drained = publisher.wait_applied(timeout=args.publish_timeout)
+        if not drained:
+            drain_timeout = 0.0  # waited already
+            _note(
+                f"Redis at {_shown(args.redis_url)} has events up to "
+                f"{publisher.applied_id} of {mgr.emitter.next_event_id - 1} after waiting "
+                f"{args.publish_timeout:g} s (--publish-timeout); the rest are in {args.log} "
+                "only, and a worker restarted with this log re-sends them"
+            )
         _report(
             done=True,
             worker_id=args.worker_id,
@@ -88,14 +113,14 @@ def run(args: argparse.Namespace) -> int:
         if args.linger:
             stop.wait()
     finally:
-        publisher.stop(drain_timeout=10.0)
+        publisher.stop(drain_timeout=drain_timeout)
         if args.release_on_exit:
             registry.release(args.worker_id)
         log.close()
     if publisher.error is not None:
-        print(f"kvledger worker: publisher failed: {publisher.error}", file=sys.stderr)
+        _note(f"publisher failed: {publisher.error}")
         return 1
-    return 0
+    return 0 if drained else 1
 
 
 def _workload(mgr: KvManager, args: argparse.Namespace, stop: threading.Event) -> None:
@@ -123,3 +148,29 @@ def _workload(mgr: KvManager, args: argparse.Namespace, stop: threading.Event) -
 
 def _report(**fields: Any) -> None:
     print(json.dumps(fields), flush=True)
+
+
+def _note(message: str) -> None:
+    print(f"kvledger worker: {message}", file=sys.stderr, flush=True)
+
+
+def _report_publisher_warnings() -> None:
+    """The publisher logs when Redis goes away and comes back (once each, not per retry);
+    show those lines on stderr in the worker's own voice."""
+    publish_log = logging.getLogger("kvledger.events.publish")
+    if any(h.get_name() == "kvledger worker" for h in publish_log.handlers):
+        return
+    handler = logging.StreamHandler(sys.stderr)
+    handler.set_name("kvledger worker")
+    handler.setFormatter(logging.Formatter("kvledger worker: %(message)s"))
+    publish_log.addHandler(handler)
+    publish_log.propagate = False
+
+
+def _shown(url: str) -> str:
+    """A Redis URL without its password."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    netloc = parts.netloc.replace(f":{parts.password}@", ":***@")
+    return urlunsplit(parts._replace(netloc=netloc))

@@ -9,6 +9,7 @@ block_size`` engine blocks, so the simulator never needs the token ids themselve
 from __future__ import annotations
 
 import json
+import math
 import random
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -47,10 +48,10 @@ def load_mooncake(path: str | Path) -> list[TraceRequest]:
         try:
             row = json.loads(line)
             req = TraceRequest(
-                arrival_ms=float(row["timestamp"]),
+                arrival_ms=_timestamp(row["timestamp"]),
                 input_length=int(row["input_length"]),
                 output_length=int(row["output_length"]),
-                block_ids=tuple(int(h) for h in row["hash_ids"]),
+                block_ids=tuple(_hash_id(h) for h in row["hash_ids"]),
             )
         except (ValueError, KeyError, TypeError) as exc:
             what = f"missing field {exc}" if isinstance(exc, KeyError) else str(exc)
@@ -65,6 +66,20 @@ def load_mooncake(path: str | Path) -> list[TraceRequest]:
     if not requests:
         raise TraceError(f"{path}: no requests in trace")
     return requests
+
+
+def _timestamp(value: object) -> float:
+    # json reads NaN, Infinity and 1e400 as floats; each would silently reorder the arrivals.
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise ValueError(f"timestamp must be a finite number of milliseconds, got {value!r}")
+    return float(value)
+
+
+def _hash_id(value: object) -> int:
+    # int() would turn 1.5 into 1 and true into 1: two different blocks under one name.
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 1 << 64:
+        raise ValueError(f"hash_ids must be whole numbers in 0..2**64-1, got {value!r}")
+    return value
 
 
 def synthetic(

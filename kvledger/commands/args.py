@@ -1,0 +1,104 @@
+"""Argument types shared by the commands: each refuses a bad value while parsing.
+
+A mistake in a flag is then reported by argparse (usage line, the flag's name, exit 2) before
+any work starts, rather than after a long run or as a traceback from deep inside it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import math
+import re
+from pathlib import Path
+
+import sqlalchemy as sa
+
+from kvledger.events.schema import database_url
+
+
+def non_negative_int(text: str) -> int:
+    value = _int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
+    return value
+
+
+def positive_int(text: str) -> int:
+    value = _int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be 1 or more, got {value}")
+    return value
+
+
+def port(text: str) -> int:
+    value = _int(text)
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"a TCP port is 0..65535, got {value}")
+    return value
+
+
+def timestamp(text: str) -> float:
+    """Seconds since the epoch, or an ISO 8601 time as ``kvledger inspect`` prints it.
+
+    An ISO time without a zone is taken as UTC, the zone ``inspect`` prints in. It covers the
+    whole of its last digit: inspect prints times cut to the millisecond, so ``...35.324`` means
+    up to the end of that millisecond, and the log's last time as printed includes its last
+    event.
+    """
+    try:
+        value = float(text)
+    except ValueError:
+        try:
+            when = dt.datetime.fromisoformat(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"expected seconds since the epoch or an ISO time such as "
+                f"2026-11-25T03:46:35.319+00:00, got {text!r}"
+            ) from None
+        if when.tzinfo is None:
+            when = when.replace(tzinfo=dt.UTC)
+        return math.nextafter(when.timestamp() + _last_digit(text), -math.inf)
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be a finite number, got {text!r}")
+    return value
+
+
+def output_file(text: str) -> str:
+    """A file to write at the end of a run: its folder must exist now, not after the run."""
+    path = Path(text)
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text} is a folder; give a file name inside it")
+    if not path.parent.is_dir():
+        raise argparse.ArgumentTypeError(f"folder {path.parent} does not exist; create it first")
+    return text
+
+
+def log_location(text: str) -> str:
+    """A log's SQLite path or SQLAlchemy URL; a folder is refused with what to give instead."""
+    try:
+        parsed = sa.make_url(database_url(text))
+    except sa.exc.ArgumentError:
+        raise argparse.ArgumentTypeError(f"not a SQLite path or SQLAlchemy URL: {text!r}") from None
+    folder = Path(parsed.database or "")
+    if parsed.get_backend_name() == "sqlite" and parsed.database and folder.is_dir():
+        raise argparse.ArgumentTypeError(
+            f"{folder} is a folder; give the log file, e.g. {folder / 'events.db'}"
+        )
+    return text
+
+
+def _last_digit(iso: str) -> float:
+    """The length of time the last digit of an ISO time stands for (1 s without a fraction)."""
+    time_part = iso.partition("T")[2] or iso.partition(" ")[2]
+    fraction = re.match(r"[\d:]*\.(\d+)", time_part)
+    if fraction:
+        return 10.0 ** -len(fraction.group(1))
+    return 1.0 if time_part.count(":") == 2 else 60.0 if time_part else 86400.0
+
+
+def _int(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
