@@ -179,6 +179,7 @@ def test_db_upgrade_refuses_a_revision_newer_than_it_knows(
         (["simulate", "--metrics-port", "70000"], "a TCP port is 0..65535, got 70000"),
         (["replay", "LOG", "--until-ts", "nan"], "argument --until-ts: must be a finite number"),
         (["replay", "LOG", "--until-ts", "yesterday"], "or an ISO time such as"),
+        (["replay", "LOG", "--verify", "nope.state"], "argument --verify: nope.state: no such"),
     ],
 )
 def test_bad_flags_are_refused_while_parsing(

@@ -64,6 +64,13 @@ def timestamp(text: str) -> float:
     return value
 
 
+def input_file(text: str) -> str:
+    """A file read at the end of a run: it must exist now, not only after the run."""
+    if not Path(text).is_file():
+        raise argparse.ArgumentTypeError(f"{text}: no such file")
+    return text
+
+
 def output_file(text: str) -> str:
     """A file to write at the end of a run: its folder must exist now, not after the run."""
     path = Path(text)

@@ -5,7 +5,13 @@ from __future__ import annotations
 import argparse
 import json
 
-from kvledger.commands.args import log_location, non_negative_int, output_file, timestamp
+from kvledger.commands.args import (
+    input_file,
+    log_location,
+    non_negative_int,
+    output_file,
+    timestamp,
+)
 from kvledger.commands.progress import Progress
 from kvledger.events.log import EventLog
 from kvledger.events.replay import load_state, replay_report, save_state, verify
@@ -29,7 +35,12 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     )
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--no-checkpoints", action="store_true", help="fold the whole log")
-    p.add_argument("--verify", metavar="DUMP", help="compare with a state dump; exit 1 if differs")
+    p.add_argument(
+        "--verify",
+        metavar="DUMP",
+        type=input_file,
+        help="compare with a state dump; exit 1 if differs",
+    )
     p.add_argument(
         "--dump", metavar="FILE", type=output_file, help="write the replayed state to FILE"
     )
