@@ -52,16 +52,21 @@ def _url(args: argparse.Namespace) -> str:
     return database_url(args.url) if args.url else default_url()
 
 
+def _exists(url: str) -> bool:
+    """False for a SQLite file that is not there (a server's database: the server says)."""
+    parsed = sa.make_url(url)
+    return parsed.get_backend_name() != "sqlite" or Path(parsed.database or "").is_file()
+
+
 def _existing(url: str) -> str:
     """The URL of a database that must exist already: reading a SQLite file's revision must
     not leave an empty file (or folder) behind where none was."""
-    parsed = sa.make_url(url)
-    if parsed.get_backend_name() == "sqlite" and parsed.database:
-        path = Path(parsed.database)
-        if not path.is_file():
-            raise FileNotFoundError(
-                errno.ENOENT, "no such event log (`kvledger db upgrade` creates one)", str(path)
-            )
+    if not _exists(url):
+        raise FileNotFoundError(
+            errno.ENOENT,
+            "no such event log (`kvledger db upgrade` creates one)",
+            sa.make_url(url).database,
+        )
     return url
 
 
@@ -108,11 +113,6 @@ def current(args: argparse.Namespace) -> int:
         state = f"newer than this kvledger knows (its newest is {SCHEMA_HEAD})"
     print(f"{shown_url(url)}: {revision} ({state})")
     return 0 if revision == SCHEMA_HEAD else 1
-
-
-def _exists(url: str) -> bool:
-    parsed = sa.make_url(url)
-    return parsed.get_backend_name() != "sqlite" or Path(parsed.database or "").is_file()
 
 
 def history(args: argparse.Namespace) -> int:
