@@ -122,3 +122,15 @@ def test_each_metrics_object_has_its_own_registry() -> None:
     assert a.registry.get_sample_value("kvbm_events_appended_total") == 5
     names = {m.name for m in a.registry.collect()}
     assert names and all(n.startswith("kvbm_") for n in names)
+
+
+@pytest.mark.parametrize("port", [70000, -1, True])
+def test_a_port_out_of_range_is_refused_by_name(port: int) -> None:
+    with pytest.raises(ValueError, match=r"metrics port must be a TCP port 0\.\.65535"):
+        Metrics().serve(port)
+
+
+def test_a_port_in_use_names_the_address(served: tuple[Metrics, int]) -> None:
+    _, port = served
+    with pytest.raises(OSError, match=rf"cannot serve metrics on 127\.0\.0\.1:{port}: "):
+        Metrics().serve(port)
