@@ -4,6 +4,7 @@ disk, bad flags, settings and trace rows. Real files, real processes, real serve
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 import os
 import random
@@ -256,6 +257,24 @@ def test_until_ts_takes_the_times_inspect_prints(
     assert folded(first) == 1
     assert folded(str(1_795_578_395.0004 + 0.0095)) == 10  # seconds still work
     assert folded(last.replace("+00:00", "")) == 20  # no zone: UTC, as printed
+
+
+@pytest.mark.parametrize(
+    ("text", "start", "length"),
+    [
+        ("2026-11-25T03:46:35.324+00:00", "2026-11-25T03:46:35.324+00:00", 0.001),
+        ("2026-11-25T03:46:35.3", "2026-11-25T03:46:35.3+00:00", 0.1),
+        ("2026-11-25 03:46:35", "2026-11-25T03:46:35+00:00", 1),
+        ("2026-11-25T04:46+01:00", "2026-11-25T03:46+00:00", 60),
+        ("2026-11-25", "2026-11-25T00:00+00:00", 86400),
+    ],
+)
+def test_an_iso_time_covers_its_last_digit(text: str, start: str, length: float) -> None:
+    from kvledger.commands.args import timestamp
+
+    begin = dt.datetime.fromisoformat(start).timestamp()
+    assert timestamp(text) == pytest.approx(begin + length, abs=1e-6)
+    assert begin + length * 0.999 < timestamp(text) < begin + length
 
 
 # -- writer failures ---------------------------------------------------------------------

@@ -96,12 +96,14 @@ def log_location(text: str) -> str:
 
 
 def _last_digit(iso: str) -> float:
-    """The length of time the last digit of an ISO time stands for (1 s without a fraction)."""
-    time_part = iso.partition("T")[2] or iso.partition(" ")[2]
-    fraction = re.match(r"[\d:]*\.(\d+)", time_part)
-    if fraction:
-        return 10.0 ** -len(fraction.group(1))
-    return 1.0 if time_part.count(":") == 2 else 60.0 if time_part else 86400.0
+    """The length of time the last digit of an ISO time stands for (a day for a bare date)."""
+    _, _, time_part = iso.replace(" ", "T", 1).partition("T")
+    clock = re.match(r"(\d\d(?::\d\d){0,2})(?:[.,](\d+))?", time_part)
+    if clock is None:
+        return 86400.0
+    if clock.group(2):
+        return 10.0 ** -len(clock.group(2))
+    return (3600.0, 60.0, 1.0)[clock.group(1).count(":")]
 
 
 def _int(text: str) -> int:
