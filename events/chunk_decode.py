@@ -112,7 +112,7 @@ def decode_chunk(
             return None
     if checked.any() and not _checksums_match(payloads, buf, ends, checked):
         return None
-    if ts is not None and (np.ascontiguousarray(head[:, 31:39]).view(">f8").ravel() != ts).any():
+    if ts is not None and (np.ascontiguousarray(head[:, 32:40]).view(">f8").ravel() != ts).any():
         return None
     tier = head[:, 30]
     if not _TIER[tier].all():

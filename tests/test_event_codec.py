@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import msgpack
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -382,8 +383,10 @@ def test_bad_snapshot_is_refused() -> None:
 def test_chunk_decoder_reads_what_the_writer_writes(evs: list[AnyEvent]) -> None:
     """Records straight from ``encode`` never need the per-row path."""
     evs = [type(e)(**{**_fields(e, 5), "event_id": i}) for i, e in enumerate(evs)]
-    decoded = decode_chunk([encode(e) for e in evs], {})
+    decoded = decode_chunk([encode(e) for e in evs], {}, np.array([e.ts for e in evs]))
     assert decoded is not None
+    # and of a log written before checksums
+    assert decode_chunk([unchecked(encode(e)) for e in evs], {}) is not None
     assert decoded.last_event_id == {5: len(evs) - 1}
     state = RegistryState()
     for key, ops in decoded.ops.items():
@@ -391,6 +394,14 @@ def test_chunk_decoder_reads_what_the_writer_writes(evs: list[AnyEvent]) -> None
     expected = RegistryState.from_events(evs)
     assert state == expected
     assert state.digest() == expected.digest()
+    # an event-id bound: the later records are verified, not folded, and need no slow path
+    until = len(evs) // 2
+    bounded = decode_chunk([encode(e) for e in evs], {}, until_event_id=until)
+    assert bounded is not None
+    state = RegistryState()
+    for key, ops in bounded.ops.items():
+        state.fold_ops(key, ops)
+    assert state == RegistryState.from_events(evs[: until + 1])
 
 
 def test_chunk_decoder_declines_what_it_cannot_vouch_for() -> None:

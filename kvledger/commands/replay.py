@@ -4,10 +4,20 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
+import sys
 
 from kvledger.commands.progress import Progress
+from kvledger.events.codec import CodecError
 from kvledger.events.log import EventLog
-from kvledger.events.replay import load_state, replay_report, save_state, verify
+from kvledger.events.replay import (
+    ReplayReport,
+    RowOrderError,
+    load_state,
+    replay_report,
+    save_state,
+    verify,
+)
 from kvledger.registry.state import RegistryState
 
 
@@ -16,6 +26,12 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("log", metavar="LOG", help="SQLite file path or SQLAlchemy URL")
     p.add_argument("--until", type=int, metavar="N", help="stop after each worker's event N")
     p.add_argument("--until-ts", type=float, metavar="T", help="stop at the first event after T")
+    p.add_argument(
+        "--until-position",
+        type=_position,
+        metavar="P",
+        help="stop after the row at position P (a damaged row's error names the last good one)",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--no-checkpoints", action="store_true", help="fold the whole log")
     p.add_argument("--verify", metavar="DUMP", help="compare with a state dump; exit 1 if differs")
@@ -32,21 +48,44 @@ def summary(state: RegistryState) -> dict[str, object]:
     }
 
 
-def run(args: argparse.Namespace) -> int:
+def _position(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"a position is 0 or more, got {value}")
+    return value
+
+
+def _replay(args: argparse.Namespace) -> ReplayReport:
     with EventLog(args.log, read_only=True) as log:
         # The bar shows the position reached in the log (a replay from a checkpoint starts part
         # way): positions can skip and --until stops earlier, so it ends where replay does.
         progress = Progress(log.last_position(), "replay", unit="rows")
         try:
-            report = replay_report(
+            return replay_report(
                 log,
                 until_event_id=args.until,
                 until_ts=args.until_ts,
+                until_position=args.until_position,
                 use_checkpoints=not args.no_checkpoints,
                 on_progress=lambda report: progress(report.last_position),
             )
         finally:
             progress.close()
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        report = _replay(args)
+    except (CodecError, RowOrderError) as exc:
+        # a damaged row: say where, and how to replay what comes before it
+        hint = ""
+        if exc.last_good is not None:
+            hint = (
+                f"; `kvledger replay {shlex.quote(args.log)} --until-position {exc.last_good}` "
+                f"replays the log up to it"
+            )
+        print(f"kvledger replay: error: {exc}{hint}", file=sys.stderr)
+        return 2
     state = report.state
     if args.dump:
         save_state(args.dump, state)
