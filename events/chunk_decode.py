@@ -72,9 +72,22 @@ _HEADER_TAGS = ((3, INT64), (12, UINT64), (21, INT64), (31, FLOAT64))
 
 
 @dataclass(frozen=True, slots=True)
+class Headers:
+    """Every record's header fields, in chunk order (what ``inspect --check`` compares with
+    the row's columns)."""
+
+    version: npt.NDArray[np.uint8]
+    kind: npt.NDArray[np.uint8]
+    worker: Ints
+    event_id: npt.NDArray[np.uint64]
+    tier: npt.NDArray[np.uint8]
+
+
+@dataclass(frozen=True, slots=True)
 class DecodedChunk:
     ops: dict[TierKey, BlockOps]
     last_event_id: dict[int, int]  # per worker in the chunk, its last event id
+    headers: Headers | None = None  # every record's, those after the event-id bound too
 
 
 def decode_chunk(
@@ -122,16 +135,17 @@ def decode_chunk(
     body = _Body.parse(buf, starts + HEADER_BYTES, ends - tail, kind, tier)
     if body is None:
         return None
+    headers = Headers(head[:, 1], kind, worker, event_id, tier)
     if until_event_id is not None:
         keep = event_id <= until_event_id if until_event_id >= 0 else np.zeros(n, np.bool_)
         if not keep.all():
             body, worker, tier, event_id = body.only(keep), worker[keep], tier[keep], event_id[keep]
             if not len(worker):
-                return DecodedChunk({}, {})
+                return DecodedChunk({}, {}, headers)
     new_last = _check_event_ids(worker, event_id, last_event_id)
     if new_last is None:
         return None
-    return DecodedChunk(body.ops(buf, worker, tier), new_last)
+    return DecodedChunk(body.ops(buf, worker, tier), new_last, headers)
 
 
 def _checksums_match(
