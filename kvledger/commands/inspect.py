@@ -60,8 +60,16 @@ def _check(log: EventLog, last_position: int) -> CheckReport:
 
 def run(args: argparse.Namespace) -> int:
     with EventLog(args.log, read_only=True) as log:
-        s = log.summary()
         url = shown_url(log.url)
+        try:
+            s = log.summary()
+        except ValueError as exc:  # a damaged column (a tier that is none)
+            if not args.check:
+                raise ValueError(
+                    f"cannot summarise {url} ({exc}); `kvledger inspect --check` lists its "
+                    f"damaged rows"
+                ) from None
+            return _damaged_summary(args, url, str(exc), _check(log, log.last_position()))
         versions = _versions(*record_versions(log))
         check = _check(log, s.last_position or 0) if args.check else None
     status = 1 if check is not None and check.damaged else 0
@@ -105,13 +113,28 @@ def run(args: argparse.Namespace) -> int:
     )
     print(f"records: {versions}")
     if check is not None:
-        print(
-            f"check: {check.rows} rows read, {check.with_checksum} checksums verified, "
-            f"{check.without_checksum} rows without one, {len(check.damaged)} damaged"
-        )
-        for row in check.damaged:
-            print(f"  position {row.position}: {row.problem}")
+        _print_check(check)
     return status
+
+
+def _damaged_summary(args: argparse.Namespace, url: str, error: str, check: CheckReport) -> int:
+    """The check's findings when the summary itself failed on a damaged column."""
+    if args.json:
+        print(json.dumps({"log": url, "summary_error": error, "check": _check_json(check)}))
+        return 1
+    print(f"log: {url}")
+    print(f"summary: cannot be made ({error})")
+    _print_check(check)
+    return 1
+
+
+def _print_check(check: CheckReport) -> None:
+    print(
+        f"check: {check.rows} rows read, {check.with_checksum} checksums verified, "
+        f"{check.without_checksum} rows without one, {len(check.damaged)} damaged"
+    )
+    for row in check.damaged:
+        print(f"  position {row.position}: {row.problem}")
 
 
 def _check_json(check: CheckReport) -> dict[str, object]:
