@@ -49,9 +49,9 @@ from kvledger.registry.columns import BlockOps, TierKey
 Bytes = npt.NDArray[np.uint8]
 Ints = npt.NDArray[np.int64]
 
-# per kind code (index), a version 3 record's array header byte, or 0 for codes that are not
-# kinds; a version 2 record has one field (the checksum) fewer
-_FIXARRAY = np.zeros(256, np.uint8)
+# per kind code (index), a version 3 record's array header byte, or -1 (no byte) for codes
+# that are not kinds; a version 2 record has one field (the checksum) fewer
+_FIXARRAY = np.full(256, -1, np.int16)
 for _kind, _byte in FIXARRAY.items():
     _FIXARRAY[_kind] = _byte
 _TIER = np.zeros(256, np.bool_)

@@ -433,6 +433,12 @@ def test_chunk_decoder_declines_what_it_cannot_vouch_for() -> None:
     with pytest.raises(CodecError, match="damaged: its checksum does not match"):
         decode(damaged)
     assert decode_chunk([good[0], damaged], {}) is None
+    # a kind that is none, whatever the array header byte says
+    clear = encode(Cleared(event_id=1, worker_id=0, dp_rank=0, tier=Tier.G1, ts=0.0))
+    for first, version in ((0xFF, 2), (0x00, 2), (0x00, 3)):
+        body = b"\x01\xc6" + (8).to_bytes(4, "big") + bytes(8) + b"\xc0"  # a copy's shape
+        odd = bytes([first, version, 7]) + clear[3:40] + body
+        assert decode_chunk([good[0], odd], {}) is None
     smallest = seal(msgpack.unpackb(good[1])[:-1])  # valid, but not the writer's widths
     assert decode(smallest) == stored(1)
     assert decode_chunk([good[0], smallest], {}) is None
