@@ -1,12 +1,13 @@
 """msgpack encoding of events and registry snapshots.
 
-One event is one self-contained record (a msgpack array) that starts with the schema version,
-so a log row can be decoded without its columns and a record from another layout is refused
-instead of misread.
+One event is one self-contained record (a msgpack array) that starts with the schema version
+and ends with a checksum, so a log row can be decoded and verified without its columns, a
+record from another layout is refused instead of misread, and a record whose bytes changed
+after it was written is refused instead of replayed.
 
-Record layout, version 2::
+Record layout, version 3::
 
-    [2, kind, worker_id, event_id, dp_rank, tier, ts, *body]
+    [3, kind, worker_id, event_id, dp_rank, tier, ts, *body, check]
     stored (1):                parent_hash|nil, blocks: bin of (seq, local), token_ids: nil|bin
     removed (2):               hashes: bin of seq
     offloaded/onboarded (3/4): src_tier, blocks: bin of (seq, local, parent), roots: nil|bin
@@ -17,17 +18,34 @@ holds one byte per copied block: 1 where the block has no parent (its parent wor
 It is nil when every block has a parent. ``token_ids`` holds a u32 count per block, then every
 block's token ids as u32.
 
+``check`` is a msgpack uint32 (``0xce`` and four bytes) whose four bytes are the CRC-32
+(zlib's, stored little-endian) of every byte of the record before them. So the CRC-32 of a
+whole intact record is the constant ``CHECK_RESIDUE``: verifying a record is one ``crc32``
+call over its bytes, with no slicing. CRC-32 rather than a faster hash such as xxhash because
+its detection is guaranteed, not probable: every single-bit flip, every burst of up to 32
+flipped bits, and every error of up to 4 bits in a record of up to 371 bytes (which is most
+records) changes the CRC; a hash only makes a miss unlikely. Cutting a record short is
+detected without the checksum: msgpack is prefix-free, so a cut record is not a complete
+array of the length its first byte announces.
+
+Version 2 records are the same without ``check``. They still decode (a log written before
+checksums replays), with nothing to verify; version 1 is refused.
+
 The writer always uses the same widths: int64 for ``worker_id`` and ``dp_rank``, uint64 for
 ``event_id`` and a parent, float64 for ``ts``, bin32 for hashes and token ids. So every field
-of a record sits at an offset that the fields before it fix. That is what lets replay check
-and unpack a whole chunk of records with array operations (``events/chunk_decode.py``)
-instead of running Python code per record. Any msgpack reader still reads the records, and
-``decode`` accepts any encoding of the same values.
+of a record sits at an offset that the fields before it fix, and the checksum at a fixed
+distance from its end. That is what lets replay verify, check and unpack a whole chunk of
+records with array operations (``events/chunk_decode.py``) instead of running Python code per
+record. Any msgpack reader still reads the records, and ``decode`` accepts any encoding of the
+same values (a version 3 record as long as it ends with its checksum field).
+
+Registry snapshots (checkpoints) end with the same kind of checksum field (snapshot version 3).
 """
 
 from __future__ import annotations
 
 import struct
+import zlib
 from collections.abc import Iterable, Iterator
 from itertools import chain
 from typing import Any
@@ -48,8 +66,12 @@ from kvledger.events.types import (
 from kvledger.registry.columns import BlockColumns
 from kvledger.registry.state import RegistryState
 
-RECORD_VERSION = 2
-SNAPSHOT_VERSION = 2
+RECORD_VERSION = 3
+UNCHECKED_VERSION = 2  # the layout before checksums: still read, nothing to verify
+SNAPSHOT_VERSION = 3
+CHECK_TAG = 0xCE  # msgpack uint32: the checksum field's first byte
+CHECK_BYTES = 5  # the checksum field: its tag and the four CRC bytes
+CHECK_RESIDUE = 0x2144DF1C  # crc32 of any byte string followed by its own CRC, little-endian
 
 KIND_CODES: dict[type[AnyEvent], int] = {
     Stored: 1,
@@ -75,7 +97,9 @@ BLOCK_WIDTH = {1: 16, 2: 8, 3: 24, 4: 24}
 # int64 dp_rank, fixint tier, float64 ts -- HEADER_BYTES bytes, the same for every record.
 _HEADER_FORMAT = ">BBBBqBQBqBBd"
 HEADER_BYTES = struct.calcsize(_HEADER_FORMAT)
-FIXARRAY = {kind: 0x90 + _HEADER_LEN + n for kind, n in _BODY_LEN.items()}
+# the array header byte per kind, in a version 3 record (one field more than version 2)
+FIXARRAY = {kind: 0x90 + _HEADER_LEN + n + 1 for kind, n in _BODY_LEN.items()}
+_CRC_LE = struct.Struct("<I").pack
 NIL, UINT64, INT64, FLOAT64, BIN32 = 0xC0, 0xCF, 0xD3, 0xCB, 0xC6
 
 
@@ -90,19 +114,20 @@ class _Packers(dict[int, struct.Struct]):
 
     def __missing__(self, n: int) -> struct.Struct:
         body = self.body.format(n=n, w=self.words_per_block * n)
-        packer = self[n] = struct.Struct(_HEADER_FORMAT + body)
+        packer = self[n] = struct.Struct(_HEADER_FORMAT + body + "B")  # + the check tag
         return packer
 
 
 # stored: parent (nil or uint64), the (seq, local) words, nil token ids (a record with token
-# ids drops that last byte); removed: the seq words; a copy: its source tier and (seq, local,
-# parent) words, then nil roots or a bin of n root flags; a clear: the header alone
+# ids drops that nil); removed: the seq words; a copy: its source tier and (seq, local,
+# parent) words, then nil roots or a bin of n root flags; a clear: the header alone. Each
+# packer ends with the checksum field's tag byte; ``encode`` appends the CRC.
 _STORED_ROOT = _Packers("BBI{w}QB", 1)
 _STORED = _Packers("BQBI{w}QB", 1)
 _REMOVED = _Packers("BI{w}Q", 2)
 _COPIED = _Packers("BBI{w}QB", 3)
 _COPIED_ROOTS = _Packers("BBI{w}QBI{n}B", 3)
-_CLEARED = struct.Struct(_HEADER_FORMAT)
+_CLEARED = struct.Struct(_HEADER_FORMAT + "B")
 
 
 class CodecError(ValueError):
@@ -114,12 +139,13 @@ class CodecError(ValueError):
 
     def __init__(self, message: str, position: int | None = None) -> None:
         self.position = position
+        self.last_good: int | None = None  # set by replay: the row before, which is intact
         where = "event" if position is None else f"event at position {position}"
         super().__init__(f"{where}: {message}")
 
 
 def encode(event: AnyEvent) -> bytes:
-    """One event as a version-2 record.
+    """One event as a version-3 record, checksum included.
 
     Refuses (``CodecError``) whatever ``decode`` would refuse, so that no record is ever
     written that replay cannot read back. ``struct`` checks the type and range of every
@@ -154,18 +180,20 @@ def encode(event: AnyEvent) -> bytes:
     # fmt: on
     try:
         if cls is Stored:
-            return _stored(event, head)  # type: ignore[arg-type]
-        if cls is Removed:
+            data = _stored(event, head)  # type: ignore[arg-type]
+        elif cls is Removed:
             hashes = event.sequence_hashes  # type: ignore[union-attr]
             n = len(hashes)
             if not n:
                 raise CodecError(f"removed hashes must be a non-empty sequence: {event!r}")
-            return _REMOVED[n].pack(*head, BIN32, 8 * n, *hashes)
-        if cls is Cleared:
-            return _CLEARED.pack(*head)
-        return _copied(event, head)  # type: ignore[arg-type]
+            data = _REMOVED[n].pack(*head, BIN32, 8 * n, *hashes, CHECK_TAG)
+        elif cls is Cleared:
+            data = _CLEARED.pack(*head, CHECK_TAG)
+        else:
+            data = _copied(event, head)  # type: ignore[arg-type]
     except (OverflowError, TypeError, struct.error) as exc:
         raise CodecError(f"cannot encode {event!r}: {exc}") from None
+    return data + _CRC_LE(zlib.crc32(data))
 
 
 def _stored(event: Stored, head: tuple[Any, ...]) -> bytes:
@@ -178,13 +206,13 @@ def _stored(event: Stored, head: tuple[Any, ...]) -> bytes:
     parent = event.parent_hash
     words = chain.from_iterable(blocks)
     if parent is None:
-        data = _STORED_ROOT[n].pack(*head, NIL, BIN32, 16 * n, *words, NIL)
+        data = _STORED_ROOT[n].pack(*head, NIL, BIN32, 16 * n, *words, NIL, CHECK_TAG)
     else:
-        data = _STORED[n].pack(*head, UINT64, parent, BIN32, 16 * n, *words, NIL)
+        data = _STORED[n].pack(*head, UINT64, parent, BIN32, 16 * n, *words, NIL, CHECK_TAG)
     tokens = event.token_ids
     if tokens is None:
         return data
-    return data[:-1] + _token_bin(tokens, n)
+    return data[:-2] + _token_bin(tokens, n) + data[-1:]
 
 
 def _copied(event: Offloaded | Onboarded, head: tuple[Any, ...]) -> bytes:
@@ -200,31 +228,57 @@ def _copied(event: Offloaded | Onboarded, head: tuple[Any, ...]) -> bytes:
         parents = flat[2::3]
         roots = [p is None for p in parents]
         flat[2::3] = [0 if p is None else p for p in parents]
-        return _COPIED_ROOTS[n].pack(*head, src, BIN32, 24 * n, *flat, BIN32, n, *roots)
-    return _COPIED[n].pack(*head, src, BIN32, 24 * n, *flat, NIL)
+        return _COPIED_ROOTS[n].pack(*head, src, BIN32, 24 * n, *flat, BIN32, n, *roots, CHECK_TAG)
+    return _COPIED[n].pack(*head, src, BIN32, 24 * n, *flat, NIL, CHECK_TAG)
 
 
 def decode(data: bytes, position: int | None = None) -> AnyEvent:
-    """The event in ``data``; ``CodecError`` (naming ``position``) for anything else."""
+    """The event in ``data``; ``CodecError`` (naming ``position``) for anything else, and
+    for a version 3 record whose checksum does not match its bytes."""
+    intact = (
+        len(data) > CHECK_BYTES
+        and data[-CHECK_BYTES] == CHECK_TAG
+        and zlib.crc32(data) == CHECK_RESIDUE
+    )
     try:
-        record = msgpack.unpackb(data, use_list=False, raw=False, strict_map_key=True)
-    except Exception as exc:  # msgpack raises several unrelated types for bad input
-        raise CodecError(f"not a msgpack record ({type(exc).__name__}: {exc})", position) from None
-    return from_record(record, position)
+        try:
+            record = msgpack.unpackb(data, use_list=False, raw=False, strict_map_key=True)
+        except Exception as exc:  # msgpack raises several unrelated types for bad input
+            raise CodecError(
+                f"not a msgpack record ({type(exc).__name__}: {exc})", position
+            ) from None
+        return _from_record(record, position, intact)
+    except CodecError:
+        if not intact and len(data) > HEADER_BYTES and data[-CHECK_BYTES] == CHECK_TAG:
+            # it ends like a checksummed record: whatever broke, its bytes changed
+            raise CodecError(DAMAGED, position) from None
+        raise
 
 
-def from_record(record: object, position: int | None = None) -> AnyEvent:
-    """Validate an unpacked record and build its event."""
-    if type(record) is not tuple or len(record) < _HEADER_LEN:
+DAMAGED = "damaged: its checksum does not match its bytes (they changed after it was written)"
+
+
+def _from_record(record: object, position: int | None, intact: bool) -> AnyEvent:
+    """Validate an unpacked record and build its event; ``intact``: whether the record's
+    bytes pass the checksum (required of version 3, which then loses its check field)."""
+    if type(record) is not tuple or not record:
         raise CodecError(f"expected an array of at least {_HEADER_LEN} fields", position)
-    version, kind, worker_id, event_id, dp_rank, tier_code, ts = record[:_HEADER_LEN]
-    if type(version) is not int or version != RECORD_VERSION:
+    version = record[0]
+    if type(version) is int and version == RECORD_VERSION:
+        if not intact or type(record[-1]) is not int:
+            raise CodecError(DAMAGED, position)
+        record = record[:-1]
+    elif type(version) is not int or version != UNCHECKED_VERSION:
         written_by = "an older" if type(version) is int and version < RECORD_VERSION else "a newer"
         raise CodecError(
-            f"record version {version!r} is not supported (this code reads version "
-            f"{RECORD_VERSION}); was the log written by {written_by} kvledger?",
+            f"record version {version!r} is not supported (this code reads versions "
+            f"{UNCHECKED_VERSION} and {RECORD_VERSION}); was the log written by {written_by} "
+            f"kvledger?",
             position,
         )
+    if len(record) < _HEADER_LEN:
+        raise CodecError(f"expected an array of at least {_HEADER_LEN} fields", position)
+    _version, kind, worker_id, event_id, dp_rank, tier_code, ts = record[:_HEADER_LEN]
     if type(kind) is not int or kind not in _BODY_LEN:
         raise CodecError(f"unknown event kind code {kind!r}", position)
     if len(record) != _HEADER_LEN + _BODY_LEN[kind]:
@@ -360,17 +414,22 @@ def encode_state(state: RegistryState) -> bytes:
             f"cannot snapshot a state holding a hash that is not a u64: {exc}"
         ) from None
     last = [v for item in sorted(state.last_event_id.items()) for v in item]
-    return msgpack.packb(  # type: ignore[no-any-return]
-        (SNAPSHOT_VERSION, last, tiers), use_bin_type=True
-    )
+    # a fourth field, the checksum, as in an event record: the array grows by one
+    packed: bytes = msgpack.packb((SNAPSHOT_VERSION, last, tiers), use_bin_type=True)
+    data = b"\x94" + packed[1:] + bytes([CHECK_TAG])
+    return data + _CRC_LE(zlib.crc32(data))
 
 
 def decode_state(data: bytes) -> RegistryState:
-    """Inverse of ``encode_state``; ``CodecError`` when the snapshot is not one."""
+    """Inverse of ``encode_state``; ``CodecError`` when the snapshot is not one, or is
+    damaged."""
     try:
-        version, last, tiers = msgpack.unpackb(data, use_list=False, raw=False)
+        version, *fields = msgpack.unpackb(data, use_list=False, raw=False)
         if version != SNAPSHOT_VERSION:
             raise CodecError(f"snapshot version {version!r} is not supported")
+        if zlib.crc32(data) != CHECK_RESIDUE:
+            raise CodecError(f"snapshot {DAMAGED}")
+        last, tiers, _check = fields
         state = RegistryState()
         it = iter(last)
         state.last_event_id = dict(zip(it, it, strict=True))

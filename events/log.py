@@ -15,7 +15,7 @@ import sys
 import threading
 import time
 import weakref
-from collections.abc import Generator, Iterable, Iterator
+from collections.abc import Generator, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -459,15 +459,17 @@ class EventLog:
         after_position: int = 0,
         until_position: int | None = None,
         chunk_size: int = READ_CHUNK,
-    ) -> Generator[list[tuple[int, float, bytes]], None, None]:
+        columns: Sequence[str] = ("id", "ts", "payload"),
+    ) -> Generator[list[tuple[Any, ...]], None, None]:
         """Raw rows in lists of up to ``chunk_size``: what replay folds a list at a time.
+        ``columns`` names what each row holds (``kvledger inspect --check`` reads them all).
 
         On SQLite the Core statement runs on the connection's own sqlite3 cursor and yields
         plain tuples: wrapping each row in a ``Row`` would cost replay half its speed. Other
         databases stream through a server-side cursor, so a long log is never loaded whole.
         """
         c = events.c
-        stmt = sa.select(c.id, c.ts, c.payload).order_by(c.id)
+        stmt = sa.select(*(c[name] for name in columns)).order_by(c.id)
         if worker_id is not None:
             stmt = stmt.where(c.worker == worker_id)
         if after_event_id >= 0:

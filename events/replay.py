@@ -1,8 +1,15 @@
-"""Rebuild the registry from the log: the whole log, up to an event id, or up to a time.
+"""Rebuild the registry from the log: the whole log, up to an event id, a position or a time.
 
 Replay starts from the newest checkpoint that lies inside the requested range and folds only
 the rows after it. While folding a full prefix of the log it stores a new checkpoint every
 ``checkpoint_every`` rows, so the next replay of a long log starts near its end.
+
+What replay folds comes from the records alone, each verified by its checksum (``codec.py``);
+of a row's other columns it uses only ``ts`` (to cut a time prefix and date checkpoints),
+checked against the record's own timestamp, and the position, which orders the rows. An event-id
+bound is applied to the records' event ids, not the ``event_id`` column, so no damaged column
+can change what replay folds. A damaged row stops replay with an error naming the row and the
+last good position before it, which ``until_position`` reaches.
 """
 
 from __future__ import annotations
@@ -14,6 +21,7 @@ from dataclasses import dataclass, field
 from operator import itemgetter
 from pathlib import Path
 
+import numpy as np
 import sqlalchemy as sa
 
 from kvledger.events.chunk_decode import decode_chunk
@@ -26,6 +34,15 @@ from kvledger.registry.state import EventOrderError, RegistryState, take_next
 DEFAULT_CHECKPOINT_EVERY = 100_000
 _TS = itemgetter(1)
 _PAYLOAD = itemgetter(2)
+
+
+class RowOrderError(EventOrderError):
+    """An event out of order for its worker, at a known position in the log."""
+
+    def __init__(self, message: str, position: int) -> None:
+        super().__init__(f"event at position {position}: {message}")
+        self.position = position
+        self.last_good: int | None = None  # set by replay: the row before, which is intact
 
 
 @dataclass
@@ -42,15 +59,18 @@ def replay(
     *,
     until_event_id: int | None = None,
     until_ts: float | None = None,
+    until_position: int | None = None,
     use_checkpoints: bool = True,
     checkpoint_every: int | None = DEFAULT_CHECKPOINT_EVERY,
 ) -> RegistryState:
     """The registry as of the log's end, or as of each worker's event ``until_event_id``, or as
-    of the last event stamped no later than ``until_ts``."""
+    of the last event stamped no later than ``until_ts``, or as of the row at
+    ``until_position`` (the bounds combine: replay stops at the first one reached)."""
     return replay_report(
         log_or_url,
         until_event_id=until_event_id,
         until_ts=until_ts,
+        until_position=until_position,
         use_checkpoints=use_checkpoints,
         checkpoint_every=checkpoint_every,
     ).state
@@ -61,6 +81,7 @@ def replay_report(
     *,
     until_event_id: int | None = None,
     until_ts: float | None = None,
+    until_position: int | None = None,
     use_checkpoints: bool = True,
     checkpoint_every: int | None = DEFAULT_CHECKPOINT_EVERY,
     on_progress: Callable[[ReplayReport], None] | None = None,
@@ -68,24 +89,31 @@ def replay_report(
     """``replay`` with an account of where it started and what it folded.
 
     ``on_progress`` is called with the report so far after each chunk of rows (about every 10k),
-    for a progress display on long logs.
+    for a progress display on long logs. A row that cannot be folded raises ``CodecError`` (a
+    damaged or malformed record) or ``RowOrderError`` (a gap or an event out of order), whose
+    ``last_good`` is the position of the row before it (None when there is none).
     """
-    args = (until_event_id, until_ts, use_checkpoints, checkpoint_every, on_progress)
+    args = (until_event_id, until_ts, until_position, use_checkpoints, checkpoint_every)
     if isinstance(log_or_url, EventLog):
-        return _replay(log_or_url, *args)
+        return _replay(log_or_url, *args, on_progress)
     with EventLog(log_or_url, read_only=True) as log:
-        return _replay(log, *args)
+        return _replay(log, *args, on_progress)
 
 
 def _replay(
     log: EventLog,
     until_event_id: int | None,
     until_ts: float | None,
+    until_position: int | None,
     use_checkpoints: bool,
     checkpoint_every: int | None,
     on_progress: Callable[[ReplayReport], None] | None,
 ) -> ReplayReport:
-    checkpoint = _latest_checkpoint(log, until_event_id, until_ts) if use_checkpoints else None
+    checkpoint = (
+        _latest_checkpoint(log, until_event_id, until_ts, until_position)
+        if use_checkpoints
+        else None
+    )
     if checkpoint is None:
         state, start, max_ts = RegistryState(), 0, -math.inf
     else:
@@ -94,22 +122,23 @@ def _replay(
     # Only a fold of every row up to a position may be stored as a checkpoint; an event-id
     # bound skips rows of some workers, so it writes none.
     every = checkpoint_every if until_event_id is None else None
-    chunks = log.read_chunks(after_position=start, until_event_id=until_event_id)
+    chunks = log.read_chunks(after_position=start, until_position=until_position)
     since_checkpoint = 0
     try:
         for chunk in chunks:
+            stop_at: tuple[int, float, bytes] | None = None
             if until_ts is not None and max(map(_TS, chunk)) > until_ts:
                 # the prefix ends inside this chunk, at the first later event
                 cut = next(i for i, row in enumerate(chunk) if row[1] > until_ts)
-                chunk = chunk[:cut]
-                stopped = True
-            else:
-                stopped = False
+                chunk, stop_at = chunk[:cut], chunk[cut]
             while chunk:
                 # fold up to the next checkpoint boundary, store one there, go on
                 take = len(chunk) if not every else min(len(chunk), every - since_checkpoint)
                 piece, chunk = chunk[:take], chunk[take:]
-                fold_chunk(state, piece)
+                try:
+                    fold_chunk(state, piece, until_event_id)
+                except (CodecError, RowOrderError) as exc:
+                    raise _stopped_at(log, exc, piece, report.last_position) from None
                 max_ts = max(max_ts, max(map(_TS, piece)))
                 report.rows_folded += len(piece)
                 report.last_position = piece[-1][0]
@@ -120,27 +149,35 @@ def _replay(
                     since_checkpoint = 0
             if on_progress is not None:
                 on_progress(report)
-            if stopped:
+            if stop_at is not None:
+                _check_stop(log, stop_at, report.last_position)
                 break
     finally:
         chunks.close()
     return report
 
 
-def fold_chunk(state: RegistryState, chunk: Sequence[tuple[int, float, bytes]]) -> None:
-    """Fold log rows ``(position, ts, payload)`` into ``state``.
+def fold_chunk(
+    state: RegistryState,
+    chunk: Sequence[tuple[int, float, bytes]],
+    until_event_id: int | None = None,
+) -> None:
+    """Fold log rows ``(position, ts, payload)`` into ``state``, skipping events after
+    ``until_event_id``.
 
     The same as ``state.apply(decode(payload, position))`` for each row, and as strict, but
     the whole chunk is checked and unpacked by array operations (``chunk_decode``) and folded
     into the state's arrays in one batch. A chunk the array decoder does not vouch for is
-    decoded row by row, which raises the precise error or skips a repeated event.
+    decoded row by row, which raises the precise error or skips a repeated event. Either way
+    every record's checksum and its ``ts`` column are checked, skipped events' too.
     """
     if not chunk:
         return
-    decoded = decode_chunk(list(map(_PAYLOAD, chunk)), state.last_event_id)
+    ts = np.fromiter(map(_TS, chunk), np.float64, len(chunk))
+    decoded = decode_chunk(list(map(_PAYLOAD, chunk)), state.last_event_id, ts, until_event_id)
     if decoded is None:
         last_event_id = dict(state.last_event_id)
-        ops = ops_from_events(_accepted(chunk, last_event_id))
+        ops = ops_from_events(_accepted(chunk, last_event_id, until_event_id))
     else:
         ops, last_event_id = decoded.ops, decoded.last_event_id
     for key, batch in ops.items():
@@ -149,25 +186,79 @@ def fold_chunk(state: RegistryState, chunk: Sequence[tuple[int, float, bytes]]) 
 
 
 def _accepted(
-    chunk: Sequence[tuple[int, float, bytes]], last_event_id: dict[int, int]
+    chunk: Sequence[tuple[int, float, bytes]],
+    last_event_id: dict[int, int],
+    until_event_id: int | None,
 ) -> Iterator[AnyEvent]:
-    """The chunk's events one by one, repeats skipped, a gap or a bad record raised."""
-    for position, _ts, payload in chunk:
-        event = decode(payload, position)
+    """The chunk's events one by one, repeats and events after the bound skipped, a gap or a
+    bad record raised."""
+    for position, ts, payload in chunk:
+        event = _checked(position, ts, payload)
+        if until_event_id is not None and event.event_id > until_event_id:
+            continue
         try:
             if take_next(last_event_id, event):
                 yield event
         except EventOrderError as exc:
-            raise EventOrderError(f"event at position {position}: {exc}") from None
+            raise RowOrderError(str(exc), position) from None
+
+
+def _checked(position: int, ts: float, payload: bytes) -> AnyEvent:
+    """The row's event, its record verified and its ``ts`` column checked against it."""
+    event = decode(payload, position)
+    if event.ts != ts:
+        raise CodecError(
+            f"damaged: its ts column reads {ts!r} but its record {event.ts!r}", position
+        )
+    return event
+
+
+def _check_stop(log: EventLog, row: tuple[int, float, bytes], last_folded: int) -> None:
+    """A time prefix ends at the first row stamped later than the bound: make sure that row
+    is intact, so that a damaged ``ts`` column cannot end the prefix early."""
+    try:
+        _checked(*row)
+    except CodecError as exc:
+        raise _stopped_at(log, exc, (), last_folded) from None
+
+
+def _stopped_at(
+    log: EventLog,
+    exc: CodecError | RowOrderError,
+    rows: Sequence[tuple[int, float, bytes]],
+    last_folded: int,
+) -> CodecError | RowOrderError:
+    """``exc``, its message extended with what the row's columns say and the last good
+    position (the row read before it), which is also set as ``exc.last_good``."""
+    position = exc.position
+    before = [row[0] for row in rows if position is not None and row[0] < position]
+    last_good = before[-1] if before else (last_folded or None)
+    exc.last_good = last_good
+    columns = ""
+    if position is not None:
+        for chunk in log.read_chunks(
+            after_position=position - 1, until_position=position, columns=("worker", "event_id")
+        ):
+            for worker, event_id in chunk:
+                columns = f" (its columns say worker {worker}, event {event_id})"
+    good = (
+        f"the last good row is at position {last_good}"
+        if last_good is not None
+        else "no good row comes before it"
+    )
+    exc.args = (f"{exc}{columns}; {good}",)
+    return exc
 
 
 def _latest_checkpoint(
-    log: EventLog, until_event_id: int | None, until_ts: float | None
+    log: EventLog, until_event_id: int | None, until_ts: float | None, until_position: int | None
 ) -> Checkpoint | None:
     """Checkpoints are an optimisation: one that cannot be read (an older snapshot format, a
     damaged row) means folding from the start, not failing."""
     try:
-        return log.latest_checkpoint(max_event_id=until_event_id, max_ts=until_ts)
+        return log.latest_checkpoint(
+            max_event_id=until_event_id, max_ts=until_ts, max_position=until_position
+        )
     except CodecError as exc:
         warnings.warn(
             f"ignoring the newest checkpoint, replaying from the start: {exc}", stacklevel=4

@@ -3,9 +3,12 @@ agreeing with decode + fold on every record, good or bad."""
 
 from __future__ import annotations
 
+import zlib
+from collections.abc import Sequence
 from typing import Any
 
 import msgpack
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -34,6 +37,24 @@ from kvledger.events.types import (
 from kvledger.registry.state import RegistryState
 
 U64 = st.integers(0, 2**64 - 1)
+
+
+def seal(fields: Sequence[object]) -> bytes:
+    """A version 3 record of ``fields`` in msgpack's smallest encoding, with its checksum."""
+    data = msgpack.packb([*fields, 0])[:-1] + b"\xce"  # the array counts the check field
+    return data + zlib.crc32(data).to_bytes(4, "little")
+
+
+def reseal(data: bytes) -> bytes:
+    """``data`` (a version 3 record) with its checksum made to match its bytes again."""
+    return data[:-4] + zlib.crc32(data[:-4]).to_bytes(4, "little")
+
+
+def unchecked(data: bytes) -> bytes:
+    """The version 2 record (no checksum) of one that ``encode`` wrote."""
+    return bytes([data[0] - 1, 2]) + data[2:-5]
+
+
 TIERS = st.sampled_from(list(Tier))
 
 
@@ -87,7 +108,7 @@ def test_decode_stream_names_positions() -> None:
         list(iter_decode([good, b"\xc1"], first_position=10))
 
 
-@pytest.mark.parametrize(("version", "writer"), [(1, "an older"), (3, "a newer")])
+@pytest.mark.parametrize(("version", "writer"), [(1, "an older"), (4, "a newer")])
 def test_unknown_version_is_refused_with_position(version: int, writer: str) -> None:
     record = list(
         msgpack.unpackb(encode(Cleared(event_id=0, worker_id=0, dp_rank=0, tier=Tier.G1, ts=0.0)))
@@ -105,12 +126,18 @@ def test_records_are_msgpack_with_fixed_width_fields() -> None:
         event_id=3, worker_id=-2, dp_rank=1, tier=Tier.G2, ts=0.5, parent_hash=7, blocks=((1, 2),)
     )
     data = encode(event)
-    assert msgpack.unpackb(data) == [
-        2, 1, -2, 3, 1, 2, 0.5, 7, (1).to_bytes(8, "big") + (2).to_bytes(8, "big"), None
+    *fields, check = msgpack.unpackb(data)
+    assert fields == [
+        3, 1, -2, 3, 1, 2, 0.5, 7, (1).to_bytes(8, "big") + (2).to_bytes(8, "big"), None
     ]  # fmt: skip
-    assert len(data) == 40 + 9 + 5 + 16 + 1
+    assert len(data) == 40 + 9 + 5 + 16 + 1 + 5
+    # the check field's four bytes are the CRC-32 of everything before them
+    assert data[-5] == 0xCE
+    assert check.to_bytes(4, "big") == zlib.crc32(data[:-4]).to_bytes(4, "little")
     # a record with the same values in msgpack's smallest encoding decodes to the same event
-    assert decode(msgpack.packb(msgpack.unpackb(data))) == event
+    assert decode(seal(fields)) == event
+    # and so does the same record without its checksum, in version 2
+    assert decode(msgpack.packb([2, *fields[1:]])) == event
 
 
 ZERO_BLOCK = bytes(16)
@@ -211,7 +238,7 @@ VALUES = st.recursive(
 def near_records(draw: st.DrawFn) -> bytes:
     """Records that look right at first: a current header and a random body."""
     head = [
-        RECORD_VERSION,
+        draw(st.sampled_from([RECORD_VERSION, 2])),
         draw(st.integers(0, 6)),
         draw(st.integers(0, 3) | VALUES),
         draw(st.integers(-1, 3) | VALUES),
@@ -221,7 +248,7 @@ def near_records(draw: st.DrawFn) -> bytes:
     ]
     hash_bins = st.integers(0, 4).flatmap(lambda n: st.binary(min_size=8 * n, max_size=8 * n))
     body = draw(st.lists(VALUES | hash_bins | st.binary(max_size=3), max_size=5))
-    return msgpack.packb(head + body)
+    return seal(head + body) if head[0] == RECORD_VERSION else msgpack.packb(head + body)
 
 
 @settings(max_examples=500)
@@ -235,15 +262,21 @@ def test_structured_garbage_decodes_or_raises_codec_error(data: bytes) -> None:
 
 
 def fold_reference(
-    rows: list[tuple[int, float, bytes]],
-) -> tuple[RegistryState, BaseException | None]:
+    rows: list[tuple[int, float, bytes]], until_event_id: int | None = None
+) -> tuple[RegistryState, BaseException | None, int | None]:
+    """Replay's rules one row at a time: decode (which verifies), the ts column must agree,
+    events after the bound are skipped; the error and the position it names."""
     state = RegistryState()
-    try:
-        for position, _ts, payload in rows:
-            state.apply(decode(payload, position))
-    except ValueError as exc:
-        return state, exc
-    return state, None
+    for position, ts, payload in rows:
+        try:
+            event = decode(payload, position)
+            if event.ts != ts:
+                raise CodecError("ts column", position)
+            if until_event_id is None or event.event_id <= until_event_id:
+                state.apply(event)
+        except ValueError as exc:
+            return state, exc, position
+    return state, None, None
 
 
 @st.composite
@@ -265,15 +298,24 @@ def log_rows(draw: st.DrawFn) -> list[tuple[int, float, bytes]]:
                 blocks=tuple((draw(hashes), 1) for _ in event.blocks),
             )
         next_id[worker] += 1
-        payload = encode(event)
+        version = draw(st.sampled_from([RECORD_VERSION] * 3 + [2]))
+        payload = encode(event) if version == RECORD_VERSION else unchecked(encode(event))
+        ts = event.ts
         corruption = draw(
-            st.sampled_from(["none"] * 12 + ["garbage", "near", "repeat", "gap", "flip", "cut"])
+            st.sampled_from(
+                ["none"] * 12 + ["garbage", "near", "repeat", "gap", "flip", "bit", "cut", "ts"]
+            )
         )
         if corruption == "flip":
             # one byte of a well-formed record changed: the chunk decoder's checks must catch
             # exactly what decode catches, and read the same event where decode reads one
             at = draw(st.integers(0, len(payload) - 1))
             payload = payload[:at] + bytes([draw(st.integers(0, 255))]) + payload[at + 1 :]
+        elif corruption == "bit":
+            at = draw(st.integers(0, 8 * len(payload) - 1))
+            payload = bytes(b ^ (1 << at % 8 if i == at // 8 else 0) for i, b in enumerate(payload))
+        elif corruption == "ts":
+            ts = draw(st.floats(allow_nan=False))
         elif corruption == "cut":
             payload = payload[: draw(st.integers(0, len(payload) - 1))]
         elif corruption == "gap":
@@ -284,7 +326,7 @@ def log_rows(draw: st.DrawFn) -> list[tuple[int, float, bytes]]:
             payload = draw(near_records())
         elif corruption == "repeat":
             payload = encode(type(event)(**{**_fields(event, worker), "event_id": 0}))
-        rows.append((position, float(position), payload))
+        rows.append((position, ts, payload))
     return rows
 
 
@@ -300,19 +342,21 @@ def _fields(event: AnyEvent, worker: int) -> dict[str, object]:
 
 
 @settings(max_examples=400)
-@given(log_rows(), st.integers(1, 7))
+@given(log_rows(), st.integers(1, 7), st.none() | st.integers(-1, 12))
 def test_chunk_fold_agrees_with_decode_and_apply(
-    rows: list[tuple[int, float, bytes]], chunk: int
+    rows: list[tuple[int, float, bytes]], chunk: int, until_event_id: int | None
 ) -> None:
-    expected, error = fold_reference(rows)
+    expected, error, position = fold_reference(rows, until_event_id)
     state = RegistryState()
     try:
         for start in range(0, len(rows), chunk):
-            fold_chunk(state, rows[start : start + chunk])
+            fold_chunk(state, rows[start : start + chunk], until_event_id)
     except ValueError as exc:
         assert error is not None, f"fast fold raised {exc!r}, reference did not"
-        assert type(exc) is type(error)
-        assert str(error) in str(exc) or str(exc).endswith(str(error).split(": ", 1)[-1])
+        assert isinstance(exc, type(error))
+        assert exc.position == position  # type: ignore[attr-defined]
+        if "ts column" not in str(error):
+            assert str(error) in str(exc) or str(exc).endswith(str(error).split(": ", 1)[-1])
         return
     assert error is None, f"reference raised {error!r}, fast fold did not"
     assert state == expected
@@ -339,8 +383,10 @@ def test_bad_snapshot_is_refused() -> None:
 def test_chunk_decoder_reads_what_the_writer_writes(evs: list[AnyEvent]) -> None:
     """Records straight from ``encode`` never need the per-row path."""
     evs = [type(e)(**{**_fields(e, 5), "event_id": i}) for i, e in enumerate(evs)]
-    decoded = decode_chunk([encode(e) for e in evs], {})
+    decoded = decode_chunk([encode(e) for e in evs], {}, np.array([e.ts for e in evs]))
     assert decoded is not None
+    # and of a log written before checksums
+    assert decode_chunk([unchecked(encode(e)) for e in evs], {}) is not None
     assert decoded.last_event_id == {5: len(evs) - 1}
     state = RegistryState()
     for key, ops in decoded.ops.items():
@@ -348,6 +394,14 @@ def test_chunk_decoder_reads_what_the_writer_writes(evs: list[AnyEvent]) -> None
     expected = RegistryState.from_events(evs)
     assert state == expected
     assert state.digest() == expected.digest()
+    # an event-id bound: the later records are verified, not folded, and need no slow path
+    until = len(evs) // 2
+    bounded = decode_chunk([encode(e) for e in evs], {}, until_event_id=until)
+    assert bounded is not None
+    state = RegistryState()
+    for key, ops in bounded.ops.items():
+        state.fold_ops(key, ops)
+    assert state == RegistryState.from_events(evs[: until + 1])
 
 
 def test_chunk_decoder_declines_what_it_cannot_vouch_for() -> None:
@@ -364,10 +418,27 @@ def test_chunk_decoder_declines_what_it_cannot_vouch_for() -> None:
     assert decode(with_tokens).token_ids == ((3, 4),)  # type: ignore[union-attr]
     assert decode_chunk([good[0], with_tokens], {}) is not None
     # a token bin whose counts do not add up: decode refuses it, the chunk decoder declines
-    bad_count = with_tokens[:-12] + (5).to_bytes(4, "big") + with_tokens[-8:]
-    with pytest.raises(CodecError, match="token_ids must be nil or a bin of 1 u32 counts"):
-        decode(bad_count)
-    assert decode_chunk([good[0], bad_count], {}) is None
-    smallest = msgpack.packb(msgpack.unpackb(good[1]))  # valid, but not the writer's widths
+    # (in a record without a checksum, and in one whose checksum was made to match)
+    v2 = unchecked(with_tokens)
+    bad_v2 = v2[:-12] + (5).to_bytes(4, "big") + v2[-8:]
+    bad_v3 = reseal(with_tokens[:-17] + (5).to_bytes(4, "big") + with_tokens[-13:])
+    for bad_count in (bad_v2, bad_v3):
+        with pytest.raises(CodecError, match="token_ids must be nil or a bin of 1 u32 counts"):
+            decode(bad_count)
+        assert decode_chunk([good[0], bad_count], {}) is None
+    # the same record without the checksum goes the fast way too
+    assert decode_chunk([unchecked(good[0]), v2], {}) is not None
+    # a damaged record: decode refuses it, the chunk decoder declines
+    damaged = with_tokens[:-17] + (5).to_bytes(4, "big") + with_tokens[-13:]
+    with pytest.raises(CodecError, match="damaged: its checksum does not match"):
+        decode(damaged)
+    assert decode_chunk([good[0], damaged], {}) is None
+    # a kind that is none, whatever the array header byte says
+    clear = encode(Cleared(event_id=1, worker_id=0, dp_rank=0, tier=Tier.G1, ts=0.0))
+    for first, version in ((0xFF, 2), (0x00, 2), (0x00, 3)):
+        body = b"\x01\xc6" + (8).to_bytes(4, "big") + bytes(8) + b"\xc0"  # a copy's shape
+        odd = bytes([first, version, 7]) + clear[3:40] + body
+        assert decode_chunk([good[0], odd], {}) is None
+    smallest = seal(msgpack.unpackb(good[1])[:-1])  # valid, but not the writer's widths
     assert decode(smallest) == stored(1)
     assert decode_chunk([good[0], smallest], {}) is None

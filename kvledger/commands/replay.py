@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
+import sys
 
 from kvledger.commands.args import (
     input_file,
@@ -13,8 +15,16 @@ from kvledger.commands.args import (
     timestamp,
 )
 from kvledger.commands.progress import Progress
+from kvledger.events.codec import CodecError
 from kvledger.events.log import EventLog
-from kvledger.events.replay import load_state, replay_report, save_state, verify
+from kvledger.events.replay import (
+    ReplayReport,
+    RowOrderError,
+    load_state,
+    replay_report,
+    save_state,
+    verify,
+)
 from kvledger.registry.state import RegistryState
 
 
@@ -32,6 +42,12 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         metavar="T",
         help="stop at the first event after T (seconds since the epoch, or an ISO time as "
         "`kvledger inspect` prints it)",
+    )
+    p.add_argument(
+        "--until-position",
+        type=non_negative_int,
+        metavar="P",
+        help="stop after the row at position P (a damaged row's error names the last good one)",
     )
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--no-checkpoints", action="store_true", help="fold the whole log")
@@ -56,21 +72,37 @@ def summary(state: RegistryState) -> dict[str, object]:
     }
 
 
-def run(args: argparse.Namespace) -> int:
+def _replay(args: argparse.Namespace) -> ReplayReport:
     with EventLog(args.log, read_only=True) as log:
         # The bar shows the position reached in the log (a replay from a checkpoint starts part
         # way): positions can skip and --until stops earlier, so it ends where replay does.
         progress = Progress(log.last_position(), "replay", unit="rows")
         try:
-            report = replay_report(
+            return replay_report(
                 log,
                 until_event_id=args.until,
                 until_ts=args.until_ts,
+                until_position=args.until_position,
                 use_checkpoints=not args.no_checkpoints,
                 on_progress=lambda report: progress(report.last_position),
             )
         finally:
             progress.close()
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        report = _replay(args)
+    except (CodecError, RowOrderError) as exc:
+        # a damaged row: say where, and how to replay what comes before it
+        hint = ""
+        if exc.last_good is not None:
+            hint = (
+                f"; `kvledger replay {shlex.quote(args.log)} --until-position {exc.last_good}` "
+                f"replays the log up to it"
+            )
+        print(f"kvledger replay: error: {exc}{hint}", file=sys.stderr)
+        return 2
     state = report.state
     if args.dump:
         save_state(args.dump, state)
