@@ -181,12 +181,9 @@ def to_row(event: AnyEvent) -> Row:
 
 
 COLUMNS = ("worker", "event_id", "kind", "tier", "ts", "payload")
-STATEMENT_ROWS = (512, 256, 128, 64, 32, 16, 8, 4, 2, 1)
-"""Rows per INSERT statement, largest first. A batch goes out as full 512-row statements and
-its remainder in these sizes, so only ten statement texts ever exist and each is prepared once
-and then reused from the driver's statement cache (preparing a 300-row statement costs ~1 ms).
-512 rows bind 3,072 parameters: within SQLite's limit since 3.32 (32,766) and PostgreSQL's
-(65,535)."""
+STATEMENT_ROWS = 512
+"""Rows per full INSERT statement: 3,072 parameters, within SQLite's limit since 3.32 (32,766)
+and PostgreSQL's (65,535)."""
 
 
 def insert_sql(paramstyle: str, rows: int = 1) -> str:
@@ -199,21 +196,28 @@ def insert_sql(paramstyle: str, rows: int = 1) -> str:
 class InsertStatements:
     """Splits a batch of rows into multi-row INSERTs: ``for sql, params in statements(batch)``.
 
-    Why not ``executemany``: see the module docstring (one GIL hand-off per statement, not per
-    row). SQLite builds before 3.32 allow 999 parameters, so there the largest statements are
-    left out.
+    Why not ``executemany``: see the module docstring. Every statement costs the writer one GIL
+    hand-off to step it, and while a producer thread runs flat out each hand-off can wait a
+    whole switch interval (5 ms), so a batch goes out in as few statements as it can: full
+    ``STATEMENT_ROWS`` statements, prepared once and reused from the driver's statement cache,
+    then one statement of exactly the remainder (preparing it costs ~1 ms and one more hand-off,
+    where splitting the remainder into cached sizes would cost up to eight). SQLite builds
+    before 3.32 allow 999 parameters, so there statements are smaller.
     """
 
     def __init__(self, paramstyle: str, max_params: int) -> None:
-        sizes = [n for n in STATEMENT_ROWS if n * len(COLUMNS) <= max_params]
-        self._sql = {n: insert_sql(paramstyle, n) for n in sizes}
+        self._paramstyle = paramstyle
+        self._full = min(STATEMENT_ROWS, max_params // len(COLUMNS))
+        self._full_sql = insert_sql(paramstyle, self._full)
 
     def __call__(self, batch: list[Row]) -> Iterator[tuple[str, tuple[Any, ...]]]:
-        start = 0
-        for size, sql in self._sql.items():
-            while len(batch) - start >= size:
-                yield sql, tuple(chain.from_iterable(batch[start : start + size]))
-                start += size
+        full = self._full
+        whole = len(batch) - len(batch) % full
+        for start in range(0, whole, full):
+            yield self._full_sql, tuple(chain.from_iterable(batch[start : start + full]))
+        if whole < len(batch):
+            rest = batch[whole:]
+            yield insert_sql(self._paramstyle, len(rest)), tuple(chain.from_iterable(rest))
 
 
 def max_params(dialect: str) -> int:
@@ -232,18 +236,20 @@ def check_queue_sizes(batch_size: int, queue_size: int) -> None:
         )
 
 
-LAG_BOUND = 2.0
+LAG_BOUND = 1.0
 """With durability "batch" or "fsync", ``append`` waits once the oldest uncommitted row is older
-than ``LAG_BOUND * max_delay``. Twice the delay leaves the writer, which starts a commit at most
-``max_delay / 2`` after a row is queued, room for a slow commit before the producer feels it."""
+than ``LAG_BOUND * max_delay``, so a crash loses at most what was appended within ``max_delay``.
+The writer starts a commit ``max_delay / 4`` after a row is queued, which leaves the commit
+three quarters of the delay before the producer feels it."""
 
 
 class Backlog:
     """The rows appended and not yet committed, and the bound that makes ``append`` wait.
 
-    The contract: the writer starts a commit at most ``max_delay / 2`` after a row is queued (or
-    at once when ``batch_size`` rows are queued or an appender waits), so a row is committed
-    within ``max_delay`` while the writer keeps up. Whether or not it keeps up, the uncommitted
+    The contract: the writer starts a commit at most ``max_delay / 4`` after a row is queued (or
+    at once when ``batch_size`` rows are queued or an appender waits), so while it keeps up a row
+    is committed within ``max_delay`` (measured p99 at the engine-on simulation's rate: see
+    bench/eventlog_bench.py, "lag under load"). Whether or not it keeps up, the uncommitted
     tail (appended - committed, the batch being written included) never exceeds ``queue_size``
     rows, and with durability "batch" or "fsync" no row is queued while the oldest uncommitted
     one is older than ``max_lag`` (``LAG_BOUND * max_delay``): ``append`` waits instead
@@ -263,7 +269,7 @@ class Backlog:
             raise ValueError(f"max_delay must be a positive number of seconds, got {max_delay}")
         self.batch_size = batch_size
         self.queue_size = queue_size
-        self.commit_after = max_delay / 2
+        self.commit_after = max_delay / 4
         self.max_lag: float | None = None if durability == "none" else LAG_BOUND * max_delay
         self.pending: list[Row] = []
         self.appended = 0
@@ -336,17 +342,37 @@ class Backlog:
         return 0.0 if oldest is None else now - oldest
 
 
+_DBAPI_ERRORS = frozenset(
+    {
+        "IntegrityError",
+        "OperationalError",
+        "DataError",
+        "ProgrammingError",
+        "InternalError",
+        "NotSupportedError",
+        "InterfaceError",
+        "DatabaseError",
+    }
+)
+"""PEP 249's error classes: each driver's errors derive from these (the first one in an
+error's MRO is the most specific)."""
+
+
 def writer_failure(exc: BaseException, lost: int) -> EventLogError:
-    """One line naming the cause. SQLAlchemy's own message carries the statement and its
-    parameters (binary rows), so the text is the driver's error; the class is SQLAlchemy's,
-    which names the same category (IntegrityError, OperationalError) on every database."""
+    """One line naming the cause: the driver's message, never SQLAlchemy's, which carries the
+    statement and its parameters (binary rows); named by its PEP 249 category (IntegrityError,
+    OperationalError), the same on every database."""
     cause = exc.orig if isinstance(exc, sa.exc.DBAPIError) and exc.orig is not None else exc
     text = "; ".join(line.strip() for line in str(cause).splitlines() if line.strip())
+    category = next(
+        (c.__name__ for c in type(cause).__mro__ if c.__name__ in _DBAPI_ERRORS),
+        type(cause).__name__,
+    )
     hint = ""
-    if isinstance(exc, sa.exc.IntegrityError):
+    if category == "IntegrityError":
         hint = " (is another process logging as the same worker id?)"
     return EventLogError(
-        f"the event log writer failed ({type(exc).__name__}: {text}){hint}; "
+        f"the event log writer failed ({category}: {text}){hint}; "
         f"{lost} appended events were not stored"
     )
 
@@ -611,6 +637,12 @@ class EventLog:
                 statements = InsertStatements(
                     conn.dialect.paramstyle, max_params(conn.dialect.name)
                 )
+                # The driver's own connection, and one cursor for the writer's life: every call
+                # that releases the GIL costs a hand-off (see InsertStatements), and SQLAlchemy
+                # opens and closes a cursor per statement.
+                dbapi = conn.connection.dbapi_connection
+                assert dbapi is not None
+                cursor = dbapi.cursor()
                 while True:
                     with self._lock:
                         while not self._closing:
@@ -622,8 +654,8 @@ class EventLog:
                         closing = self._closing
                     if batch:
                         for sql, params in statements(batch):
-                            conn.exec_driver_sql(sql, params)
-                        conn.commit()
+                            cursor.execute(sql, params)
+                        dbapi.commit()
                         with self._lock:
                             backlog.done(len(batch), monotonic())
                             self._committed_cv.notify_all()
@@ -794,15 +826,15 @@ class EventLog:
 
     # -- checkpoints --------------------------------------------------------------------------
 
-    def save_checkpoint(self, position: int, state: RegistryState, max_ts: float) -> None:
-        """Store ``state`` as the fold of every row up to ``position``.
+    def save_checkpoint(self, position: int, state: RegistryState, max_ts: float) -> bool:
+        """Store ``state`` as the fold of every row up to ``position``; False if not stored.
 
         One there already is replaced: it holds the same fold, unless it was written in an
         older snapshot format, which this heals. A log on storage this process cannot write
         (``writable`` is False) keeps none: a checkpoint only saves a later replay time.
         """
         if not self.writable:
-            return
+            return False
         values = {
             "max_event_id": max(state.last_event_id.values(), default=-1),
             "max_ts": max_ts,
@@ -819,6 +851,7 @@ class EventLog:
                 conn.execute(
                     checkpoints.update().where(checkpoints.c.id == exists[0]).values(**values)
                 )
+        return True
 
     def latest_checkpoint(
         self,
