@@ -291,8 +291,8 @@ class Backlog:
 
     def room(self, now: float) -> int:
         """Rows that may be queued now; 0 means the appender must wait."""
-        if self.max_lag is not None:
-            oldest = self.oldest()
+        if self.max_lag is not None:  # the hot path: oldest() inlined
+            oldest = self._pending_since if self._writing_since is None else self._writing_since
             if oldest is not None and now - oldest > self.max_lag:
                 return 0
         return self.queue_size - (self.appended - self.committed)
