@@ -277,7 +277,6 @@ class Backlog:
         self.waiters = 0  # appenders held back and flushes under way: commit at once
         self.backpressure_waits = 0
         self.backpressure_seconds = 0.0
-        self.last_commit_lag = 0.0
         self.max_commit_lag = 0.0
         self.commit_times: deque[tuple[int, float]] = deque(maxlen=4096)
         """Recent commits as (rows committed so far, ``time.monotonic()``): what a lag
@@ -327,8 +326,7 @@ class Backlog:
         """The batch taken last is committed."""
         self.committed += rows
         if self._writing_since is not None:
-            self.last_commit_lag = now - self._writing_since
-            self.max_commit_lag = max(self.max_commit_lag, self.last_commit_lag)
+            self.max_commit_lag = max(self.max_commit_lag, now - self._writing_since)
             self._writing_since = None
         self.commit_times.append((self.committed, now))
 
