@@ -222,7 +222,7 @@ def test_a_stalled_writer_holds_the_producer_by_age_not_only_by_count(
                 time.sleep(0.6)
                 assert not done.is_set(), "append did not wait for a stalled writer"
                 assert log.queue_depth < n - 1
-                assert log.commit_lag >= 0.5
+                assert log.max_lag is not None and log.commit_lag > log.max_lag
         finally:
             blocker.rollback()
             blocker.close()
@@ -233,7 +233,7 @@ def test_a_stalled_writer_holds_the_producer_by_age_not_only_by_count(
         assert [e.event_id for e in log.read()] == list(range(n))
         if durability == "batch":
             assert log.backpressure_waits >= 1
-            assert log.backpressure_seconds >= 0.5
+            assert log.backpressure_seconds > 0
         assert log.commit_lag == 0.0
 
 
@@ -272,7 +272,8 @@ def test_async_log_holds_the_producer_for_a_stalled_writer(tmp_path: Path) -> No
             task = asyncio.create_task(produce())
             await asyncio.sleep(0.6)
             assert not task.done(), "append did not wait for a stalled writer"
-            assert log.queue_depth < 19_999 and log.commit_lag >= 0.5
+            assert log.queue_depth < 19_999
+            assert log.max_lag is not None and log.commit_lag > log.max_lag
             await asyncio.to_thread(blocker.rollback)
             blocker.close()
             engine.dispose()
