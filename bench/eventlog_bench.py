@@ -7,15 +7,31 @@ same table. Replay: read + decode + fold into a RegistryState against raw
 state's arrays into per-block dicts (``RegistryState.tiers``). Each figure is the best of
 --repeat rounds, each round running every measure once.
 
+Lag under load: a producer that never sleeps (it spins between appends, as an engine's loop
+does) appends at ``--rate`` events/s, the rate of ``kvledger simulate --engine on`` on the
+mooncake conversation trace, for ``--lag-seconds``; each event's commit lag (append to the
+commit that holds it) is printed as p50/p99/max against the configured ``max_delay``, with the
+deepest backlog against ``queue_size`` and the back-pressure waits. Then ``--kills`` child
+processes doing the same are SIGKILLed at random moments: the events each loses, and the span
+of append time they cover against the bound ``max_lag``.
+
     .venv/bin/python bench/eventlog_bench.py [--events 200000] [--repeat 3] [--dir DIR]
+        [--rate 15000] [--lag-seconds 5] [--kills 5]
 """
 
 from __future__ import annotations
 
 import argparse
+import bisect
+import mmap
+import os
 import random
 import shutil
+import signal
 import sqlite3
+import struct
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -29,6 +45,9 @@ from kvledger.events.types import AnyEvent, BlockInfo, Tier
 from kvledger.registry.emitter import EventEmitter
 
 BATCH = 10_000
+ENGINE_ON_RATE = 15_000
+"""Events/s that ``kvledger simulate --engine on --g2-blocks 8192 --g3-blocks 32768`` appends
+on the mooncake conversation trace (96,093 events in its first 6.6 s on the 2-core VM)."""
 
 
 def workload(n_events: int, seed: int = 7, block_tokens: int = 0) -> list[AnyEvent]:
@@ -133,6 +152,121 @@ def our_replay(path: Path, n: int, *, as_dicts: bool = False) -> float:
     return elapsed
 
 
+# -- lag under load ---------------------------------------------------------------------------
+
+
+def paced(log: EventLog, events: list[AnyEvent], rate: float, seconds: float) -> list[float]:
+    """Append ``events`` at ``rate``/s for up to ``seconds``, spinning (never sleeping) between
+    appends; returns each appended event's time (``time.monotonic()`` after its append)."""
+    clock = time.monotonic
+    append = log.append
+    appended: list[float] = []
+    start = clock()
+    for i, event in enumerate(events):
+        due = start + i / rate
+        while clock() < due:
+            pass
+        append(event)
+        appended.append(clock())
+        if appended[-1] - start > seconds:
+            break
+    return appended
+
+
+def lag_under_load(path: Path, events: list[AnyEvent], rate: float, seconds: float) -> str:
+    log = EventLog(str(path))
+    depths: list[int] = []
+    original = log.append
+
+    def append(event: AnyEvent) -> None:
+        original(event)
+        depths.append(log.queue_depth)
+
+    log.append = append  # type: ignore[method-assign]
+    appended = paced(log, events, rate, seconds)
+    log.flush()
+    commits = list(log.commit_times)
+    waits, waited = log.backpressure_waits, log.backpressure_seconds
+    log.close()
+    counts = [n for n, _ in commits]
+    lags = sorted(commits[bisect.bisect_left(counts, i + 1)][1] - t for i, t in enumerate(appended))
+    got = len(appended) / (appended[-1] - appended[0])
+
+    def ms(q: float) -> str:
+        return f"{lags[min(len(lags) - 1, int(q * len(lags)))] * 1000:.0f}"
+
+    return (
+        f"lag under load: {got:,.0f} events/s for {len(appended):,} events: commit lag p50 "
+        f"{ms(0.5)} ms, p99 {ms(0.99)} ms, max {lags[-1] * 1000:.0f} ms (max_delay "
+        f"{log.max_delay * 1000:.0f} ms); queue max {max(depths):,} / {log.queue_size:,}; "
+        f"back-pressure {waits} waits, {waited:.2f} s"
+    )
+
+
+HEADER = struct.Struct("<q")
+TIMES = struct.Struct("<dd")
+
+
+def child(url: str, shared: str, rate: float, n_events: int) -> None:
+    """A producer to kill: appends at ``rate``/s; after each append it writes the append's
+    start and end times, then the count appended, into ``shared``."""
+    events = workload(n_events)
+    with open(shared, "r+b") as f:
+        m = mmap.mmap(f.fileno(), 0)
+    log = EventLog(url)
+    clock = time.monotonic
+    print("started", flush=True)
+    start = clock()
+    for i, event in enumerate(events):
+        due = start + i / rate
+        while clock() < due:
+            pass
+        before = clock()
+        log.append(event)
+        TIMES.pack_into(m, HEADER.size + TIMES.size * i, before, clock())
+        HEADER.pack_into(m, 0, i + 1)
+    time.sleep(3600)
+
+
+def kill_at_random(work: Path, rate: float, kills: int, n_events: int) -> str:
+    rng = random.Random()
+    lost: list[int] = []
+    spans: list[float] = []
+    for k in range(kills):
+        db = work / f"kill-{k}.db"
+        EventLog(str(db)).close()
+        shared = work / f"kill-{k}.bin"
+        with open(shared, "wb") as f:
+            f.truncate(HEADER.size + TIMES.size * n_events)
+        proc = subprocess.Popen(
+            [sys.executable, __file__, "--child", str(db), str(shared), str(rate), str(n_events)],
+            stdout=subprocess.PIPE,
+        )
+        assert proc.stdout is not None and proc.stdout.readline().strip() == b"started"
+        time.sleep(rng.uniform(1.0, 3.0))
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+        with open(shared, "rb") as f:
+            m = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        (appended,) = HEADER.unpack_from(m, 0)
+        with sqlite3.connect(db) as conn:
+            (committed,) = conn.execute("SELECT count(*) FROM events").fetchone()
+        lost.append(max(0, appended - committed))
+        span = 0.0
+        if appended > committed:
+            _, first_done = TIMES.unpack_from(m, HEADER.size + TIMES.size * committed)
+            last_start, _ = TIMES.unpack_from(m, HEADER.size + TIMES.size * (appended - 1))
+            span = last_start - first_done
+        spans.append(span)
+        m.close()
+    with EventLog(str(work / "bound.db")) as log:
+        bound = log.max_lag or 0.0
+    return (
+        f"SIGKILL x{kills} at random moments: events lost {', '.join(map(str, lost))} "
+        f"(appended over at most {max(spans) * 1000:.0f} ms; bound max_lag {bound * 1000:.0f} ms)"
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--events", type=int, default=200_000)
@@ -141,7 +275,17 @@ def main() -> None:
     parser.add_argument(
         "--block-tokens", type=int, default=0, help="token ids per stored block (default none)"
     )
+    parser.add_argument(
+        "--rate", type=float, default=ENGINE_ON_RATE, help="lag under load: events/s appended"
+    )
+    parser.add_argument("--lag-seconds", type=float, default=5.0, help="lag under load: length")
+    parser.add_argument("--kills", type=int, default=5, help="SIGKILLed producers (0: none)")
+    parser.add_argument("--child", nargs=4, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.child:
+        url, shared, rate, n_events = args.child
+        child(url, shared, float(rate), int(n_events))
+        return
     n = args.events
     events = workload(n, block_tokens=args.block_tokens)
     rows = [
@@ -168,6 +312,10 @@ def main() -> None:
             }
             for name, seconds in round_.items():
                 times.setdefault(name, []).append(seconds)
+        under_load = max(n, int(args.rate * (args.lag_seconds + 1)))
+        load_events = events if under_load <= n else workload(under_load)
+        lag_line = lag_under_load(work / "lag.db", load_events, args.rate, args.lag_seconds)
+        kill_line = kill_at_random(work, args.rate, args.kills, under_load) if args.kills else ""
     finally:
         shutil.rmtree(work, ignore_errors=True)
     raw_a, ours_a, ours_m, raw_r, ours_r, dicts_r = (min(times[k]) for k in times)
@@ -191,6 +339,9 @@ def main() -> None:
     line("read    raw SELECT + msgpack.unpackb:", raw_r)
     line("replay  read + decode + fold (no checkpoint):", ours_r, raw_r, spread("ours_r", "raw_r"))
     line("replay  and then every block as a dict:", dicts_r, raw_r, spread("dicts_r", "raw_r"))
+    print(lag_line)
+    if kill_line:
+        print(kill_line)
 
 
 if __name__ == "__main__":

@@ -1,8 +1,9 @@
 """The event log for asyncio code, on SQLAlchemy's asyncio engine (``sqlite+aiosqlite``,
 ``postgresql+psycopg``).
 
-Same tables, records, id checks and group commit as ``EventLog``; the writer is a task on the
-caller's loop instead of a thread, and a full queue makes ``append`` wait instead of block.
+Same tables, records, id checks, group commit and back-pressure (``Backlog``) as ``EventLog``;
+the writer is a task on the caller's loop instead of a thread, and a backlog at its bound makes
+``append`` wait instead of block.
 """
 
 from __future__ import annotations
@@ -10,21 +11,23 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Iterable
+from time import monotonic
 
 import sqlalchemy as sa
-from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
+from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
 from kvledger.events.codec import decode
 from kvledger.events.log import (
+    Backlog,
     Durability,
     EventLogError,
-    Row,
-    check_queue_sizes,
+    InsertStatements,
     engine_args,
-    insert_sql,
     install_sqlite_pragmas,
+    max_params,
     order_error,
     to_row,
+    writer_failure,
 )
 from kvledger.events.schema import SchemaError, check_schema, events, shown_url
 from kvledger.events.types import AnyEvent
@@ -45,21 +48,20 @@ class AsyncEventLog:
         max_delay: float = 0.05,
         create: bool = True,
     ) -> None:
-        check_queue_sizes(batch_size, queue_size)
+        self._backlog = Backlog(
+            batch_size=batch_size, queue_size=queue_size, max_delay=max_delay, durability=durability
+        )
         self.url = url
         self.batch_size = batch_size
         self.queue_size = queue_size
         self.max_delay = max_delay
+        self.max_lag = self._backlog.max_lag
         self.create = create
         parsed, kwargs, synchronous = engine_args(url, durability)
         self._engine: AsyncEngine = create_async_engine(parsed, **kwargs)
         if synchronous is not None:
             install_sqlite_pragmas(self._engine.sync_engine, synchronous)
-        self._insert_sql = insert_sql(self._engine.dialect.paramstyle)
-        self._pending: list[Row] = []
         self._next_ids: dict[int, int] = {}
-        self._appended = 0
-        self._committed = 0
         self._changed: asyncio.Condition | None = None
         self._writer: asyncio.Task[None] | None = None
         self._closing = False
@@ -94,18 +96,40 @@ class AsyncEventLog:
 
     def _check_open(self) -> None:
         if self._error is not None:
-            raise EventLogError(
-                f"the event log writer failed ({type(self._error).__name__}: {self._error}); "
-                f"{self._appended - self._committed} appended events were not stored"
-            ) from self._error
+            raise writer_failure(self._error, self.queue_depth) from self._error
         if self._closing:
             raise EventLogError("the event log is closed")
+
+    @property
+    def queue_depth(self) -> int:
+        """Events appended and not yet committed (what a crash now would lose)."""
+        return self._backlog.appended - self._backlog.committed
+
+    @property
+    def commit_lag(self) -> float:
+        """Seconds the oldest uncommitted event has waited (0 when all is committed)."""
+        return self._backlog.commit_lag(monotonic())
+
+    @property
+    def max_commit_lag(self) -> float:
+        """The longest an event waited for its commit so far (append to commit), in seconds."""
+        return self._backlog.max_commit_lag
+
+    @property
+    def backpressure_waits(self) -> int:
+        """Appends that had to wait for the writer (the backlog was at its bound)."""
+        return self._backlog.backpressure_waits
+
+    @property
+    def backpressure_seconds(self) -> float:
+        """Time appenders spent waiting for the writer, in total."""
+        return self._backlog.backpressure_seconds
 
     async def append(self, event: AnyEvent) -> None:
         await self.append_many((event,))
 
     async def append_many(self, batch: Iterable[AnyEvent]) -> None:
-        """Queue events (checked as a whole first); waits while the queue is full."""
+        """Queue events (checked as a whole first); waits while the backlog is at its bound."""
         rows = [to_row(e) for e in batch]
         cond = self._cond()
         self._check_open()
@@ -118,30 +142,50 @@ class AsyncEventLog:
                 raise order_error(worker, event_id, expected)
             next_ids[worker] = expected + 1
         self._next_ids.update(next_ids)
+        backlog = self._backlog
         async with cond:
             start = 0
             while start < len(rows):
-                room = self.queue_size - len(self._pending)
-                if room <= 0:
-                    cond.notify_all()
-                    await cond.wait()
-                    self._check_open()
-                    continue
+                now = monotonic()
+                room = backlog.room(now)
+                if room < 1:
+                    now = await self._wait_for_room(cond)
+                    room = backlog.room(now)
                 chunk = rows[start : start + room]
-                self._pending.extend(chunk)
-                self._appended += len(chunk)
                 start += len(chunk)
-            if len(self._pending) >= self.batch_size:
+                if backlog.add(chunk, now):
+                    cond.notify_all()
+
+    async def _wait_for_room(self, cond: asyncio.Condition) -> float:
+        """Back-pressure, as in ``EventLog._wait_for_room`` (``cond`` held)."""
+        backlog = self._backlog
+        started = now = monotonic()
+        backlog.waiters += 1
+        try:
+            while backlog.room(now) < 1:
                 cond.notify_all()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(cond.wait(), self.max_delay)
+                self._check_open()
+                now = monotonic()
+        finally:
+            backlog.waiters -= 1
+            backlog.waited(now - started)
+        return now
 
     async def flush(self) -> None:
         cond = self._cond()
         async with cond:
-            target = self._appended
-            while self._committed < target:
-                self._check_open()
-                cond.notify_all()
-                await cond.wait()
+            backlog = self._backlog
+            target = backlog.appended
+            backlog.waiters += 1
+            try:
+                while backlog.committed < target:
+                    self._check_open()
+                    cond.notify_all()
+                    await cond.wait()
+            finally:
+                backlog.waiters -= 1
 
     async def close(self) -> None:
         if self._writer is not None and not self._closing:
@@ -153,24 +197,32 @@ class AsyncEventLog:
         self._closing = True
         await self._engine.dispose()
         if self._error is not None:
-            raise EventLogError(f"the event log writer failed: {self._error}") from self._error
+            raise writer_failure(self._error, self.queue_depth) from self._error
 
     async def _run_writer(self) -> None:
         cond = self._cond()
+        backlog = self._backlog
         try:
             async with self._engine.connect() as conn:
+                statements = InsertStatements(
+                    conn.dialect.paramstyle, max_params(conn.dialect.name)
+                )
                 while True:
                     async with cond:
-                        if not (self._pending or self._closing):
+                        while not self._closing:
+                            wait = backlog.writer_wait(monotonic())
+                            if wait == 0.0:
+                                break
                             with contextlib.suppress(TimeoutError):
-                                await asyncio.wait_for(cond.wait(), self.max_delay)
-                        batch, self._pending = self._pending, []
+                                await asyncio.wait_for(cond.wait(), wait)
+                        batch = backlog.take()
                         closing = self._closing
-                        cond.notify_all()
                     if batch:
-                        await self._write(conn, batch)
+                        for sql, params in statements(batch):
+                            await conn.exec_driver_sql(sql, params)
+                        await conn.commit()
                         async with cond:
-                            self._committed += len(batch)
+                            backlog.done(len(batch), monotonic())
                             cond.notify_all()
                     elif closing:
                         return
@@ -178,11 +230,6 @@ class AsyncEventLog:
             self._error = exc
             async with cond:
                 cond.notify_all()
-
-    async def _write(self, conn: AsyncConnection, batch: list[Row]) -> None:
-        for start in range(0, len(batch), self.batch_size):
-            await conn.exec_driver_sql(self._insert_sql, batch[start : start + self.batch_size])
-        await conn.commit()
 
     async def _last_committed_id(self, worker: int) -> int:
         async with self._engine.connect() as conn:

@@ -269,11 +269,10 @@ def _latest_checkpoint(
 def _try_checkpoint(log: EventLog, position: int, state: RegistryState, max_ts: float) -> bool:
     """Checkpoints are an optimisation: a log we may not write to still replays."""
     try:
-        log.save_checkpoint(position, state, max_ts)
+        return log.save_checkpoint(position, state, max_ts)
     except sa.exc.OperationalError as exc:
         warnings.warn(f"could not store a checkpoint at {position}: {exc}", stacklevel=3)
         return False
-    return True
 
 
 def verify(replayed: RegistryState, live: RegistryState) -> list[str]:

@@ -7,6 +7,7 @@ same module.
 from __future__ import annotations
 
 import asyncio
+import re
 import sqlite3
 import threading
 import time
@@ -399,3 +400,67 @@ def test_sqlite_log_is_wal_and_readable_by_sqlite3(backend: str, log_url: str) -
     assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
     assert conn.execute("SELECT count(*) FROM events").fetchone()[0] > 3
     conn.close()
+
+
+# -- writer failures ------------------------------------------------------------------------
+
+
+def _assert_one_clean_line(message: str) -> None:
+    """What an operator sees: one line, no statement, no parameters, no binary rows."""
+    assert "\n" not in message, message
+    for leak in ("[SQL", "parameters", "b'\\x", 'b"\\x', "INSERT INTO"):
+        assert leak not in message, f"{leak!r} in {message!r}"
+    assert len(message) < 400, message
+
+
+def test_duplicate_worker_id_from_a_second_writer_is_one_clean_line(log_url: str) -> None:
+    first = EventLog(log_url, max_delay=0.01)
+    emitter = EventEmitter(first.append)
+    emit_some(emitter, 5)
+    first.flush()
+    # A second process starts as the same worker: both continue from the same next id.
+    second = EventLog(log_url, max_delay=0.01)
+    intruder = EventEmitter(second.append, first_event_id=second.last_event_id(0) + 1)
+    emit_some(intruder, 5)
+    second.flush()
+    emit_some(emitter, 5, start=5)
+    with pytest.raises(EventLogError) as failure:
+        first.flush()
+    message = str(failure.value)
+    _assert_one_clean_line(message)
+    assert "IntegrityError" in message
+    assert "same worker id" in message
+    assert re.search(r"\d+ appended events were not stored$", message)
+    with pytest.raises(EventLogError) as again:
+        first.close()
+    _assert_one_clean_line(str(again.value))
+    second.close()
+
+
+def test_disk_full_is_one_clean_line(backend: str, log_url: str) -> None:
+    """SQLite's own page limit makes the database full for real: the writer's INSERT gets
+    SQLITE_FULL from the library, as it would from a full disk."""
+    if backend != "sqlite":
+        pytest.skip("filling a PostgreSQL server's disk is not done in a unit test")
+    EventLog(log_url).close()
+    path = sa.make_url(log_url).database
+    with sqlite3.connect(path) as conn:
+        (pages,) = conn.execute("PRAGMA page_count").fetchone()
+
+    def limit_pages(dbapi_conn, _record) -> None:  # type: ignore[no-untyped-def]
+        dbapi_conn.execute(f"PRAGMA max_page_count = {pages + 4}")
+
+    sa.event.listen(sa.pool.Pool, "connect", limit_pages)
+    try:
+        log = EventLog(log_url, max_delay=0.01)
+        with pytest.raises(EventLogError) as failure:  # at an append or at the flush
+            emit_some(EventEmitter(log.append), 2000)
+            log.flush()
+        with pytest.raises(EventLogError):
+            log.close()
+    finally:
+        sa.event.remove(sa.pool.Pool, "connect", limit_pages)
+    message = str(failure.value)
+    _assert_one_clean_line(message)
+    assert "database or disk is full" in message
+    assert re.search(r"OperationalError: .*; \d+ appended events were not stored$", message)
