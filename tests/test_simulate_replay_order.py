@@ -118,10 +118,10 @@ def test_issue_12_simulate_command_replays_and_no_prefix_overfills(tmp_path: Pat
     """The command of issue 12 as a user runs it: it used to end in REPLAY MISMATCH."""
     url = f"sqlite:///{tmp_path}/m.db"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("KVLEDGER_", "DYN_KVBM_"))}
-    command = f"simulate --trace {TRACE} --engine off --policy multi_lru --g1-blocks 2048"
-    command += f" --requests 800 --log {url} --json"
+    args = ["simulate", "--trace", str(TRACE), "--log", url, "--json", "--engine", "off"]
+    args += ["--policy", "multi_lru", "--g1-blocks", "2048", "--requests", "800"]
     proc = subprocess.run(
-        [sys.executable, "-m", "kvledger.cli", *command.split()],
+        [sys.executable, "-m", "kvledger.cli", *args],
         cwd=tmp_path,
         env=env,
         capture_output=True,
