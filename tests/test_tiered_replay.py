@@ -118,11 +118,10 @@ class TieredReplayMachine(RuleBasedStateMachine):
         policy=st.sampled_from(POLICY_NAMES),
         offload_filter=st.sampled_from(OFFLOAD_FILTERS),
     )
-    @precondition(lambda self: self.since_restart >= 30)
+    @precondition(lambda self: self.since_restart >= 12)
     def restart(self, sizes: tuple[int, int, int], policy: str, offload_filter: str) -> None:
         """The worker dies (copies in flight and running requests are lost) and starts again
         on the same log, maybe with other sizes: tiers it no longer has must empty too."""
-        self.since_restart = 0
         self.pending.clear()
         self.requests.clear()
         self.admissions.clear()
@@ -130,6 +129,7 @@ class TieredReplayMachine(RuleBasedStateMachine):
         self.build(sizes, policy, offload_filter)
         self.reg.forget_previous_run()
         self.restarting = False
+        self.since_restart = 0
         self.check_fold("after a restart")
 
     # -- copies --------------------------------------------------------------------------
