@@ -266,5 +266,5 @@ class TieredReplayMachine(RuleBasedStateMachine):
 def test_a_fold_up_to_any_event_is_the_registry_at_that_event() -> None:
     run_state_machine_as_test(
         TieredReplayMachine,
-        settings=settings(max_examples=200, stateful_step_count=50, deadline=None),
+        settings=settings(max_examples=150, stateful_step_count=50, deadline=None),
     )
