@@ -9,10 +9,9 @@ KV events a real one would. The scheduler speaks in three signals:
 
 Event contract (what routers and the log see), in the order the changes happen: one
 ``Removed`` for the blocks a ``Use`` evicted to make room, then one ``Stored`` per run of
-blocks it newly placed, its parent anchored to the last reused full block. (Dynamo's mocker
-reports the eviction after the store; a log written in that order replays to a pool holding
-more blocks than it has slots, and to a wrong state when a block is evicted and stored again
-by the same ``Use``.) ``Deref`` emits nothing; reusing an inactive block emits nothing.
+blocks it newly placed, its parent anchored to the last reused full block. (Reported the
+other way round, a replay of the log up to the ``Stored`` holds more blocks than the pool
+has slots.) ``Deref`` emits nothing; reusing an inactive block emits nothing.
 """
 
 from __future__ import annotations
