@@ -149,8 +149,7 @@ class BlockManager:
         self.failed_copies = 0
         if first_id:
             # A restarted worker starts with empty tiers: say so, so replay agrees with it.
-            for tier in self.registry.pools:
-                self.emitter.cleared(tier)
+            self.registry.forget_previous_run()
 
     def _redis_publisher(self, s: Settings) -> RedisPublisher:
         """Publish to the shared registry at ``redis_url``, catching up from the event log."""
@@ -211,9 +210,8 @@ class BlockManager:
                 self.metrics.observe_match(
                     {Tier.G1: match.g1, Tier.G2: match.g2, Tier.G3: match.g3}, len(hashes)
                 )
-            with reg.g1.hold_removed():
-                held = reg.g1.match(hashes[: match.g1])
-                plans = reg.plan_onboard(hashes, match)
+            held = reg.g1.match(hashes[: match.g1])
+            plans = reg.plan_onboard(hashes, match)
             started = [(plan, self._start(plan)) for plan in plans]
         broken = False
         for plan, handle in started:

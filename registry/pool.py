@@ -12,8 +12,7 @@ Python objects would dominate the cost.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Iterable, Sequence
 
 from kvledger.events.types import BlockInfo, Tier
 from kvledger.registry.emitter import EventEmitter
@@ -27,8 +26,10 @@ class BlockPool:
     """``capacity`` slots of one tier with refcounts, dedup by sequence hash and eviction.
 
     Events: ``register`` emits one ``Stored`` per contiguous run of newly registered blocks
-    (duplicates emit nothing); evictions emit ``Removed`` (one per operation, or one per
-    ``hold_removed`` scope); ``clear`` emits ``Cleared``.
+    (duplicates emit nothing); evictions emit one ``Removed`` per operation; ``clear`` emits
+    ``Cleared``. Each event is emitted as soon as the change it reports is made, before the
+    next change: a fold of the events up to any one of them is the pool as it was right then
+    (so no replayed prefix ever holds more blocks than the pool has slots).
     """
 
     def __init__(
@@ -53,7 +54,6 @@ class BlockPool:
         self._free = list(range(capacity - 1, -1, -1))
         self._policy = make_policy(policy) if isinstance(policy, str) else policy
         self._policy.bind(self)
-        self._held_removed: list[int] | None = None
 
     # -- queries -------------------------------------------------------------------------
 
@@ -224,7 +224,6 @@ class BlockPool:
         out = list(slots)
         new: list[int] = []
         duplicates: list[int] = []
-        runs: list[tuple[int | None, int, int]] = []  # (parent, start, end) of new blocks
         run_start, run_parent = -1, parent_hash
         prev = parent_hash
         for i, slot in enumerate(slots):
@@ -244,24 +243,32 @@ class BlockPool:
                 ref[slot] -= 1
                 if not ref[slot]:
                     self._free.append(slot)
-                if run_start >= 0:
-                    runs.append((run_parent, run_start, i))
+                if run_start >= 0:  # a run of new blocks ends here: report it now
+                    self._stored_run(run_parent, blocks, token_ids, run_start, i)
                     run_start = -1
             prev = seq
         if run_start >= 0:
-            runs.append((run_parent, run_start, len(slots)))
+            self._stored_run(run_parent, blocks, token_ids, run_start, len(slots))
         if new:
             self._policy.registered(new)
         if duplicates:
             self.acquire(duplicates)
-        for parent, start, end in runs:
-            self.emitter.stored(
-                self.tier,
-                parent,
-                blocks[start:end],
-                None if token_ids is None else token_ids[start:end],
-            )
         return out
+
+    def _stored_run(
+        self,
+        parent: int | None,
+        blocks: Sequence[tuple[int, int]],
+        token_ids: Sequence[Sequence[int]] | None,
+        start: int,
+        end: int,
+    ) -> None:
+        self.emitter.stored(
+            self.tier,
+            parent,
+            blocks[start:end],
+            None if token_ids is None else token_ids[start:end],
+        )
 
     def register_copies(
         self, slots: Sequence[int], blocks: Sequence[BlockInfo], src_tier: Tier
@@ -367,29 +374,8 @@ class BlockPool:
             hashes[slot] = None
             gone.append(seq)
         self._free.extend(slots)
-        if self._held_removed is not None:
-            self._held_removed.extend(gone)
-        else:
-            self.emitter.removed(self.tier, gone)
+        self.emitter.removed(self.tier, gone)
         return gone
-
-    @contextmanager
-    def hold_removed(self) -> Iterator[None]:
-        """Report every eviction inside the block as one ``Removed`` at its end.
-
-        Lets a caller that allocates several times for one request publish its ``Stored``
-        first and the evictions it caused after, as routers expect.
-        """
-        if self._held_removed is not None:
-            yield
-            return
-        held: list[int] = []
-        self._held_removed = held
-        try:
-            yield
-        finally:
-            self._held_removed = None
-            self.emitter.removed(self.tier, held)
 
     def clear(self) -> None:
         """Drop every cached block. Refuses while any block is in use."""

@@ -84,6 +84,16 @@ class TieredRegistry:
         # Only the seen_twice filter guarding a disk tier reads the counts.
         self._counts_requests = offload_filter == "seen_twice" and Tier.G3 in self.pools
 
+    def forget_previous_run(self) -> None:
+        """Start a log that an earlier run of this worker wrote over again: a ``Cleared`` for
+        every local tier, configured here or not, so that the log replays to this registry and
+        not to what the earlier run (maybe with a G2 or G3 this one lacks) left there."""
+        held = [tier.name for tier, pool in self.pools.items() if pool.num_registered]
+        if held:
+            raise ValueError(f"forget_previous_run on a registry that holds blocks ({held})")
+        for tier in (Tier.G1, Tier.G2, Tier.G3):
+            self.emitter.cleared(tier)
+
     @property
     def g1(self) -> BlockPool:
         return self.pools[Tier.G1]

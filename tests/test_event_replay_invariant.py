@@ -1,5 +1,7 @@
 """The invariant the log exists for: replaying a run's log rebuilds the registry that run had,
-at the end and at any committed cut, for random operation sequences on the mock KV manager.
+at the end and at any committed cut, for random operation sequences on the mock KV manager;
+and a fold of the events up to any one of them is the manager's pool at that event, within
+its capacity. (``test_tiered_replay.py`` checks the same across G1/G2/G3 and copies.)
 
 Runs on a SQLite file and on PostgreSQL (the ``backend`` fixture), a fresh log per example.
 """
@@ -22,6 +24,7 @@ from hypothesis.stateful import (
 
 from kvledger.events.log import EventLog
 from kvledger.events.replay import replay, replay_report
+from kvledger.events.types import AnyEvent
 from kvledger.mocker.kv_manager import Deref, FullBlock, KvManager, PartialBlock, Promote, Use
 from kvledger.registry.state import RegistryState
 
@@ -52,6 +55,16 @@ class ReplayMachine(RuleBasedStateMachine):
         self.partials: list[tuple[int, tuple[int, ...]]] = []  # (uuid, path of the full prefix)
         self.cuts: list[tuple[int, RegistryState]] = []
         self.uuids = itertools.count()
+        self.fold = RegistryState()
+
+    def sink(self, event: AnyEvent) -> None:
+        """Fold each event as it is emitted: the fold must be the pool right then."""
+        assert self.mgr is not None and self.log is not None
+        self.fold.apply(event)
+        held = sum(self.fold.counts().values())
+        assert held <= self.mgr.max_capacity, f"event {event.event_id}: {held} blocks in the log"
+        assert self.fold == self.mgr.registry_state(), f"event {event.event_id}"
+        self.log.append(event)
 
     @rule(
         capacity=st.integers(2, 10),
@@ -61,7 +74,7 @@ class ReplayMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.mgr is None)
     def start(self, capacity: int, eviction: str, batch_size: int) -> None:
         self.log = EventLog(self.new_url(), batch_size=batch_size, queue_size=max(batch_size, 8))
-        self.mgr = KvManager(capacity, 4, eviction=eviction, sink=self.log.append, worker_id=3)
+        self.mgr = KvManager(capacity, 4, eviction=eviction, sink=self.sink, worker_id=3)
 
     @rule(path=PATHS, with_partial=st.booleans())
     @precondition(lambda self: self.mgr is not None)

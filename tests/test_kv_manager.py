@@ -209,18 +209,19 @@ def test_lineage_lifecycle_and_event_stream():
     events.clear()
     assert sorted(b.seq_hash for b in mgr.inactive_blocks()) == [3, 4, 5, 6]
 
+    # the eviction that made room is reported first, then the blocks stored in it
     assert use(mgr, 10, 11, 12) == 3
-    ev_stored, ev_removed = events
-    stored(ev_stored, [10, 11, 12], None)
+    ev_removed, ev_stored = events
     assert isinstance(ev_removed, Removed)
     assert list(ev_removed.sequence_hashes) == [4, 3, 6]
+    stored(ev_stored, [10, 11, 12], None)
     events.clear()
     assert [b.seq_hash for b in mgr.inactive_blocks()] == [5]
 
     assert use(mgr, 13) == 1
-    ev_stored, ev_removed = events
-    stored(ev_stored, [13], None)
+    ev_removed, ev_stored = events
     assert list(ev_removed.sequence_hashes) == [5]
+    stored(ev_stored, [13], None)
     assert mgr.num_inactive_blocks() == 0
     assert mgr.num_active_blocks() == 10
 

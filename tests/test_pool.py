@@ -7,6 +7,7 @@ import pytest
 from kvledger.events.types import AnyEvent, Cleared, Removed, Stored, Tier
 from kvledger.registry.emitter import EventEmitter
 from kvledger.registry.pool import BlockPool, PoolBusy, PoolExhausted
+from kvledger.registry.state import RegistryState
 
 
 def pool(capacity: int = 4, policy: str = "lru"):
@@ -64,16 +65,28 @@ def test_register_refuses_slots_that_are_not_mutable():
     assert len([e for e in events if isinstance(e, Stored)]) == 1
 
 
-def test_eviction_reports_removed_and_hold_removed_batches_it():
-    p, events = pool(2)
-    p.release(p.register(p.allocate(2), [(1, 1), (2, 2)], None))
-    with p.hold_removed():
-        first = p.allocate(1)
-        second = p.allocate(1)
-        assert not any(isinstance(e, Removed) for e in events)
-    removed = [e for e in events if isinstance(e, Removed)]
-    assert [e.sequence_hashes for e in removed] == [(1, 2)]
-    p.release(first + second)
+def test_each_event_is_emitted_before_the_next_change():
+    """A fold of the events up to any one of them is the pool right then: an eviction is
+    reported before the blocks stored in the room it made, and each run of new blocks in a
+    ``register`` with duplicates is reported before the next run is registered."""
+    p: BlockPool
+    seen: list[tuple[AnyEvent, dict[int, tuple[int, int | None]]]] = []
+    p = BlockPool(4, emitter=EventEmitter(lambda e: seen.append((e, p.resident_blocks()))))
+    p.release(p.register(p.allocate(4), [(1, 1), (2, 2), (3, 3), (4, 4)], None))
+    p.release(p.register(p.allocate(2), [(5, 5), (6, 6)], None))  # evicts 1 and 2 first
+    held = p.match([6])
+    slots = p.allocate(3)  # evicts 3, 4, 5
+    # 7 new, 6 cached (a duplicate), 8 new: two runs around the duplicate
+    mixed = p.register(slots, [(7, 7), (6, 6), (8, 8)], None)
+    assert mixed[1] == held[0]
+    fold = RegistryState()
+    for event, live in seen:
+        fold.apply(event)
+        assert fold.snapshot().get((0, Tier.G1), {}) == live, event
+        assert len(live) <= p.capacity
+    kinds = [type(e).__name__ for e, _ in seen]
+    assert kinds == ["Stored", "Removed", "Stored", "Removed", "Stored", "Stored"], kinds
+    p.release(held + mixed)
 
 
 def test_match_takes_longest_prefix_and_revives_inactive():

@@ -85,23 +85,22 @@ class SimulatedCache:
         hashes = sequence_hashes[:wanted]
         match = reg.match(hashes)
         reg.note_request(hashes)
-        with g1.hold_removed():
-            slots = g1.match(hashes[: match.g1])
-            onboard = reg.plan_onboard(hashes, match)
-            onboarded: dict[Tier, int] = {}
-            for transfer in onboard:
-                onboarded[transfer.src_tier] = len(transfer)
-            self._run(list(onboard))
-            for transfer in onboard:
-                slots.extend(transfer.landed)
-            start = len(slots)
-            fresh = g1.allocate_upto(wanted - start) if start == match.total else []
-            if fresh:
-                blocks = list(zip(hashes[start:], local_hashes[start:wanted], strict=False))
-                parent = hashes[start - 1] if start else None
-                registered = g1.register(fresh, blocks[: len(fresh)], parent)
-                slots.extend(registered)
-                self._run(reg.plan_offload(registered))
+        slots = g1.match(hashes[: match.g1])
+        onboard = reg.plan_onboard(hashes, match)
+        onboarded: dict[Tier, int] = {}
+        for transfer in onboard:
+            onboarded[transfer.src_tier] = len(transfer)
+        self._run(list(onboard))
+        for transfer in onboard:
+            slots.extend(transfer.landed)
+        start = len(slots)
+        fresh = g1.allocate_upto(wanted - start) if start == match.total else []
+        if fresh:
+            blocks = list(zip(hashes[start:], local_hashes[start:wanted], strict=False))
+            parent = hashes[start - 1] if start else None
+            registered = g1.register(fresh, blocks[: len(fresh)], parent)
+            slots.extend(registered)
+            self._run(reg.plan_offload(registered))
         return Admission(slots, match, onboarded, len(slots))
 
     def extend(
@@ -116,18 +115,17 @@ class SimulatedCache:
         new = sequence_hashes[start:]
         if not new:
             return 0
-        with g1.hold_removed():
-            hit = g1.match(new)
-            fresh = g1.allocate_upto(len(new) - len(hit))
-            admission.slots.extend(hit)
-            if fresh:
-                at = start + len(hit)
-                blocks = list(zip(new[len(hit) :], local_hashes[at:], strict=False))
-                registered = g1.register(
-                    fresh, blocks[: len(fresh)], sequence_hashes[at - 1] if at else None
-                )
-                admission.slots.extend(registered)
-                self._run(self.registry.plan_offload(registered))
+        hit = g1.match(new)
+        fresh = g1.allocate_upto(len(new) - len(hit))
+        admission.slots.extend(hit)
+        if fresh:
+            at = start + len(hit)
+            blocks = list(zip(new[len(hit) :], local_hashes[at:], strict=False))
+            registered = g1.register(
+                fresh, blocks[: len(fresh)], sequence_hashes[at - 1] if at else None
+            )
+            admission.slots.extend(registered)
+            self._run(self.registry.plan_offload(registered))
         admission.placed = len(admission.slots)
         return len(admission.slots) - start
 

@@ -7,10 +7,11 @@ KV events a real one would. The scheduler speaks in three signals:
 - ``Deref(blocks)``: a request let go of these blocks;
 - ``Promote(uuid, ...)``: a partial block filled up and now has a sequence hash.
 
-Event contract (what routers and the log see): one ``Stored`` per ``Use`` for the blocks it
-newly placed, its parent anchored to the last reused full block; then one ``Removed`` for
-every block that was evicted to make room. ``Deref`` emits nothing; reusing an inactive
-block emits nothing.
+Event contract (what routers and the log see), in the order the changes happen: one
+``Removed`` for the blocks a ``Use`` evicted to make room, then one ``Stored`` per run of
+blocks it newly placed, its parent anchored to the last reused full block. (Reported the
+other way round, a replay of the log up to the ``Stored`` holds more blocks than the pool
+has slots.) ``Deref`` emits nothing; reusing an inactive block emits nothing.
 """
 
 from __future__ import annotations
@@ -147,20 +148,19 @@ class KvManager:
         pool.acquire(hit_slots)
         needed = hits.count(None)
 
-        with pool.hold_removed():
-            fresh = pool.allocate_upto(needed)
-            placed = len(blocks)
-            if len(fresh) < needed:
-                # out of room: keep the prefix up to the first new block we could not place
-                nth_new = 0
-                for i, hit in enumerate(hits):
-                    if hit is None:
-                        if nth_new == len(fresh):
-                            placed = i
-                            break
-                        nth_new += 1
-                pool.release([s for s in hits[placed:] if s is not None and s >= 0])
-            self._place(op, hits[:placed], fresh)
+        fresh = pool.allocate_upto(needed)
+        placed = len(blocks)
+        if len(fresh) < needed:
+            # out of room: keep the prefix up to the first new block we could not place
+            nth_new = 0
+            for i, hit in enumerate(hits):
+                if hit is None:
+                    if nth_new == len(fresh):
+                        placed = i
+                        break
+                    nth_new += 1
+            pool.release([s for s in hits[placed:] if s is not None and s >= 0])
+        self._place(op, hits[:placed], fresh)
         return placed
 
     def _place(self, op: Use, hits: list[int | None], fresh: list[int]) -> None:
