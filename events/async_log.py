@@ -160,7 +160,7 @@ class AsyncEventLog:
         """Back-pressure, as in ``EventLog._wait_for_room`` (``cond`` held)."""
         backlog = self._backlog
         started = now = monotonic()
-        backlog.waiters += 1
+        backlog.hold()
         try:
             while backlog.room(now) < 1:
                 cond.notify_all()
@@ -169,8 +169,7 @@ class AsyncEventLog:
                 self._check_open()
                 now = monotonic()
         finally:
-            backlog.waiters -= 1
-            backlog.waited(now - started)
+            backlog.release(now - started)
         return now
 
     async def flush(self) -> None:

@@ -330,8 +330,14 @@ class Backlog:
             self._writing_since = None
         self.commit_times.append((self.committed, now))
 
-    def waited(self, seconds: float) -> None:
+    def hold(self) -> None:
+        """An appender starts waiting: counted now, so metrics show a wait while it lasts."""
+        self.waiters += 1
         self.backpressure_waits += 1
+
+    def release(self, seconds: float) -> None:
+        """An appender stops waiting, after ``seconds``."""
+        self.waiters -= 1
         self.backpressure_seconds += seconds
 
     def commit_lag(self, now: float) -> float:
@@ -523,7 +529,7 @@ class EventLog:
         room; returns the time it ends. The writer commits at once while someone waits."""
         backlog = self._backlog
         started = now = monotonic()
-        backlog.waiters += 1
+        backlog.hold()
         try:
             while backlog.room(now) < 1:
                 self._wake_writer.notify()
@@ -531,8 +537,7 @@ class EventLog:
                 self._check_open()
                 now = monotonic()
         finally:
-            backlog.waiters -= 1
-            backlog.waited(now - started)
+            backlog.release(now - started)
         return now
 
     def _last_committed_id(self, worker: int) -> int:

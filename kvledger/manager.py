@@ -113,7 +113,7 @@ class BlockManager:
             all_sinks.append(metrics.observe_event)
             if self.event_log is not None:
                 log = self.event_log
-                metrics.watch_queue(lambda: log.queue_depth)
+                metrics.watch_log(log)
         self.emitter = EventEmitter(
             CallbackPublisher(*all_sinks) if all_sinks else None,
             worker_id=s.worker_id,

@@ -8,14 +8,14 @@ Most figures come from the event stream: pass ``observe_event`` as an event sink
 log in a fan-out) and stores, evictions, offloads and onboards are counted per tier. What
 events do not carry is fed directly: prefix lookups (``observe_match``), pool occupancy
 (``refresh``, from the pools themselves), latencies (``alloc_latency``,
-``transfer_latency``), bytes really moved (``transfer_bytes``) and the event log's queue
-(``watch_queue``).
+``transfer_latency``), bytes really moved (``transfer_bytes``) and the event log's backlog,
+commit lag and back-pressure (``watch_log``).
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Protocol
 from wsgiref.simple_server import WSGIServer
 
@@ -40,6 +40,22 @@ class PoolView(Protocol):
 
     @property
     def num_inactive(self) -> int: ...
+
+
+class LogView(Protocol):
+    """What ``watch_log`` reads of an event log (``EventLog`` and ``AsyncEventLog`` have it)."""
+
+    @property
+    def queue_depth(self) -> int: ...
+
+    @property
+    def commit_lag(self) -> float: ...
+
+    @property
+    def backpressure_waits(self) -> int: ...
+
+    @property
+    def backpressure_seconds(self) -> float: ...
 
 
 class Metrics:
@@ -106,6 +122,21 @@ class Metrics:
             "Events appended to the log and not yet committed",
             registry=r,
         )
+        self.log_commit_lag = Gauge(
+            "kvbm_event_log_commit_lag_seconds",
+            "Age of the oldest event appended to the log and not yet committed (0 when none)",
+            registry=r,
+        )
+        self.log_backpressure_waits = Gauge(
+            "kvbm_event_log_backpressure_waits",
+            "Times append waited for the log's writer (its backlog at its age or size bound)",
+            registry=r,
+        )
+        self.log_backpressure_seconds = Gauge(
+            "kvbm_event_log_backpressure_seconds",
+            "Seconds append spent waiting for the log's writer",
+            registry=r,
+        )
         self.alloc_latency = Histogram(
             "kvbm_alloc_latency_seconds",
             "Time to place a request's blocks on G1 (match, onboard, allocate, register)",
@@ -164,9 +195,16 @@ class Metrics:
             self.blocks.labels(name, "inactive").set(pool.num_inactive)
             self.blocks.labels(name, "free").set(pool.num_free)
 
-    def watch_queue(self, depth: Callable[[], float]) -> None:
-        """Read the log's queue depth at every scrape from ``depth()``."""
-        self.log_queue_depth.set_function(depth)
+    def watch_log(self, log: LogView) -> None:
+        """Read the log's backlog, commit lag and back-pressure at every scrape.
+
+        Back-pressure counters are gauges read from the log (which owns the counts), so a
+        scrape shows exactly what the log counted, even for waits before ``watch_log``.
+        """
+        self.log_queue_depth.set_function(lambda: log.queue_depth)
+        self.log_commit_lag.set_function(lambda: log.commit_lag)
+        self.log_backpressure_waits.set_function(lambda: log.backpressure_waits)
+        self.log_backpressure_seconds.set_function(lambda: log.backpressure_seconds)
 
     # -- exposing -------------------------------------------------------------------------
 

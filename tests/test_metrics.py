@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import sqlite3
+import threading
+import time
 import urllib.request
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvledger.events.log import EventLog
 from kvledger.events.types import Tier
 from kvledger.metrics import Metrics
 from kvledger.mocker.metered import MeteredCache
@@ -96,23 +101,57 @@ def test_block_gauges_follow_the_pools(served: tuple[Metrics, int]) -> None:
     assert value(scrape(port), "kvbm_blocks", tier="G1", state="active") == len(held) > 0
 
 
-def test_latencies_queue_depth_and_measured_bytes(served: tuple[Metrics, int]) -> None:
+def test_latencies_and_measured_bytes(served: tuple[Metrics, int]) -> None:
     metrics, port = served
-    depth = [0]
-    metrics.watch_queue(lambda: depth[0])
-    depth[0] = 42
     metrics.transfer_latency.labels("G2", "G1").observe(0.003)
     metrics.transfer_latency.labels("G2", "G1").observe(0.2)
     metrics.transfer_bytes.labels("G2", "G1").inc(3 * BYTES_PER_BLOCK)
     metrics.alloc_latency.observe(2e-5)
     s = scrape(port)
-    assert value(s, "kvbm_event_log_queue_depth") == 42
     labels = {"src": "G2", "dst": "G1"}
     assert value(s, "kvbm_transfer_latency_seconds_count", **labels) == 2
     assert value(s, "kvbm_transfer_latency_seconds_bucket", **labels, le="0.005") == 1
     assert value(s, "kvbm_transfer_latency_seconds_sum", **labels) == pytest.approx(0.203)
     assert value(s, "kvbm_transfer_bytes_total", **labels) == 3 * BYTES_PER_BLOCK
     assert value(s, "kvbm_alloc_latency_seconds_bucket", le="5e-05") == 1
+
+
+def test_a_stalled_log_writer_shows_as_backlog_lag_and_back_pressure(
+    served: tuple[Metrics, int], tmp_path: Path
+) -> None:
+    """A real log whose writer cannot commit (another connection holds SQLite's write lock):
+    the scrape shows the uncommitted backlog and its age while it lasts, then the producer's
+    back-pressure waits, and a backlog of zero once the lock is gone."""
+    metrics, port = served
+    url = f"sqlite:///{tmp_path / 'events.db'}"
+    with EventLog(url, max_delay=0.01) as log:
+        metrics.watch_log(log)
+        emitter = EventEmitter(log.append)
+        emitter.stored(Tier.G1, None, [(0, 0)])
+        log.flush()
+        blocker = sqlite3.connect(tmp_path / "events.db", isolation_level=None)
+        blocker.execute("BEGIN IMMEDIATE")
+        producer = threading.Thread(
+            target=lambda: [emitter.stored(Tier.G1, None, [(i, i)]) for i in range(1, 2000)]
+        )
+        producer.start()
+        try:
+            deadline = time.monotonic() + 10
+            while log.backpressure_waits == 0 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            s = scrape(port)
+            assert value(s, "kvbm_event_log_queue_depth") >= 1
+            assert value(s, "kvbm_event_log_commit_lag_seconds") > 0
+            assert value(s, "kvbm_event_log_backpressure_waits") >= 1
+        finally:
+            blocker.rollback()
+            blocker.close()
+        producer.join(30)
+        log.flush()
+        s = scrape(port)
+        assert value(s, "kvbm_event_log_queue_depth") == 0
+        assert value(s, "kvbm_event_log_commit_lag_seconds") == 0
+        assert value(s, "kvbm_event_log_backpressure_seconds") > 0
 
 
 def test_each_metrics_object_has_its_own_registry() -> None:

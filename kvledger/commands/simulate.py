@@ -219,7 +219,7 @@ def simulate(args: argparse.Namespace, note: Callable[[str], None]) -> Outcome:
         if metrics is not None:
             sinks.append(metrics.observe_event)
             metrics.serve(args.metrics_port)
-            metrics.watch_queue(lambda: log.queue_depth)
+            metrics.watch_log(log)
             note(f"serving kvbm_* metrics on http://127.0.0.1:{args.metrics_port}/metrics")
 
         def fan_out(event: AnyEvent) -> None:
