@@ -128,8 +128,8 @@ def test_file_of_another_layout_or_kind_is_refused(tmp_path: Path) -> None:
     other = BlockShape(2, 2, 8, 128, torch.bfloat16)
     with pytest.raises(ValueError, match=r"made for another layout: .*page_size=4 \(want 8\)"):
         DiskTier(tmp_path, other, 6)
-    with pytest.raises(ValueError, match=r"num_slots=6 \(want 7\)"):
-        DiskTier(tmp_path, SHAPE, 7)
+    with pytest.raises(ValueError, match=r"delete .*g3-slots.bin and g3-slots.bin.idx"):
+        DiskTier(tmp_path, other, 6)
     (tmp_path / "junk.bin").write_bytes(b"not a kvledger file")
     with pytest.raises(ValueError, match="is not a kvledger G3 file"):
         DiskTier(tmp_path, SHAPE, 6, file_name="junk.bin")
