@@ -56,7 +56,7 @@ def entry_bytes(checksum: int, stamp: int, block: BlockInfo | None) -> bytes:
 def intact(table: np.ndarray) -> np.ndarray:
     """Per entry: whether its check field matches the rest (an all-zero entry is intact)."""
     raw = table.view(np.uint8).reshape(len(table), ENTRY.itemsize)
-    ok = (table["flags"] == 0) & (table["check"] == 0)
+    ok: np.ndarray = (table["flags"] == 0) & (table["check"] == 0)
     digest = xxhash.xxh3_64_intdigest
     for i in np.flatnonzero(~ok):
         ok[i] = digest(raw[i, :_CHECKED].tobytes()) == int(table["check"][i])

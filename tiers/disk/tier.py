@@ -277,7 +277,7 @@ class DiskTier(StorageTier):
                 except OSError as exc:
                     raise self._error(exc, f"reading slot {slot} to verify it") from exc
                 fine = n == self.block_bytes
-                out.append(fine and xxhash.xxh3_64_intdigest(buf) == int(checksums[slot]))
+                out.append(fine and xxhash.xxh3_64_intdigest(buf.data) == int(checksums[slot]))
             return out
 
         return [ok for part in self._parallel(share, slots) for ok in part]
@@ -331,8 +331,8 @@ class DiskTier(StorageTier):
             raise ValueError(f"{len(slots)} G3 slots but {len(blocks)} block names")
         self.table["flags"][slots] = 0
         named: Sequence[BlockInfo | None] = blocks if blocks is not None else [None] * len(slots)
-        jobs = list(zip(slots, buffers, named, strict=True))
-        self._parallel(self._write_share, jobs)
+        stamps = [next(self._stamps) for _ in slots]  # write order, for recovery to prefer
+        self._parallel(self._write_share, list(zip(slots, buffers, named, stamps, strict=True)))
 
     def read_slots(self, slots: Sequence[int], buffers: Sequence[np.ndarray]) -> list[bool]:
         """Fill the buffers from the slots; False where a slot is empty or fails its checksum.
@@ -372,10 +372,10 @@ class DiskTier(StorageTier):
             raise first_error
         return results
 
-    def _write_share(self, jobs: list[tuple[int, np.ndarray, BlockInfo | None]]) -> None:
-        for slot, buf, block in jobs:
+    def _write_share(self, jobs: list[tuple[int, np.ndarray, BlockInfo | None, int]]) -> None:
+        for slot, buf, block, stamp in jobs:
             checksum = xxhash.xxh3_64_intdigest(buf.data)
-            entry = index.entry_bytes(checksum, next(self._stamps), block)
+            entry = index.entry_bytes(checksum, stamp, block)
             try:
                 self.io.write(buf, self.slot_offset(slot))
                 os.pwrite(self._index_fd, entry, slot * ENTRY.itemsize)
