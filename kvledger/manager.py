@@ -170,12 +170,18 @@ class BlockManager:
         #: what a restart kept of the disk cache; None without G3
         self.recovery: G3Recovery | None = None
         dropped: list[int] = []
+        g3_cleared = True  # unless the log's G3 blocks are checked against an existing file
         if s.g3_capacity:
-            known = self._logged_g3() if first_id else {}
-            g3 = DiskTier(s.data_dir, self.shape, s.g3_capacity, known=known or {})
+            folded: list[KnownBlocks | None] = [None]
+
+            def listed() -> KnownBlocks:  # the tier calls it once it holds the file's lock
+                folded[0] = self._logged_g3() if first_id else {}
+                return folded[0] or {}
+
+            g3 = DiskTier(s.data_dir, self.shape, s.g3_capacity, known=listed)
             self.tiers[Tier.G3] = g3
-            if known is not None:
-                self.recovery, dropped = self._adopt_g3(g3, known)
+            g3_cleared = folded[0] is None  # a new file, or a log that cannot be folded
+            self.recovery, dropped = self._adopt_g3(g3, folded[0] or {})
         self.transfers = TransferEngine()
         self._lock = threading.RLock()
         self._in_flight: dict[TransferHandle, Transfer] = {}
@@ -185,11 +191,12 @@ class BlockManager:
             # A restarted worker's G1 and G2 start empty, and G3 holds what was recovered:
             # say so, so that replay agrees with it.
             for tier in self.registry.pools:
-                if tier is not Tier.G3 or self.recovery is None:
+                if tier is not Tier.G3 or g3_cleared:
                     self.emitter.cleared(tier)
-            self.emitter.removed(Tier.G3, dropped)
+            if not g3_cleared:
+                self.emitter.removed(Tier.G3, dropped)
 
-    def _logged_g3(self) -> dict[int, tuple[int, int | None]] | None:
+    def _logged_g3(self) -> KnownBlocks | None:
         """This worker's G3 blocks by the event log's fold; None when the log cannot be folded
         (the disk cache then starts empty rather than trusting slots the log cannot vouch for)."""
         assert self.event_log is not None

@@ -69,7 +69,7 @@ def test_reopened_g3_serves_only_listed_blocks_with_their_bytes(
                     f.write(bytes([0 if kind == "lose" else (old + 1) % 256]))
                 holds.pop(slot, None)
         g3.close()
-        known = {block(h).sequence_hash: (block(h).local_hash, block(h).parent_hash) for h in listed}
+        known = {b.sequence_hash: (b.local_hash, b.parent_hash) for b in map(block, listed)}
 
         again = DiskTier(Path(folder), SHAPE, new_slots, known=known, io_threads=2)
         try:

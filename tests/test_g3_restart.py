@@ -185,6 +185,18 @@ def test_a_corrupt_or_unnamed_slot_is_dropped_with_a_removed_event(tmp_path: Pat
         assert_log_is_a_fold(m2)
 
 
+def test_deleted_g3_files_mean_an_empty_g3_and_the_log_says_so(tmp_path: Path) -> None:
+    s = settings(tmp_path)
+    with BlockManager(s) as m:
+        compute(m, prompt(0), seed=0)
+    for name in ("g3-slots.bin", "g3-slots.bin.idx"):
+        (tmp_path / "data" / name).unlink()
+    with BlockManager(s) as m2:
+        assert m2.recovery is not None and m2.recovery.recovered == 0
+        assert on_g3(m2, 0) == 0
+        assert_log_is_a_fold(m2)
+
+
 def test_slots_the_log_does_not_list_are_freed(tmp_path: Path) -> None:
     """A block evicted from G3 (Removed in the log) still has intact bytes in its slot: it
     must not come back."""
