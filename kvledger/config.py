@@ -82,6 +82,12 @@ class Settings(BaseSettings):
     g1_g2_gbps: float = Field(25.0, gt=0, description="G1<->G2 bandwidth (PCIe), GB/s")
     g2_g3_gbps: float = Field(6.0, gt=0, description="G2<->G3 bandwidth (NVMe), GB/s")
     g1_g3_gbps: float = Field(6.0, gt=0, description="G1<->G3 bandwidth (GDS), GB/s")
+    allocate_wait_s: float = Field(
+        10.0,
+        ge=0,
+        allow_inf_nan=False,
+        description="how long allocate waits for copies in flight to free G1 blocks, seconds",
+    )
     data_dir: Path = Path("kvledger-data")
     event_log_url: str | None = Field(
         None, description="SQLAlchemy URL of the event log; default: SQLite under data_dir"

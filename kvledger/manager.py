@@ -25,7 +25,9 @@ import asyncio
 import logging
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -33,14 +35,17 @@ import torch
 from kvledger.config import Settings, ensure_log_folder
 from kvledger.events.log import EventLog
 from kvledger.events.publish import CallbackPublisher, RedisPublisher
+from kvledger.events.replay import replay
 from kvledger.events.shared_registry import SharedRegistry
 from kvledger.events.types import AnyEvent, BlockInfo, Tier
 from kvledger.metrics import Metrics
 from kvledger.registry.emitter import EventEmitter
+from kvledger.registry.errors import PoolExhausted
 from kvledger.registry.hashing import TokenBlockSequence
 from kvledger.registry.tiered import MatchResult, TieredRegistry, Transfer
 from kvledger.tiers.base import StorageTier
 from kvledger.tiers.device.tier import DeviceTier
+from kvledger.tiers.disk.recovery import KnownBlocks
 from kvledger.tiers.disk.tier import DiskTier
 from kvledger.tiers.host.tier import HostTier
 from kvledger.tiers.layout import BlockShape, KVLayout
@@ -58,6 +63,27 @@ TORCH_DTYPES = {
     "float8_e4m3fn": torch.float8_e4m3fn,
     "uint8": torch.uint8,
 }
+
+
+@dataclass(frozen=True)
+class G3Recovery:
+    """What a restarted manager kept of its disk cache (``BlockManager.recovery``).
+
+    ``listed`` blocks were on G3 according to the event log; each was either ``recovered``
+    (its slot names it and passes its checksum: it is served again) or dropped, with a
+    ``Removed`` event, as ``corrupt`` (its bytes fail their checksum), ``no_room`` (G3 shrank
+    below it) or ``missing`` (no intact slot holds it: written or overwritten when the worker
+    stopped). ``freed`` slots held blocks the log does not list (evicted, or written in the
+    last moments before a crash) and are free again.
+    """
+
+    listed: int = 0
+    recovered: int = 0
+    corrupt: int = 0
+    no_room: int = 0
+    missing: int = 0
+    freed: int = 0
+    seconds: float = 0.0
 
 
 class BlockManager:
@@ -83,10 +109,13 @@ class BlockManager:
             ensure_log_folder(s.log_url)  # a first run in an empty folder makes kvledger-data/
         self.event_log = EventLog(s.log_url) if self._own_log else event_log
         self.publisher: RedisPublisher | None = None
+        self.tiers: dict[Tier, StorageTier] = {}
         try:
             self._build(s, g1_layout, device, sinks, metrics)
         except BaseException:
             # nothing half-built stays open: the log writer thread, the publisher, the G3 file
+            for tier in self.tiers.values():
+                tier.close()
             if self.publisher is not None:
                 self.publisher.stop(drain_timeout=0)
             if self._own_log and self.event_log is not None:
@@ -137,19 +166,85 @@ class BlockManager:
             g1: StorageTier = DeviceTier.from_layout(g1_layout)
         else:
             g1 = DeviceTier(self.shape, g1_blocks, device=device)
-        self.tiers: dict[Tier, StorageTier] = {Tier.G1: g1}
+        self.tiers[Tier.G1] = g1
         if s.g2_capacity:
             self.tiers[Tier.G2] = HostTier(self.shape, s.g2_capacity)
+        #: what a restart kept of the disk cache; None without G3
+        self.recovery: G3Recovery | None = None
+        dropped: list[int] = []
+        g3_cleared = True  # unless the log's G3 blocks are checked against an existing file
         if s.g3_capacity:
-            self.tiers[Tier.G3] = DiskTier(s.data_dir, self.shape, s.g3_capacity)
+            folded: list[KnownBlocks | None] = [None]
+
+            def listed() -> KnownBlocks:  # the tier calls it once it holds the file's lock
+                folded[0] = self._logged_g3() if first_id else {}
+                return folded[0] or {}
+
+            g3 = DiskTier(s.data_dir, self.shape, s.g3_capacity, known=listed)
+            self.tiers[Tier.G3] = g3
+            g3_cleared = folded[0] is None  # a new file, or a log that cannot be folded
+            self.recovery, dropped = self._adopt_g3(g3, folded[0] or {})
         self.transfers = TransferEngine()
         self._lock = threading.RLock()
-        self._in_flight: set[TransferHandle] = set()
+        self._in_flight: dict[TransferHandle, Transfer] = {}
         self._idle = threading.Condition(self._lock)
         self.failed_copies = 0
         if first_id:
-            # A restarted worker starts with empty tiers: say so, so replay agrees with it.
-            self.registry.forget_previous_run()
+            # A restarted worker's G1 and G2 start empty (and any tier it lacks now), and G3
+            # holds what was recovered: say so, so that replay agrees with it.
+            self.registry.forget_previous_run(keep=() if g3_cleared else (Tier.G3,))
+            if not g3_cleared:
+                self.emitter.removed(Tier.G3, dropped)
+
+    def _logged_g3(self) -> KnownBlocks | None:
+        """This worker's G3 blocks by the event log's fold; None when the log cannot be folded
+        (the disk cache then starts empty rather than trusting slots the log cannot vouch for)."""
+        assert self.event_log is not None
+        key = (self.settings.worker_id, Tier.G3)
+        try:
+            state = replay(self.event_log)
+        except Exception as exc:
+            log.warning("G3 not recovered: the event log cannot be folded (%s)", exc)
+            return None
+        for tier_key, columns in state.iter_columns():
+            if tier_key == key:
+                return columns.to_dict()
+        return {}
+
+    def _adopt_g3(self, g3: DiskTier, known: KnownBlocks) -> tuple[G3Recovery, list[int]]:
+        """Serve the slots the tier verified again; returns the report and the listed blocks
+        that are gone (the caller emits their ``Removed``)."""
+        kept = g3.recovered_blocks()
+        self.registry.pools[Tier.G3].adopt([slot for slot, _ in kept], [b for _, b in kept])
+        held = {b.sequence_hash for _, b in kept}
+        dropped = [seq for seq in known if seq not in held]
+        found = g3.recovery
+        gone = set(dropped)
+        corrupt = {b.sequence_hash for b in found.corrupt if b is not None} & gone
+        no_room = {b.sequence_hash for b in found.no_room if b is not None} & gone - corrupt
+        report = G3Recovery(
+            listed=len(known),
+            recovered=len(kept),
+            corrupt=len(corrupt),
+            no_room=len(no_room),
+            missing=len(gone - corrupt - no_room),
+            freed=found.ignored + found.duplicates + found.damaged,
+            seconds=found.seconds,
+        )
+        if known or report.freed:
+            log.info(
+                "G3 %s: recovered %d of %d blocks the log lists in %.2f s; dropped %d corrupt, "
+                "%d missing, %d that no longer fit; freed %d slots the log does not list",
+                g3.path,
+                report.recovered,
+                report.listed,
+                report.seconds,
+                report.corrupt,
+                report.missing,
+                report.no_room,
+                report.freed,
+            )
+        return report, dropped
 
     def _redis_publisher(self, s: Settings) -> RedisPublisher:
         """Publish to the shared registry at ``redis_url``, catching up from the event log."""
@@ -275,14 +370,56 @@ class BlockManager:
 
     # -- allocation and registration -----------------------------------------------------
 
-    def allocate(self, count: int) -> list[int]:
-        """``count`` fresh G1 slots for the engine to fill; raises ``PoolExhausted``."""
+    def allocate(self, count: int, *, timeout: float | None = None) -> list[int]:
+        """``count`` fresh G1 slots for the engine to fill.
+
+        Blocks the engine released but write-through copies still read (on their way to G2
+        or G3) become evictable as those copies land: when only they stand between the pool
+        and ``count``, ``allocate`` waits for them, up to ``timeout`` seconds (default: the
+        ``allocate_wait_s`` setting). Raises ``PoolExhausted``, handing out nothing, at once
+        when the pool is really full (the message says how many blocks requests hold and how
+        many copies), or when the copies did not land in time.
+        """
         started = time.perf_counter()
-        with self._lock:
-            slots = self.registry.g1.allocate(count)
+        wait = self.settings.allocate_wait_s if timeout is None else timeout
+        g1 = self.registry.g1
+        with self._idle:
+            while True:
+                try:
+                    slots = g1.allocate(count)
+                    break
+                except PoolExhausted:
+                    copying = self._held_only_by_copies()
+                    available = g1.num_free + g1.num_inactive
+                    if available + copying < count:
+                        held = g1.num_active - copying
+                        detail = (
+                            f"{held} are held by requests, {copying} by copies in flight; "
+                            "release blocks or raise g1_blocks"
+                        )
+                        raise PoolExhausted("G1", count, available, detail) from None
+                    left = started + wait - time.perf_counter()
+                    if left <= 0:
+                        detail = (
+                            f"{copying} more are held by copies in flight that did not land "
+                            f"within {wait:g} s"
+                        )
+                        raise PoolExhausted("G1", count, available, detail) from None
+                    self._idle.wait(left)
         if self.metrics is not None:
             self.metrics.alloc_latency.observe(time.perf_counter() - started)
         return slots
+
+    def _held_only_by_copies(self) -> int:
+        """G1 blocks that no request holds, only copies in flight reading them."""
+        pins = Counter(
+            slot
+            for plan in self._in_flight.values()
+            if plan.src_tier is Tier.G1
+            for slot in plan.src_slots
+        )
+        refcount = self.registry.g1.refcount
+        return sum(1 for slot, n in pins.items() if refcount(slot) == n)
 
     def register(
         self, slots: Sequence[int], sequence: TokenBlockSequence, *, start: int
@@ -318,8 +455,9 @@ class BlockManager:
     def _start(self, plan: Transfer) -> TransferHandle:
         """Queue the bytes of a planned copy; its completion is recorded on the copy thread."""
         src, dst = self.tiers[plan.src_tier], self.tiers[plan.dst_tier]
-        handle = self.transfers.copy(src, plan.src_slots, dst, plan.dst_slots)
-        self._in_flight.add(handle)
+        names = plan.blocks if plan.dst_tier is Tier.G3 else None  # G3 records them per slot
+        handle = self.transfers.copy(src, plan.src_slots, dst, plan.dst_slots, blocks=names)
+        self._in_flight[handle] = plan
         if self.metrics is not None:
             self._observe_transfer(plan, handle, time.perf_counter())
         if plan.dst_tier is not Tier.G1:
@@ -387,7 +525,7 @@ class BlockManager:
                     self._start(follow)
                 return plan.landed
             finally:
-                self._in_flight.discard(handle)
+                self._in_flight.pop(handle, None)
                 self._idle.notify_all()
 
     def _finish(self, plan: Transfer, handle: TransferHandle) -> list[int]:

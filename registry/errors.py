@@ -10,10 +10,12 @@ class PoolExhausted(RuntimeError):
     evicted while trying stay evicted, and their ``Removed`` event has been emitted.
     """
 
-    def __init__(self, tier: str, requested: int, available: int) -> None:
+    def __init__(
+        self, tier: str, requested: int, available: int, detail: str | None = None
+    ) -> None:
         super().__init__(
             f"{tier} pool exhausted: {requested} blocks requested, {available} could be freed "
-            "(every other block is in use)"
+            f"({detail or 'every other block is in use'})"
         )
         self.tier = tier
         self.requested = requested

@@ -310,6 +310,32 @@ class BlockPool:
         self.emitter.copied(src_tier, self.tier, landed)
         return out
 
+    def adopt(self, slots: Sequence[int], blocks: Sequence[BlockInfo]) -> None:
+        """Take blocks that already sit in free ``slots`` of this tier's storage -- a restarted
+        worker's disk cache, which its log lists already -- as inactive (cached, evicted in
+        the order given). Emits nothing: the events that put them here are in the log.
+        """
+        if len(slots) != len(blocks):
+            raise ValueError(f"adopt: {len(slots)} slots for {len(blocks)} blocks")
+        taken = set(slots)
+        free = set(self._free)
+        seqs = {info.sequence_hash for info in blocks}
+        if len(taken) != len(slots) or len(seqs) != len(blocks):
+            raise ValueError("adopt: a slot or a block appears twice")
+        for slot, info in zip(slots, blocks, strict=True):
+            if slot not in free:
+                raise ValueError(f"adopt: {self.tier.name} slot {slot} is not free")
+            if info.sequence_hash in self._by_hash:
+                raise ValueError(f"adopt: block {info.sequence_hash} is already registered")
+        self._free = [slot for slot in self._free if slot not in taken]
+        for slot, info in zip(slots, blocks, strict=True):
+            self._by_hash[info.sequence_hash] = slot
+            self._hash[slot] = info.sequence_hash
+            self._local[slot] = info.local_hash
+            self._parent[slot] = info.parent_hash
+        self._policy.registered(slots)
+        self._policy.released(slots)
+
     def release(self, slots: Iterable[int]) -> None:
         """Drop one reference per slot. At zero a registered block becomes inactive (cached,
         evictable, in the order given) and a never-registered one becomes free."""

@@ -13,7 +13,7 @@ writes go to blocks likely to come back) or ``never``.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -84,15 +84,22 @@ class TieredRegistry:
         # Only the seen_twice filter guarding a disk tier reads the counts.
         self._counts_requests = offload_filter == "seen_twice" and Tier.G3 in self.pools
 
-    def forget_previous_run(self) -> None:
+    def forget_previous_run(self, keep: Collection[Tier] = ()) -> None:
         """Start a log that an earlier run of this worker wrote over again: a ``Cleared`` for
         every local tier, configured here or not, so that the log replays to this registry and
-        not to what the earlier run (maybe with a G2 or G3 this one lacks) left there."""
-        held = [tier.name for tier, pool in self.pools.items() if pool.num_registered]
+        not to what the earlier run (maybe with a G2 or G3 this one lacks) left there.
+
+        Tiers in ``keep`` are left as they are: a disk cache the restart recovered already
+        holds exactly what the earlier run's log lists for it (less what was dropped, which
+        the caller reports as ``Removed``).
+        """
+        pools = [(tier, pool) for tier, pool in self.pools.items() if tier not in keep]
+        held = [tier.name for tier, pool in pools if pool.num_registered]
         if held:
             raise ValueError(f"forget_previous_run on a registry that holds blocks ({held})")
         for tier in (Tier.G1, Tier.G2, Tier.G3):
-            self.emitter.cleared(tier)
+            if tier not in keep:
+                self.emitter.cleared(tier)
 
     @property
     def g1(self) -> BlockPool:

@@ -15,6 +15,7 @@ import torch
 from kvledger.events.types import BlockInfo, Onboarded
 from kvledger.registry.emitter import EventEmitter
 from kvledger.tiers import BlockShape, DeviceTier, DiskTier, DiskTierError, HostTier, TransferEngine
+from kvledger.tiers.disk import G3InUse
 from kvledger.tiers.disk.fileio import kvikio_unavailable_reason
 
 SHAPE = BlockShape(num_layers=2, outer_dim=2, page_size=4, inner_dim=128, dtype=torch.bfloat16)
@@ -128,8 +129,8 @@ def test_file_of_another_layout_or_kind_is_refused(tmp_path: Path) -> None:
     other = BlockShape(2, 2, 8, 128, torch.bfloat16)
     with pytest.raises(ValueError, match=r"made for another layout: .*page_size=4 \(want 8\)"):
         DiskTier(tmp_path, other, 6)
-    with pytest.raises(ValueError, match=r"num_slots=6 \(want 7\)"):
-        DiskTier(tmp_path, SHAPE, 7)
+    with pytest.raises(ValueError, match=r"delete .*g3-slots.bin and g3-slots.bin.idx"):
+        DiskTier(tmp_path, other, 6)
     (tmp_path / "junk.bin").write_bytes(b"not a kvledger file")
     with pytest.raises(ValueError, match="is not a kvledger G3 file"):
         DiskTier(tmp_path, SHAPE, 6, file_name="junk.bin")
@@ -244,3 +245,117 @@ def test_disk_full_on_a_real_tiny_file_system(tmp_path: Path) -> None:
         assert not (mount / "g3-slots.bin").exists()
     finally:
         subprocess.run(["umount", str(mount)], check=True)
+
+
+# -- the slot index, recovery and the lock ---------------------------------------------------
+
+
+def named(i: int) -> BlockInfo:
+    return BlockInfo(1000 + i, 2000 + i, 999 + i if i else None)
+
+
+def write_named(g3: DiskTier, host: HostTier, slots: list[int], blocks: list[BlockInfo]) -> None:
+    rows = raw_bytes(host).numpy()
+    g3.write_slots(slots, [rows[i] for i in range(len(slots))], blocks)
+
+
+def known_of(blocks: list[BlockInfo]) -> dict[int, tuple[int, int | None]]:
+    return {b.sequence_hash: (b.local_hash, b.parent_hash) for b in blocks}
+
+
+def test_reopening_keeps_only_slots_naming_known_blocks_intact(tmp_path: Path) -> None:
+    host = random_host(5, 7)
+    blocks = [named(i) for i in range(5)]
+    g3 = DiskTier(tmp_path, SHAPE, 8)
+    write_named(g3, host, [0, 1, 2, 3, 4], blocks)
+    g3.close()
+    with open(g3.path, "r+b") as f:  # slot 1's bytes, one bit
+        f.seek(g3.slot_offset(1) + 100)
+        byte = f.read(1)[0]
+        f.seek(g3.slot_offset(1) + 100)
+        f.write(bytes([byte ^ 1]))
+    with open(g3.index_path, "r+b") as f:  # slot 2's entry, one bit of its sequence hash
+        f.seek(2 * 64 + 16)
+        f.write(b"\x01")
+
+    known = known_of(blocks[:4])
+    known[blocks[3].sequence_hash] = (blocks[3].local_hash, 12345)  # another parent: not it
+    again = DiskTier(tmp_path, SHAPE, 8, known=known)
+    r = again.recovery
+    assert (r.kept, r.corrupt, r.damaged, r.ignored) == (1, [blocks[1]], 1, 2)
+    assert again.recovered_blocks() == [(0, blocks[0])]
+    assert [again.is_valid(s) for s in range(5)] == [True, False, False, False, False]
+    back = HostTier(SHAPE, 1, pin=False)
+    assert again.read_slots([0], [raw_bytes(back).numpy()[0]]) == [True]
+    assert torch.equal(raw_bytes(back)[0], raw_bytes(host)[0])
+    again.close()
+    third = DiskTier(tmp_path, SHAPE, 8, known=known)  # what was freed stays freed
+    assert third.recovered_blocks() == [(0, blocks[0])] and third.recovery.ignored == 0
+    third.close()
+
+
+def test_newest_copy_of_a_block_wins(tmp_path: Path) -> None:
+    host = random_host(2, 8)
+    g3 = DiskTier(tmp_path, SHAPE, 4)
+    write_named(g3, host, [3], [named(0)])
+    write_named(g3, host, [1], [named(0)])
+    g3.close()
+    again = DiskTier(tmp_path, SHAPE, 4, known=known_of([named(0)]))
+    assert again.recovered_blocks() == [(1, named(0))] and again.recovery.duplicates == 1
+    again.close()
+
+
+def test_shrinking_keeps_the_newest_slots_and_moves_them_down(tmp_path: Path) -> None:
+    host = random_host(8, 9)
+    blocks = [named(i) for i in range(8)]
+    g3 = DiskTier(tmp_path, SHAPE, 8)
+    rows = raw_bytes(host).numpy()
+    for i in range(8):  # one write each: slot 7 is the newest
+        g3.write_slots([i], [rows[i]], [blocks[i]])
+    g3.close()
+    small = DiskTier(tmp_path, SHAPE, 3, known=known_of(blocks))
+    assert small.recovery.kept == 3 and small.recovery.no_room == blocks[4::-1]
+    assert os.path.getsize(small.path) == small.file_bytes
+    assert os.path.getsize(small.index_path) == 3 * 64
+    kept = small.recovered_blocks()
+    assert [b for _, b in kept] == blocks[5:]
+    back = HostTier(SHAPE, 3, pin=False)
+    ok = small.read_slots([s for s, _ in kept], list(raw_bytes(back).numpy()))
+    assert ok == [True] * 3
+    assert torch.equal(raw_bytes(back), raw_bytes(host)[5:])
+    small.close()
+    grown = DiskTier(tmp_path, SHAPE, 16, known=known_of(blocks))
+    assert [b for _, b in grown.recovered_blocks()] == blocks[5:]
+    assert os.path.getsize(grown.path) == grown.file_bytes
+    grown.close()
+
+
+def test_a_format_1_file_is_replaced_by_an_empty_cache(tmp_path: Path) -> None:
+    fields = {
+        "magic": "kvledger-g3",
+        "version": 1,
+        "num_slots": 4,
+        "slot_bytes": 4096,
+        "block_bytes": SHAPE.block_bytes,
+        "num_layers": 2,
+        "outer_dim": 2,
+        "page_size": 4,
+        "inner_dim": 128,
+        "dtype": "torch.bfloat16",
+    }
+    (tmp_path / "g3-slots.bin").write_bytes(json.dumps(fields).encode().ljust(3 * 4096, b"\n"))
+    g3 = DiskTier(tmp_path, SHAPE, 4, known={1: (2, None)})
+    assert g3.recovered_blocks() == [] and not any(g3.is_valid(s) for s in range(4))
+    assert os.path.getsize(g3.path) == g3.file_bytes
+    g3.close()
+
+
+def test_one_tier_per_file_and_the_lock_goes_with_close(tmp_path: Path) -> None:
+    g3 = DiskTier(tmp_path, SHAPE, 4)
+    holder = rf"{tmp_path / 'g3-slots.bin'} is in use .*pid {os.getpid()}"
+    with pytest.raises(G3InUse, match=holder):
+        DiskTier(tmp_path, SHAPE, 4)
+    other = DiskTier(tmp_path, SHAPE, 4, file_name="other.bin")  # another file is fine
+    other.close()
+    g3.close()
+    DiskTier(tmp_path, SHAPE, 4).close()

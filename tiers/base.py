@@ -1,8 +1,9 @@
 """The one protocol every storage tier speaks: a fixed number of block-sized slots.
 
-Tiers know bytes and slot numbers only. Which block (hash) sits in which slot is the pools'
-business (``kvledger.registry``); a tier never sees a hash, so a failed copy can never leave the
-registry claiming bytes that are not there.
+Tiers know bytes and slot numbers. Which block (hash) sits in which slot is the pools'
+business (``kvledger.registry``), so a failed copy can never leave the registry claiming bytes
+that are not there. The one exception is G3, which writes each block's name beside its bytes
+so that a restarted worker can check what its disk holds; it never decides anything by them.
 """
 
 from __future__ import annotations

@@ -249,7 +249,7 @@ class TransferEngine:
                 pass
             elif isinstance(dst, DiskTier):
                 assert isinstance(src, MemoryTier)
-                self._memory_to_disk(src, dst, pairs, ready)
+                self._memory_to_disk(src, dst, pairs, blocks, ready)
             elif isinstance(src, DiskTier):
                 assert isinstance(dst, MemoryTier)
                 failed = self._disk_to_memory(src, dst, pairs, ready)
@@ -436,20 +436,30 @@ class TransferEngine:
             return _record(scatter_stream)
 
     def _memory_to_disk(
-        self, src: MemoryTier, dst: DiskTier, pairs: Pairs, ready: torch.cuda.Event | None
+        self,
+        src: MemoryTier,
+        dst: DiskTier,
+        pairs: Pairs,
+        blocks: Sequence[BlockInfo] | None,
+        ready: torch.cuda.Event | None,
     ) -> None:
+        """The disk tier records each block's name beside its bytes, when ``blocks`` names
+        them, so a restarted worker can tell what its G3 slots hold."""
         if _is_host_contiguous(src.layout):
             assert isinstance(src.layout, FullyContiguous)
             rows = src.layout.block_bytes_view().numpy()
-            dst.write_slots([d for _, d in pairs], [rows[s] for s, _ in pairs])
+            dst.write_slots([d for _, d in pairs], [rows[s] for s, _ in pairs], blocks)
             return
         staging = self._host_staging_tier(src.shape)
         rows = staging.layout.block_bytes_view().numpy()
-        for chunk in _chunks(pairs, self.staging_blocks):
+        step = self.staging_blocks
+        for start in range(0, len(pairs), step):
+            chunk = pairs[start : start + step]
             into_staging = [(s, i) for i, (s, _) in enumerate(chunk)]
             _settle(self._memory_to_memory(src.layout, staging.layout, into_staging, ready))
             ready = None
-            dst.write_slots([d for _, d in chunk], [rows[i] for i in range(len(chunk))])
+            named = None if blocks is None else blocks[start : start + step]
+            dst.write_slots([d for _, d in chunk], [rows[i] for i in range(len(chunk))], named)
 
     def _disk_to_memory(
         self, src: DiskTier, dst: MemoryTier, pairs: Pairs, ready: torch.cuda.Event | None
