@@ -15,9 +15,9 @@ from typing import Any
 
 import pytest
 
-from kvledger.commands.progress import Progress
 from kvledger.events.replay import load_state, replay
 from kvledger.events.types import Tier
+from kvledger.progress import Progress
 
 # The shared data folder sits beside the checkout; KVLEDGER_SHARED_DATA points elsewhere
 # (a clone in another folder).
