@@ -12,6 +12,7 @@ import sqlite3
 
 import pytest
 import torch
+from services import REDIS_URL, redis_or_skip
 
 from kvledger import BlockManager
 from kvledger.config import Settings
@@ -222,19 +223,15 @@ def test_metrics_follow_a_managers_work(tmp_path):
         m.close()
 
 
+@pytest.mark.redis
 def test_redis_url_publishes_to_the_shared_registry(tmp_path):
     import uuid
 
-    redis = pytest.importorskip("redis")
-    client = redis.Redis(host="127.0.0.1", port=6379)
-    try:
-        client.ping()
-    except redis.ConnectionError:
-        pytest.skip("no Redis server on 127.0.0.1:6379")
+    client = redis_or_skip()
     from kvledger.events.shared_registry import SharedRegistry
 
     namespace = f"test-manager-{uuid.uuid4().hex[:8]}"
-    s = settings(tmp_path, redis_url="redis://127.0.0.1:6379/0", redis_namespace=namespace)
+    s = settings(tmp_path, redis_url=REDIS_URL, redis_namespace=namespace)
     m = BlockManager(s)
     shared = SharedRegistry(client, namespace)
     try:
