@@ -37,10 +37,11 @@ from vllm_reference import run_block_pool
 from kvledger.config import Settings
 from kvledger.events.log import EventLog
 from kvledger.mocker.cache import SimulatedCache
-from kvledger.mocker.engine import EngineConfig, MockEngine
+from kvledger.mocker.engine import EngineConfig, MockEngine, SimClock
+from kvledger.mocker.engine_off import replay_cache
+from kvledger.mocker.stats import EventCounter
 from kvledger.mocker.traces import TraceRequest, iter_arrivals, load_mooncake, request_hashes
 from kvledger.registry.emitter import EventEmitter
-from kvledger.simulate import EventCounter, replay_cache
 
 # The shared data folder sits beside the checkout; KVLEDGER_SHARED_DATA points elsewhere
 # (a clone in another folder).
@@ -69,10 +70,12 @@ def engine_off_logged(requests: list[TraceRequest], g1: int) -> tuple[float, int
 
 
 def engine_on(requests: list[TraceRequest], g1: int) -> tuple[float, int]:
-    cache = SimulatedCache.build(g1, policy="lru", emitter=EventEmitter(EventCounter()))
+    clock = SimClock()
+    emitter = EventEmitter(EventCounter(), clock=clock)
+    cache = SimulatedCache.build(g1, policy="lru", emitter=emitter)
     config = EngineConfig.from_settings(Settings.load(block_size=BLOCK, g1_blocks=g1))
     start = time.perf_counter()
-    stats = MockEngine(cache, config).run(requests)
+    stats = MockEngine(cache, config, clock=clock).run(requests)
     return time.perf_counter() - start, stats.blocks_hit
 
 

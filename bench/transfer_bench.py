@@ -26,6 +26,7 @@ import json
 import mmap
 import os
 import random
+import shutil
 import statistics
 import subprocess
 import tempfile
@@ -43,7 +44,7 @@ from kvledger.tiers import (
     LayerSeparate,
     TransferEngine,
 )
-from kvledger.tiers.transfer import slot_runs
+from kvledger.tiers.transfer.routes import slot_runs
 
 
 def median_seconds(fn: Callable[[], object], reps: int, sync: Callable[[], object]) -> float:
@@ -131,13 +132,13 @@ def memory_bench(args: argparse.Namespace, shape: BlockShape, rows: list[tuple[s
     ref_name = "pinned copy_" if cuda else "memcpy (copy_)"
     down_ref, down = paired_medians(
         lambda: ref_host.copy_(ref_dev, non_blocking=True),
-        lambda: engine.offload(g1, src, g2, dst).wait(),
+        lambda: engine.copy(g1, src, g2, dst).wait(),
         args.reps,
         sync,
     )
     up_ref, up = paired_medians(
         lambda: ref_dev.copy_(ref_host, non_blocking=True),
-        lambda: engine.onboard(g2, dst, g1, src).wait(),
+        lambda: engine.copy(g2, dst, g1, src).wait(),
         args.reps,
         sync,
     )
@@ -185,13 +186,13 @@ def memory_bench(args: argparse.Namespace, shape: BlockShape, rows: list[tuple[s
         mine.copy_(theirs)
     sep_down_ref, sep_down = paired_medians(
         lambda: ref_host.copy_(ref_dev, non_blocking=True),
-        lambda: engine.offload(separate, src, g2, dst).wait(),
+        lambda: engine.copy(separate, src, g2, dst).wait(),
         args.reps,
         sync,
     )
     sep_up_ref, sep_up = paired_medians(
         lambda: ref_dev.copy_(ref_host, non_blocking=True),
-        lambda: engine.onboard(g2, dst, separate, src).wait(),
+        lambda: engine.copy(g2, dst, separate, src).wait(),
         args.reps,
         sync,
     )
@@ -212,7 +213,7 @@ def memory_bench(args: argparse.Namespace, shape: BlockShape, rows: list[tuple[s
                 f"{ref / t:.3f}",
             )
         )
-    one = median_seconds(lambda: engine.onboard(g2, [dst[0]], g1, [src[0]]).wait(), 50, sync)
+    one = median_seconds(lambda: engine.copy(g2, [dst[0]], g1, [src[0]]).wait(), 50, sync)
     rows.append(("onboard 1 block G2->G1", f"{one * 1e6:.0f} us", "", "", ""))
     args.g1, args.g2, args.engine, args.sync = g1, g2, engine, sync
 
@@ -250,7 +251,7 @@ def disk_bench(args: argparse.Namespace, shape: BlockShape, rows: list[tuple[str
     ref_file = folder / "ref.bin"
     w_ref, write = paired_medians(
         lambda: direct_io(ref_file, ref, 16 << 20, write=True),
-        lambda: engine.offload(g2, g2_slots, g3, g3_slots).wait(),
+        lambda: engine.copy(g2, g2_slots, g3, g3_slots).wait(),
         args.reps,
         nothing,
     )
@@ -269,16 +270,15 @@ def disk_bench(args: argparse.Namespace, shape: BlockShape, rows: list[tuple[str
         )
 
     g1_slots = rng.sample(range(2 * n), n)
-    off = median_seconds(lambda: engine.offload(g1, g1_slots, g3, g3_slots).wait(), args.reps, sync)
-    on = median_seconds(lambda: engine.onboard(g3, g3_slots, g1, g1_slots).wait(), args.reps, sync)
+    off = median_seconds(lambda: engine.copy(g1, g1_slots, g3, g3_slots).wait(), args.reps, sync)
+    on = median_seconds(lambda: engine.copy(g3, g3_slots, g1, g1_slots).wait(), args.reps, sync)
     rows.append(("G1->G3", f"{gbps(nbytes, off):.2f}", "", "", f"{w_ref / off:.3f}"))
     rows.append(("G3->G1", f"{gbps(nbytes, on):.2f}", "", "", f"{r_ref / on:.3f}"))
-    one = median_seconds(lambda: engine.onboard(g3, [g3_slots[0]], g1, [0]).wait(), 50, sync)
+    one = median_seconds(lambda: engine.copy(g3, [g3_slots[0]], g1, [0]).wait(), 50, sync)
     rows.append(("onboard 1 block G3->G1", f"{one * 1e6:.0f} us", "", "", ""))
     rows.append(("G3 I/O path", g3.io.name, "", f"{args.io_threads} threads", ""))
     g3.close()
-    os.unlink(g3.path)
-    os.rmdir(folder)
+    shutil.rmtree(folder)  # the slot file, its index and its lock
 
 
 def main() -> None:

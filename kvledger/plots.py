@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from kvledger.simulate import SimStats
+from kvledger.mocker.stats import SimStats
 
 
 def _pyplot() -> Any:

@@ -7,14 +7,7 @@ import pytest
 from kvledger.config import Settings, SettingsError
 from kvledger.events.types import Tier
 
-
-@pytest.fixture(autouse=True)
-def clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    import os
-
-    for name in list(os.environ):
-        if name.startswith(("KVLEDGER_", "DYN_KVBM_")):
-            monkeypatch.delenv(name)
+pytestmark = pytest.mark.usefixtures("clean_env")
 
 
 def test_defaults_need_nothing_installed():

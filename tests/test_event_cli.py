@@ -17,8 +17,6 @@ from kvledger.migrations import runner
 from kvledger.registry.emitter import EventEmitter
 from kvledger.registry.state import RegistryState
 
-pytest_plugins = ("eventlog_backends",)
-
 
 def write_log(url: str, n: int = 30, worker: int = 0) -> list:
     seen: list = []
@@ -122,7 +120,10 @@ def test_missing_log_is_a_clear_error(tmp_path, capsys: pytest.CaptureFixture[st
 
 
 def test_replay_reports_progress_per_chunk_and_draws_it_on_a_terminal(
-    tmp_path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+    tmp_path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    terminal: io.StringIO,
 ) -> None:  # type: ignore[no-untyped-def]
     """A long replay calls back after every chunk with a growing position, and the command shows
     it as a bar on a terminal (and prints nothing extra when stderr is not one)."""
@@ -139,11 +140,6 @@ def test_replay_reports_progress_per_chunk_and_draws_it_on_a_terminal(
     )
     assert seen == [10_000, 20_000, 25_000] and report.rows_folded == 25_000
 
-    class Terminal(io.StringIO):
-        def isatty(self) -> bool:
-            return True
-
-    terminal = Terminal()
     monkeypatch.setattr("sys.stderr", terminal)
     assert main(["replay", path, "--no-checkpoints"]) == 0
     assert terminal.getvalue().startswith("\rreplay [")

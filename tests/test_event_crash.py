@@ -16,8 +16,6 @@ from kvledger.events.types import Tier
 from kvledger.registry.emitter import EventEmitter
 from kvledger.registry.state import RegistryState
 
-pytest_plugins = ("eventlog_backends",)
-
 WRITER = textwrap.dedent(
     """
     import random, sys

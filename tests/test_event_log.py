@@ -24,8 +24,6 @@ from kvledger.migrations import runner
 from kvledger.registry.emitter import EventEmitter
 from kvledger.registry.state import EventOrderError, RegistryState
 
-pytest_plugins = ("eventlog_backends",)  # the backend/log_url fixtures
-
 
 def emit_some(emitter: EventEmitter, n: int, start: int = 0) -> None:
     """Stored runs, removals and offloads, in a pattern that leaves a non-trivial state."""

@@ -27,8 +27,6 @@ from kvledger.events.log import EventLog
 from kvledger.events.types import Removed, Stored, Tier
 from kvledger.registry.emitter import EventEmitter
 
-pytest_plugins = ("eventlog_backends",)
-
 SLOTS = 1_000_000  # events the child may record; it stops appending (and waits) after that
 HEADER = struct.Struct("<q")
 TIMES = struct.Struct("<dd")

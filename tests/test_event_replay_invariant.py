@@ -28,8 +28,6 @@ from kvledger.events.types import AnyEvent
 from kvledger.mocker.kv_manager import Deref, FullBlock, KvManager, PartialBlock, Promote, Use
 from kvledger.registry.state import RegistryState
 
-pytest_plugins = ("eventlog_backends",)
-
 PATHS = st.lists(st.integers(0, 2), min_size=1, max_size=5).map(tuple)
 
 

@@ -15,11 +15,12 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvledger.events.log import EventLog
 from kvledger.events.types import Tier
 from kvledger.metrics import Metrics
+from kvledger.mocker.engine_off import replay_cache
 from kvledger.mocker.metered import MeteredCache
+from kvledger.mocker.stats import EventCounter, SimStats
 from kvledger.mocker.traces import synthetic
 from kvledger.registry.emitter import EventEmitter
 from kvledger.registry.tiered import TieredRegistry
-from kvledger.simulate import EventCounter, SimStats, replay_cache
 
 BYTES_PER_BLOCK = 4096
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]

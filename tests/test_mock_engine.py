@@ -9,7 +9,14 @@ import pytest
 from kvledger.config import Settings, SettingsError
 from kvledger.events.types import AnyEvent, Tier
 from kvledger.mocker.cache import SimulatedCache
-from kvledger.mocker.engine import Bandwidth, EngineConfig, MockEngine, StepCosts, StepRecord
+from kvledger.mocker.engine import (
+    Bandwidth,
+    EngineConfig,
+    MockEngine,
+    SimClock,
+    StepCosts,
+    StepRecord,
+)
 from kvledger.mocker.traces import TraceRequest, synthetic
 from kvledger.registry.emitter import EventEmitter
 from kvledger.registry.state import RegistryState
@@ -37,8 +44,10 @@ def request(at_ms: float, blocks: list[int], output: int = 4) -> TraceRequest:
 
 def engine(g1: int, g2: int = 0, **changes: object) -> tuple[MockEngine, list[AnyEvent]]:
     events: list[AnyEvent] = []
-    cache = SimulatedCache.build(g1, g2, policy="lru", emitter=EventEmitter(events.append))
-    return MockEngine(cache, config(**changes)), events
+    clock = SimClock()
+    emitter = EventEmitter(events.append, clock=clock)
+    cache = SimulatedCache.build(g1, g2, policy="lru", emitter=emitter)
+    return MockEngine(cache, config(**changes), clock=clock), events
 
 
 def assert_all_released(eng: MockEngine, events: list[AnyEvent]) -> None:
@@ -47,6 +56,19 @@ def assert_all_released(eng: MockEngine, events: list[AnyEvent]) -> None:
         assert pool.num_active == 0, f"{tier.name} still holds {pool.num_active} active blocks"
     live = RegistryState.from_mapping({(0, t): p.resident_blocks() for t, p in pools.items()})
     assert RegistryState.from_events(events) == live
+
+
+def test_events_carry_simulated_time() -> None:
+    """Two requests ten simulated seconds apart: their events are ten seconds apart too,
+    though the run takes milliseconds of wall time."""
+    eng, events = engine(g1=64)
+    started = time.time()
+    eng.run([request(0, list(range(4))), request(10_000, list(range(10, 14)))])
+    took = time.time() - started
+    assert took < 5.0
+    first, last = events[0].ts, events[-1].ts
+    assert last - first >= 10.0
+    assert first == pytest.approx(started, abs=1.0)  # the run starts at the wall-clock time
 
 
 def test_a_cached_prompt_gets_its_first_token_sooner() -> None:
@@ -122,10 +144,11 @@ def test_onboarding_from_g2_costs_copy_time() -> None:
 
 def test_synthetic_workload_with_three_tiers_replays_exactly() -> None:
     events: list[AnyEvent] = []
+    clock = SimClock()
     cache = SimulatedCache.build(
-        512, 256, 1024, policy="lineage", emitter=EventEmitter(events.append)
+        512, 256, 1024, policy="lineage", emitter=EventEmitter(events.append, clock=clock)
     )
-    eng = MockEngine(cache, config(max_num_batched_tokens=2048, max_num_seqs=32))
+    eng = MockEngine(cache, config(max_num_batched_tokens=2048, max_num_seqs=32), clock=clock)
     stats = eng.run(synthetic(300, block_size=BS, sessions=30, seed=3))
     assert stats.requests == 300 and stats.blocks_unplaced == 0
     assert stats.hits_by_tier[Tier.G1] > 0 and stats.hits_by_tier[Tier.G3] > 0

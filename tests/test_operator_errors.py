@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
-from eventlog_backends import PG_HOST, PG_PORT, PG_USER
+from services import PG_SERVER_URL, skip_without_postgres
 
 from kvledger.cli import main
 from kvledger.config import Settings, SettingsError, unknown_variables
@@ -29,11 +29,7 @@ from kvledger.registry.hashing import TokenBlockSequence
 LOG_COMMANDS = (["replay"], ["inspect"], ["tail", "--no-follow"])
 
 
-@pytest.fixture(autouse=True)
-def clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    for name in list(os.environ):
-        if name.startswith(("KVLEDGER_", "DYN_KVBM_")):
-            monkeypatch.delenv(name)
+pytestmark = pytest.mark.usefixtures("clean_env")
 
 
 def kvledger(
@@ -128,12 +124,8 @@ def test_postgresql_down_or_missing_is_one_line(
     line = refused(["simulate", "--requests", "5", "--log", down], capsys)
     assert "Connection refused" in line
 
-    psycopg = pytest.importorskip("psycopg")
-    try:
-        psycopg.connect(host=PG_HOST, port=PG_PORT, user=PG_USER, dbname="postgres").close()
-    except psycopg.OperationalError as exc:
-        pytest.skip(f"PostgreSQL at {PG_HOST}:{PG_PORT} is unreachable ({exc})")
-    missing = f"postgresql+psycopg://{PG_USER}@{PG_HOST}:{PG_PORT}/kvledger_no_such_database"
+    skip_without_postgres()
+    missing = f"{PG_SERVER_URL}/kvledger_no_such_database"
     line = refused(["inspect", missing], capsys)
     assert 'database "kvledger_no_such_database" does not exist' in line
     assert "create the database or fix the URL" in line

@@ -14,6 +14,7 @@ import pytest
 import redis
 import torch
 import xxhash
+from services import REDIS_URL
 
 from kvledger.events.shared_registry import SharedRegistry
 from kvledger.events.types import BlockInfo, Cleared, Offloaded, Removed, Stored, Tier
@@ -29,19 +30,13 @@ from kvledger.tiers.remote.directory import (
 from kvledger.tiers.remote.export import BlockExporter, block_checksum
 
 pytestmark = [pytest.mark.redis, pytest.mark.timeout(60)]
-REDIS_URL = "redis://127.0.0.1:6379/0"
 SHAPE = BlockShape(2, 2, 4, 16, torch.float16)
 WORKER = 7
 
 
 @pytest.fixture
-def client() -> redis.Redis:
-    c = redis.Redis.from_url(REDIS_URL)
-    try:
-        c.ping()
-    except redis.ConnectionError:
-        pytest.skip(f"no Redis at {REDIS_URL} (run .ci/services)")
-    return c
+def client(redis_client: redis.Redis) -> redis.Redis:
+    return redis_client
 
 
 @pytest.fixture

@@ -33,6 +33,7 @@ import redis
 import torch
 from redis.backoff import NoBackoff
 from redis.retry import Retry
+from services import REDIS_URL
 
 from kvledger.config import Settings
 from kvledger.events.log import EventLog
@@ -47,7 +48,6 @@ from kvledger.tiers.remote import (
     nixl_unavailable_reason,
 )
 
-REDIS_URL = "redis://127.0.0.1:6379/0"
 BLOCK = 4
 OWNER, READER = 1, 2
 LEASE_S = 5.0
@@ -261,15 +261,10 @@ class Reader:
 
 
 @pytest.fixture
-def namespace() -> Iterator[str]:
-    client = redis.Redis.from_url(REDIS_URL)
-    try:
-        client.ping()
-    except redis.ConnectionError:
-        pytest.skip(f"no Redis at {REDIS_URL} (run .ci/services)")
+def namespace(redis_client: redis.Redis) -> Iterator[str]:
     ns = f"t-remote-{uuid.uuid4().hex[:10]}"
     yield ns
-    SharedRegistry(client, ns).delete_namespace()
+    SharedRegistry(redis_client, ns).delete_namespace()
 
 
 @pytest.fixture

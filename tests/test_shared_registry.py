@@ -19,6 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from redis.backoff import NoBackoff
 from redis.retry import Retry
+from services import REDIS_URL, redis_or_skip
 
 from kvledger.events.log import EventLog
 from kvledger.events.publish import CallbackPublisher, RedisPublisher
@@ -32,21 +33,11 @@ from kvledger.registry.index import RouterIndex, holders_from_state
 from kvledger.registry.state import RegistryState
 
 pytestmark = pytest.mark.redis
-REDIS_URL = "redis://127.0.0.1:6379/0"
-
-
-def _client(url: str = REDIS_URL) -> redis.Redis:
-    client = redis.Redis.from_url(url)
-    try:
-        client.ping()
-    except redis.ConnectionError:
-        pytest.skip(f"no Redis at {url} (run .ci/services)")
-    return client
 
 
 @pytest.fixture
 def registry() -> Iterator[SharedRegistry]:
-    reg = SharedRegistry(_client(), f"t-{uuid.uuid4().hex[:12]}", lease_ttl_s=5)
+    reg = SharedRegistry(redis_or_skip(), f"t-{uuid.uuid4().hex[:12]}", lease_ttl_s=5)
     yield reg
     reg.delete_namespace()
 
@@ -95,7 +86,7 @@ def test_any_batching_with_replays_equals_the_fold(
     """Streams cut into random batches, some sent twice, interleaved across workers, each
     batch sent as script calls of ``per_call`` events: the shared index equals the fold of the
     streams and no event is applied twice."""
-    reg = SharedRegistry(_client(), f"h-{uuid.uuid4().hex[:12]}", events_per_call=per_call)
+    reg = SharedRegistry(redis_or_skip(), f"h-{uuid.uuid4().hex[:12]}", events_per_call=per_call)
     try:
         rng = random.Random(seed)
         prompts = prompt_pool(seed)
@@ -121,7 +112,7 @@ def test_a_batch_split_into_calls_is_refused_from_its_gap_on() -> None:
     """With several script calls per batch, a repeated head that ends inside a call and a gap
     in a later call behave as one call would: the repeats are skipped, nothing at or after
     the gap is applied, and the events before it are applied once."""
-    reg = SharedRegistry(_client(), f"g-{uuid.uuid4().hex[:12]}", events_per_call=3)
+    reg = SharedRegistry(redis_or_skip(), f"g-{uuid.uuid4().hex[:12]}", events_per_call=3)
     try:
         events = worker_events(8, 1, 30, prompt_pool(8))
         assert reg.apply(1, events[:5]).last_event_id == 4
@@ -144,7 +135,7 @@ def test_a_batch_split_into_calls_is_refused_from_its_gap_on() -> None:
 def test_blocks_stored_and_cleared_in_one_batch_leave_nothing_stale() -> None:
     """A batch that stores blocks and then clears their tier writes none of them, and asks
     for no sweep; a Cleared that leaves older entries behind does."""
-    reg = SharedRegistry(_client(), f"n-{uuid.uuid4().hex[:12]}", sweep_slice=0)
+    reg = SharedRegistry(redis_or_skip(), f"n-{uuid.uuid4().hex[:12]}", sweep_slice=0)
     try:
         events: list[AnyEvent] = []
         emit = EventEmitter(events.append, worker_id=1)
@@ -206,7 +197,7 @@ def test_lease_expiry_purges_only_that_worker(registry: SharedRegistry) -> None:
 
 
 def test_bad_configuration_is_refused() -> None:
-    client = _client()
+    client = redis_or_skip()
     with pytest.raises(ValueError, match="namespace"):
         SharedRegistry(client, "has space")
     with pytest.raises(ValueError, match="lease_ttl_s"):
@@ -364,7 +355,7 @@ def test_long_churn_keeps_counts_exact_and_stale_entries_bounded(per_call: int) 
     after every batch the index and the per-tier counts equal the fold, and the sweep that runs
     with the applies keeps the stored entries (stale ones included) from piling up."""
     reg = SharedRegistry(
-        _client(), f"c-{uuid.uuid4().hex[:12]}", sweep_slice=64, events_per_call=per_call
+        redis_or_skip(), f"c-{uuid.uuid4().hex[:12]}", sweep_slice=64, events_per_call=per_call
     )
     try:
         events = worker_events(21, 1, 600, prompt_pool(21))
@@ -402,7 +393,7 @@ def _stored(emit: EventEmitter, tier: Tier, seq: TokenBlockSequence) -> None:
 def test_cleared_then_stored_again_counts_only_the_new_blocks() -> None:
     """Entries written before a Cleared stay stored (stale) until swept, but no reader sees
     them; storing some of the blocks again makes exactly those live, on that tier only."""
-    reg = SharedRegistry(_client(), f"s-{uuid.uuid4().hex[:12]}", sweep_slice=0)
+    reg = SharedRegistry(redis_or_skip(), f"s-{uuid.uuid4().hex[:12]}", sweep_slice=0)
     try:
         events: list[AnyEvent] = []
         emit = EventEmitter(events.append, worker_id=1)
@@ -429,7 +420,7 @@ def test_a_purged_worker_that_comes_back_sees_none_of_its_old_entries() -> None:
     """After a purge the worker's old entries are stale, not gone: when it comes back and
     re-sends a new stream from event 0, only what that stream holds is live, old blocks it
     does not store again stay invisible, and the other worker is untouched."""
-    reg = SharedRegistry(_client(), f"p-{uuid.uuid4().hex[:12]}", sweep_slice=0)
+    reg = SharedRegistry(redis_or_skip(), f"p-{uuid.uuid4().hex[:12]}", sweep_slice=0)
     try:
         prompts = prompt_pool(31)
         old, other = worker_events(31, 1, 80, prompts), worker_events(31, 2, 80, prompts)
@@ -455,7 +446,7 @@ def test_a_purged_worker_that_comes_back_sees_none_of_its_old_entries() -> None:
 def test_sweep_removes_stale_entries_and_stops() -> None:
     """Stale entries are removed by the sweep a slice at a time; a pass ends on its own, and
     a Cleared or purge during a pass asks for another one."""
-    reg = SharedRegistry(_client(), f"w-{uuid.uuid4().hex[:12]}", sweep_slice=0)
+    reg = SharedRegistry(redis_or_skip(), f"w-{uuid.uuid4().hex[:12]}", sweep_slice=0)
     try:
         assert reg.sweep() is False  # nothing to do
         events: list[AnyEvent] = []
@@ -495,7 +486,7 @@ def test_sweep_removes_stale_entries_and_stops() -> None:
 def test_cleared_after_many_batches_clears_one_tier_of_one_worker() -> None:
     """Cleared reaches blocks gained many batches earlier, and blocks gained earlier in the
     same batch, on its own tier only and for its own worker only."""
-    reg = SharedRegistry(_client(), f"k-{uuid.uuid4().hex[:12]}", sweep_slice=16)
+    reg = SharedRegistry(redis_or_skip(), f"k-{uuid.uuid4().hex[:12]}", sweep_slice=16)
     try:
         streams: dict[int, list[AnyEvent]] = {w: [] for w in (1, 2)}
         emitters = {w: EventEmitter(streams[w].append, worker_id=w) for w in (1, 2)}

@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-import redis
+from services import redis_or_skip
 
 from kvledger.events.log import EventLog
 from kvledger.events.shared_registry import SharedRegistry
@@ -27,11 +27,7 @@ FLUSH_DB = 13  # owned by the flush test: it empties this whole database
 
 
 def _registry(db: int, namespace: str, lease: float) -> SharedRegistry:
-    client = redis.Redis(db=db)
-    try:
-        client.ping()
-    except redis.ConnectionError:
-        pytest.skip("no Redis at 127.0.0.1:6379 (run .ci/services)")
+    client = redis_or_skip(f"redis://127.0.0.1:6379/{db}")
     return SharedRegistry(client, namespace, lease_ttl_s=lease)
 
 

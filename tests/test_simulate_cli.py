@@ -15,9 +15,9 @@ from typing import Any
 
 import pytest
 
-from kvledger.commands.progress import Progress
 from kvledger.events.replay import load_state, replay
 from kvledger.events.types import Tier
+from kvledger.progress import Progress
 
 # The shared data folder sits beside the checkout; KVLEDGER_SHARED_DATA points elsewhere
 # (a clone in another folder).
@@ -197,12 +197,8 @@ def test_metrics_port_serves_kvbm_metrics_while_the_run_lasts(tmp_path: Path) ->
     assert "kvbm_events_appended_total" in text and "kvbm_alloc_latency_seconds_count" in text
 
 
-def test_progress_bar_draws_only_on_a_terminal() -> None:
-    class Terminal(io.StringIO):
-        def isatty(self) -> bool:
-            return True
-
-    term, pipe = Terminal(), io.StringIO()
+def test_progress_bar_draws_only_on_a_terminal(terminal: io.StringIO) -> None:
+    term, pipe = terminal, io.StringIO()
     for stream in (term, pipe):
         bar = Progress(4, "simulate", stream=stream)
         for done in range(1, 5):

@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 
 from kvledger.mocker.cache import SimulatedCache
+from kvledger.mocker.engine_off import replay_cache
 from kvledger.mocker.traces import load_mooncake
-from kvledger.simulate import replay_cache
 
 # The shared data folder sits beside the checkout; KVLEDGER_SHARED_DATA points elsewhere
 # (a clone in another folder).

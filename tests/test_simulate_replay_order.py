@@ -12,6 +12,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -21,11 +22,11 @@ from kvledger.events.log import EventLog
 from kvledger.events.replay import replay
 from kvledger.events.types import AnyEvent, Tier
 from kvledger.mocker.cache import SimulatedCache
-from kvledger.mocker.engine import EngineConfig, MockEngine
+from kvledger.mocker.engine import EngineConfig, MockEngine, SimClock
+from kvledger.mocker.engine_off import replay_cache
 from kvledger.mocker.traces import load_mooncake
 from kvledger.registry.emitter import EventEmitter
 from kvledger.registry.state import RegistryState
-from kvledger.simulate import replay_cache
 
 # The shared data folder sits beside the checkout; KVLEDGER_SHARED_DATA points elsewhere
 # (a clone in another folder).
@@ -80,16 +81,17 @@ def test_replay_up_to_every_event_is_the_run_at_that_event(
         if event.event_id % 97 == 0:
             snapshots[event.event_id] = live_state(cache)
 
+    clock = SimClock()  # the mock engine's; engine off stamps wall time
     cache = SimulatedCache.build(
         *sizes,
         policy=policy,
         offload_filter=offload_filter,
-        emitter=EventEmitter(sink, worker_id=WORKER),
+        emitter=EventEmitter(sink, worker_id=WORKER, clock=clock if engine else time.time),
     )
     trace = sorted(load_mooncake(TRACE), key=lambda r: r.arrival_ms)[:requests]
     if engine:
         settings = Settings.load(block_size=BLOCK, g1_blocks=sizes[0])
-        MockEngine(cache, EngineConfig.from_settings(settings)).run(trace)
+        MockEngine(cache, EngineConfig.from_settings(settings), clock=clock).run(trace)
     else:
         replay_cache(trace, cache, BLOCK)
     log.close()

@@ -156,15 +156,15 @@ def test_engine_tensors_round_trip_through_host_and_disk(
 
     count = 11  # more than the few blocks that are copied layer by layer without staging
     src, mid, far = (rng.sample(range(SLOTS), count) for _ in range(3))
-    engine.offload(g1, src, g2, mid).wait()
-    engine.offload(g1, src, g3, far).wait()
+    engine.copy(g1, src, g2, mid).wait()
+    engine.copy(g1, src, g3, far).wait()
     for s, m in zip(src, mid, strict=True):
         assert g2.layout.block_bytes_view()[m].numpy().tobytes() == expected[s]
 
     for t in layers:
         t.view(torch.uint8).fill_(POISON)
     back = rng.sample(range(SLOTS), count)
-    engine.onboard(g2, mid, g1, back).wait()
+    engine.copy(g2, mid, g1, back).wait()
     for s, b in zip(src, back, strict=True):
         assert _block(layers, b) == expected[s]
     untouched = set(range(SLOTS)) - set(back)
@@ -172,7 +172,7 @@ def test_engine_tensors_round_trip_through_host_and_disk(
 
     for t in layers:
         t.view(torch.uint8).fill_(POISON)
-    assert not engine.onboard(g3, far, g1, back).wait().failed
+    assert not engine.copy(g3, far, g1, back).wait().failed
     for s, b in zip(src, back, strict=True):
         assert _block(layers, b) == expected[s]
     assert _gap_bytes(layers, raw) == 0

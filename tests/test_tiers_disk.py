@@ -12,8 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvledger.events.types import BlockInfo, Onboarded
-from kvledger.registry.emitter import EventEmitter
+from kvledger.events.types import BlockInfo
 from kvledger.tiers import BlockShape, DeviceTier, DiskTier, DiskTierError, HostTier, TransferEngine
 from kvledger.tiers.disk import G3InUse
 from kvledger.tiers.disk.fileio import kvikio_unavailable_reason
@@ -40,7 +39,7 @@ def test_block_of_a_page_uses_o_direct_and_round_trips(tmp_path: Path) -> None:
     assert g3.io.name == "posix+odirect"  # ext4/xfs under tmp_path; tmpfs would say "posix"
     host, back = random_host(8, 1), HostTier(SHAPE, 8, pin=False)
     engine = TransferEngine()
-    engine.offload(host, [0, 1, 2, 3], g3, [7, 0, 3, 5]).wait()
+    engine.copy(host, [0, 1, 2, 3], g3, [7, 0, 3, 5]).wait()
     result = engine.copy(g3, [7, 0, 3, 5], back, [4, 5, 6, 7]).wait()
     assert result.failed == []
     assert torch.equal(raw_bytes(back)[4:8], raw_bytes(host)[0:4])
@@ -49,14 +48,13 @@ def test_block_of_a_page_uses_o_direct_and_round_trips(tmp_path: Path) -> None:
 
 
 def test_corrupt_slot_is_a_miss_never_handed_on(tmp_path: Path) -> None:
-    events: list[object] = []
-    engine = TransferEngine(listener=EventEmitter(events.append), staging_blocks=2)
+    engine = TransferEngine(staging_blocks=2)
     g3 = DiskTier(tmp_path, SHAPE, 8, io_threads=2)
     host = random_host(4, 2)
     g1 = DeviceTier(SHAPE, 8, device="cpu")
     for layer in g1.layout.layers:  # type: ignore[attr-defined]
         layer.view(torch.uint8).fill_(POISON)
-    engine.offload(host, [0, 1, 2, 3], g3, [0, 1, 2, 3]).wait()
+    engine.copy(host, [0, 1, 2, 3], g3, [0, 1, 2, 3]).wait()
 
     with open(g3.path, "r+b") as f:  # one flipped bit in slot 2's bytes
         f.seek(g3.slot_offset(2) + 1000)
@@ -65,7 +63,7 @@ def test_corrupt_slot_is_a_miss_never_handed_on(tmp_path: Path) -> None:
         f.write(bytes([byte ^ 0x10]))
 
     blocks = [BlockInfo(10 + i, i, None) for i in range(4)]
-    result = engine.onboard(g3, [0, 1, 2, 3], g1, [4, 5, 6, 7], blocks=blocks).wait()
+    result = engine.copy(g3, [0, 1, 2, 3], g1, [4, 5, 6, 7], blocks=blocks).wait()
 
     assert result.failed == [(2, 6)]
     assert result.dst_slots == [4, 5, 7]
@@ -76,8 +74,7 @@ def test_corrupt_slot_is_a_miss_never_handed_on(tmp_path: Path) -> None:
         host_block = host.layout.tensor[src].view(torch.uint8)
         for i, v in enumerate(g1.layout.block(dst)):
             assert torch.equal(v.view(torch.uint8), host_block[i])
-    assert len(events) == 1 and isinstance(events[0], Onboarded)
-    assert events[0].sequence_hashes == (10, 11, 13)
+    assert [b.sequence_hash for b in result.blocks] == [10, 11, 13]  # the names that arrived
 
     # The slot is no longer trusted: a second read is an empty miss, not another corrupt one.
     again = engine.copy(g3, [2], host, [0]).wait()
@@ -90,7 +87,7 @@ def test_corruption_is_caught_reading_into_host_memory_too(tmp_path: Path) -> No
     g3 = DiskTier(tmp_path, SHAPE, 4)
     host = random_host(4, 3)
     engine = TransferEngine()
-    engine.offload(host, [0, 1], g3, [0, 1]).wait()
+    engine.copy(host, [0, 1], g3, [0, 1]).wait()
     with open(g3.path, "r+b") as f:
         f.seek(g3.slot_offset(1) + SHAPE.block_bytes - 1)
         last = f.read(1)[0]
@@ -113,7 +110,7 @@ def test_reopened_file_keeps_slots_and_checksums(tmp_path: Path) -> None:
     host = random_host(3, 4)
     engine = TransferEngine()
     g3 = DiskTier(tmp_path, SHAPE, 6)
-    engine.offload(host, [0, 1, 2], g3, [5, 4, 0]).wait()
+    engine.copy(host, [0, 1, 2], g3, [5, 4, 0]).wait()
     g3.close()
 
     reopened = DiskTier(tmp_path, SHAPE, 6)
@@ -154,7 +151,6 @@ def test_without_kvikio_auto_falls_back_and_explicit_kvikio_says_why(tmp_path: P
 
 CHILD_PRELUDE = """
 import json, resource, signal, sys, torch
-from kvledger.registry.emitter import EventEmitter
 from kvledger.tiers import BlockShape, DiskTier, DiskTierError, HostTier, TransferEngine
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # get EFBIG from write() instead of dying
 SHAPE = BlockShape(2, 2, 4, 128, torch.bfloat16)
@@ -199,27 +195,25 @@ def test_disk_full_while_offloading_fails_the_transfer_and_reports_nothing(
     g3.close()
     out = run_child(
         """
-        events = []
-        engine = TransferEngine(listener=EventEmitter(events.append))
+        engine = TransferEngine()
         g3 = DiskTier(directory, SHAPE, 8, io_threads=1)
         host = HostTier(SHAPE, 2, pin=False)
         host.layout.tensor.view(torch.uint8).fill_(7)
         blocks = [(1, 1, None), (2, 2, 1)]
-        handle = engine.offload(host, [0, 1], g3, [0, 5], blocks=blocks)
+        handle = engine.copy(host, [0, 1], g3, [0, 5], blocks=blocks)
         try:
             handle.wait()
             error = None
         except DiskTierError as exc:
             error = str(exc)
         engine.close()
-        print(json.dumps({"error": error, "events": len(events), "slot5": g3.is_valid(5)}))
+        print(json.dumps({"error": error, "slot5": g3.is_valid(5)}))
         """,
         tmp_path,
         limit,
     )
     error = str(out["error"])
     assert str(g3.path) in error and "writing slot 5" in error and "file size limit" in error
-    assert out["events"] == 0  # the registry hears nothing of a failed offload
     assert out["slot5"] is False
 
 

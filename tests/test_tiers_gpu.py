@@ -46,14 +46,14 @@ def test_device_host_round_trip(layout: str, pin: bool, count: int) -> None:
     expected = {s: block_bytes(g1, s) for s in range(SLOTS)}
     src, mid = rng.sample(range(SLOTS), count), rng.sample(range(SLOTS), count)
 
-    engine.offload(g1, src, g2, mid).wait()
+    engine.copy(g1, src, g2, mid).wait()
     for s, m in zip(src, mid, strict=True):
         assert block_bytes(g2, m) == expected[s]
 
     for i in range(SHAPE.num_layers):  # poison G1, then bring the blocks back elsewhere
         g1.layout.layer(i).view(torch.uint8).fill_(0x3C)
     back = rng.sample(range(SLOTS), count)
-    assert engine.onboard(g2, mid, g1, back).wait().dst_slots == back
+    assert engine.copy(g2, mid, g1, back).wait().dst_slots == back
     for s, b in zip(src, back, strict=True):
         assert block_bytes(g1, b) == expected[s]
     engine.close()
@@ -64,10 +64,10 @@ def test_device_disk_round_trip(tmp_path: Path) -> None:
     g1 = random_g1("layer_separate", 2)
     g3 = DiskTier(tmp_path, SHAPE, SLOTS)
     expected = {s: block_bytes(g1, s) for s in range(SLOTS)}
-    engine.offload(g1, [5, 0, 33, 7, 21, 2, 9, 1, 30], g3, [0, 1, 2, 3, 4, 5, 6, 7, 8]).wait()
+    engine.copy(g1, [5, 0, 33, 7, 21, 2, 9, 1, 30], g3, [0, 1, 2, 3, 4, 5, 6, 7, 8]).wait()
     for i in range(SHAPE.num_layers):
         g1.layout.layer(i).view(torch.uint8).fill_(0x3C)
-    engine.onboard(g3, [8, 7, 6, 5, 4, 3, 2, 1, 0], g1, list(range(20, 29))).wait()
+    engine.copy(g3, [8, 7, 6, 5, 4, 3, 2, 1, 0], g1, list(range(20, 29))).wait()
     for s, d in zip([30, 1, 9, 2, 21, 7, 33, 0, 5], range(20, 29), strict=True):
         assert block_bytes(g1, d) == expected[s]
     engine.close()
@@ -80,7 +80,7 @@ def test_offload_waits_for_work_queued_on_the_callers_stream() -> None:
     torch.cuda._sleep(50_000_000)  # keep the current stream busy for a while
     for i in range(SHAPE.num_layers):
         g1.layout.layer(i)[4].fill_(float(i + 1))
-    engine.offload(g1, [4], g2, [0]).wait()
+    engine.copy(g1, [4], g2, [0]).wait()
     for i in range(SHAPE.num_layers):
         assert bool((g2.layout.tensor[0, i] == i + 1).all())
     engine.close()
@@ -98,15 +98,15 @@ def test_copies_asked_for_after_one_issued_at_once_wait_for_it(tmp_path: Path) -
     src, mid, far = list(range(0, 12)), list(range(20, 32)), list(range(5, 17))
 
     torch.cuda._sleep(50_000_000)  # the copy starts late on the GPU, after copy() returned
-    first = engine.offload(g1, src, g2, mid)
-    engine.offload(g2, mid, g3, far).wait()
+    first = engine.copy(g1, src, g2, mid)
+    engine.copy(g2, mid, g3, far).wait()
     assert first.done()
 
     g2.layout.tensor.view(torch.uint8).fill_(0xA5)
     for i in range(SHAPE.num_layers):
         g1.layout.layer(i).view(torch.uint8).fill_(0x3C)
     read = engine.copy(g3, far, g2, mid)
-    onboard = engine.onboard(g2, mid, g1, src)
+    onboard = engine.copy(g2, mid, g1, src)
     assert not read.wait().failed
     onboard.wait()
     for s in src:
@@ -121,7 +121,7 @@ def test_an_error_issuing_at_once_reaches_wait_and_leaves_the_engine_usable() ->
     handle = engine.copy(host_g1, range(SLOTS), g1, range(SLOTS))  # too many to copy directly
     with pytest.raises(ValueError, match="must be a FullyContiguous layout"):
         handle.wait()
-    engine.offload(g1, range(10), g2, range(10)).wait()
+    engine.copy(g1, range(10), g2, range(10)).wait()
     for s in range(10):
         assert block_bytes(g2, s) == block_bytes(g1, s)
     engine.close()

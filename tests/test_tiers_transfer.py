@@ -13,8 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvledger.events.types import BlockInfo, Offloaded, Onboarded, Tier
-from kvledger.registry.emitter import EventEmitter
+from kvledger.events.types import BlockInfo, Tier
 from kvledger.tiers import (
     BlockShape,
     DeviceTier,
@@ -128,8 +127,8 @@ def test_contiguous_runs_and_single_blocks(tmp_path: Path, engine: TransferEngin
     g2 = make_tier("G2", tmp_path)
     expected = fill_random(g1, engine, 7)
     poison(g2, engine)
-    engine.offload(g1, [4, 5, 6, 7, 8, 9, 10], g2, [10, 11, 12, 13, 14, 15, 16]).wait()
-    engine.offload(g1, [0], g2, [23]).wait()
+    engine.copy(g1, [4, 5, 6, 7, 8, 9, 10], g2, [10, 11, 12, 13, 14, 15, 16]).wait()
+    engine.copy(g1, [0], g2, [23]).wait()
     for s, d in [*zip(range(4, 11), range(10, 17), strict=True), (0, 23)]:
         assert block_bytes(g2, d) == expected[s]
 
@@ -140,35 +139,32 @@ def test_round_trip_through_every_tier_returns_the_original(
     g1 = make_tier("G1-layer-separate", tmp_path)
     g2, g3 = make_tier("G2", tmp_path), make_tier("G3", tmp_path)
     expected = fill_random(g1, engine, 3)
-    engine.offload(g1, [2, 9, 17], g2, [0, 1, 2])
-    engine.offload(g2, [0, 1, 2], g3, [20, 3, 11])  # queued after the first: same worker
-    handle = engine.onboard(g3, [20, 3, 11], g1, [5, 6, 7])
+    engine.copy(g1, [2, 9, 17], g2, [0, 1, 2])
+    engine.copy(g2, [0, 1, 2], g3, [20, 3, 11])  # queued after the first: same worker
+    handle = engine.copy(g3, [20, 3, 11], g1, [5, 6, 7])
     assert handle.wait().dst_slots == [5, 6, 7]
     for s, d in [(2, 5), (9, 6), (17, 7)]:
         assert block_bytes(g1, d) == expected[s]
 
 
-def test_listener_hears_offloaded_and_onboarded_with_block_identities(
+def test_result_names_the_blocks_that_arrived_with_their_tiers(
     tmp_path: Path,
 ) -> None:
-    events: list[object] = []
-    emitter = EventEmitter(events.append, worker_id=3)
-    engine = TransferEngine(listener=emitter, staging_blocks=4)
+    """What the manager reads from a finished copy: the tiers, the pairs and the block names."""
+    engine = TransferEngine(staging_blocks=4)
     g1, g2 = make_tier("G1-layer-separate", tmp_path), make_tier("G2", tmp_path)
     fill_random(g1, engine, 5)
     blocks = [BlockInfo(100, 10, None), BlockInfo(101, 11, 100)]
 
-    engine.offload(g1, [1, 2], g2, [8, 9], blocks=blocks).wait()
-    engine.onboard(g2, [8, 9], g1, [3, 4], blocks=blocks).wait()
-    engine.offload(g1, [5], g2, [10]).wait()  # no identities: nothing to tell
+    off = engine.copy(g1, [1, 2], g2, [8, 9], blocks=blocks).wait()
+    on = engine.copy(g2, [8, 9], g1, [3, 4], blocks=blocks).wait()
+    unnamed = engine.copy(g1, [5], g2, [10]).wait()  # no identities: none to tell
     engine.close()
 
-    assert [type(e) for e in events] == [Offloaded, Onboarded]
-    off, on = events
-    assert isinstance(off, Offloaded) and isinstance(on, Onboarded)
-    assert (off.src_tier, off.tier, off.blocks) == (Tier.G1, Tier.G2, tuple(blocks))
-    assert (on.src_tier, on.tier, on.blocks) == (Tier.G2, Tier.G1, tuple(blocks))
-    assert (off.event_id, on.event_id, off.worker_id) == (0, 1, 3)
+    assert (off.src_tier, off.dst_tier, off.blocks) == (Tier.G1, Tier.G2, blocks)
+    assert (on.src_tier, on.dst_tier, on.blocks) == (Tier.G2, Tier.G1, blocks)
+    assert (off.copied, on.copied) == ([(1, 8), (2, 9)], [(8, 3), (9, 4)])
+    assert (unnamed.copied, unnamed.blocks) == ([(5, 10)], [])
 
 
 def test_callbacks_run_once_the_copy_is_done(tmp_path: Path, engine: TransferEngine) -> None:
@@ -179,7 +175,7 @@ def test_callbacks_run_once_the_copy_is_done(tmp_path: Path, engine: TransferEng
     def on_done(h: TransferHandle) -> None:
         seen.append((h.done(), h.wait().dst_slots))
 
-    handle = engine.offload(g1, [0, 1, 2], g2, [3, 4, 5], callback=on_done)
+    handle = engine.copy(g1, [0, 1, 2], g2, [3, 4, 5], callback=on_done)
     handle.wait()
     late: list[bool] = []
     handle.add_done_callback(lambda h: late.append(h.done()))  # after the fact: runs at once
@@ -188,22 +184,21 @@ def test_callbacks_run_once_the_copy_is_done(tmp_path: Path, engine: TransferEng
     assert handle.exception() is None
 
 
-def test_on_copied_sees_every_result(tmp_path: Path) -> None:
+def test_every_result_reaches_its_callback(tmp_path: Path) -> None:
     results: list[TransferResult] = []
-    engine = TransferEngine(on_copied=results.append)
+    engine = TransferEngine()
     g1, g2 = make_tier("G1-layer-separate", tmp_path), make_tier("G2", tmp_path)
-    engine.offload(g1, [0], g2, [1]).wait()
+    engine.copy(g1, [0], g2, [1], callback=lambda h: results.append(h.wait())).wait()
     engine.close()
     assert [(r.src_tier, r.dst_tier, r.copied) for r in results] == [(Tier.G1, Tier.G2, [(0, 1)])]
 
 
-def test_empty_copy_completes_and_tells_nobody(tmp_path: Path) -> None:
-    events: list[object] = []
-    engine = TransferEngine(listener=EventEmitter(events.append))
+def test_empty_copy_completes_and_names_nothing(tmp_path: Path) -> None:
+    engine = TransferEngine()
     g1, g2 = make_tier("G1-layer-separate", tmp_path), make_tier("G2", tmp_path)
-    assert engine.offload(g1, [], g2, [], blocks=[]).wait().copied == []
+    result = engine.copy(g1, [], g2, [], blocks=[]).wait()
     engine.close()
-    assert events == []
+    assert (result.copied, result.failed, result.blocks) == ([], [], [])
 
 
 @pytest.mark.parametrize(
@@ -226,20 +221,14 @@ def test_bad_slot_lists_are_refused_before_anything_moves(
     g1, g2 = make_tier("G1-layer-separate", tmp_path), make_tier("G2", tmp_path)
     poison(g2, engine)
     with pytest.raises(error, match=message):
-        engine.offload(g1, src_slots, g2, dst_slots)
+        engine.copy(g1, src_slots, g2, dst_slots)
     assert all(block_bytes(g2, d) == bytes([POISON]) * SHAPE.block_bytes for d in range(SLOTS))
 
 
-def test_wrong_direction_shape_or_pairing_is_refused(
-    tmp_path: Path, engine: TransferEngine
-) -> None:
+def test_wrong_shape_or_pairing_is_refused(tmp_path: Path, engine: TransferEngine) -> None:
     g1, g2 = make_tier("G1-layer-separate", tmp_path), make_tier("G2", tmp_path)
     g3 = make_tier("G3", tmp_path / "x")
     other = HostTier(BlockShape(3, 2, 4, 16, torch.bfloat16), 4, pin=False)
-    with pytest.raises(ValueError, match="offload goes to a slower tier; G2 -> G1"):
-        engine.offload(g2, [0], g1, [0])
-    with pytest.raises(ValueError, match="onboard copies from G2/G3 into G1; got G1 -> G2"):
-        engine.onboard(g1, [0], g2, [0])
     with pytest.raises(ValueError, match=r"G1 holds blocks of .* but G2 of"):
         engine.copy(g1, [0], other, [0])
     with pytest.raises(ValueError, match="same G2 tier"):
@@ -247,7 +236,7 @@ def test_wrong_direction_shape_or_pairing_is_refused(
     with pytest.raises(ValueError, match="disk-to-disk"):
         engine.copy(g3, [0], make_tier("G3", tmp_path / "y"), [0])
     with pytest.raises(ValueError, match="1 blocks named for 2 slot pairs"):
-        engine.offload(g1, [0, 1], g2, [0, 1], blocks=[BlockInfo(1, 1, None)])
+        engine.copy(g1, [0, 1], g2, [0, 1], blocks=[BlockInfo(1, 1, None)])
     with pytest.raises(ValueError, match="staging_blocks must be at least 1"):
         TransferEngine(staging_blocks=0)
 
@@ -269,7 +258,7 @@ def test_engine_wraps_an_engines_own_tensors(tmp_path: Path, engine: TransferEng
     layers = [torch.randn(SLOTS, *SHAPE.layer_shape).to(SHAPE.dtype) for _ in range(3)]
     g1 = DeviceTier.from_layout(LayerSeparate(SHAPE, layers))
     g2 = make_tier("G2", tmp_path)
-    engine.offload(g1, [6], g2, [0]).wait()
+    engine.copy(g1, [6], g2, [0]).wait()
     assert isinstance(g2, HostTier) and isinstance(g2.layout, FullyContiguous)
     for layer, t in enumerate(layers):
         assert torch.equal(g2.layout.tensor[0, layer], t[6])

@@ -8,11 +8,11 @@ import datetime as dt
 import json
 
 from kvledger.commands.args import log_location
-from kvledger.commands.progress import Progress
 from kvledger.events.check import CheckReport, check_log, record_versions
 from kvledger.events.codec import RECORD_VERSION, UNCHECKED_VERSION
 from kvledger.events.log import EventLog
 from kvledger.events.schema import shown_url
+from kvledger.progress import Progress
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

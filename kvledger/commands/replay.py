@@ -14,7 +14,6 @@ from kvledger.commands.args import (
     output_file,
     timestamp,
 )
-from kvledger.commands.progress import Progress
 from kvledger.events.codec import CodecError
 from kvledger.events.log import EventLog
 from kvledger.events.replay import (
@@ -25,6 +24,7 @@ from kvledger.events.replay import (
     save_state,
     verify,
 )
+from kvledger.progress import Progress
 from kvledger.registry.state import RegistryState
 
 

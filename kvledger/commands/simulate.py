@@ -29,7 +29,6 @@ from kvledger.commands.args import (
     port,
     positive_int,
 )
-from kvledger.commands.progress import Progress
 from kvledger.config import Settings, ensure_log_folder
 from kvledger.events.log import EventLog
 from kvledger.events.replay import replay, save_state
@@ -37,13 +36,15 @@ from kvledger.events.schema import database_url, shown_url
 from kvledger.events.types import AnyEvent
 from kvledger.metrics import Metrics
 from kvledger.mocker.cache import SimulatedCache
-from kvledger.mocker.engine import EngineConfig, MockEngine
+from kvledger.mocker.engine import EngineConfig, MockEngine, SimClock
+from kvledger.mocker.engine_off import replay_cache
 from kvledger.mocker.metered import MeteredCache
+from kvledger.mocker.stats import TIERS, EventCounter, SimStats
 from kvledger.mocker.traces import MOONCAKE_BLOCK_TOKENS, TraceRequest, load_mooncake, synthetic
+from kvledger.progress import Progress
 from kvledger.registry.emitter import EventEmitter
 from kvledger.registry.state import RegistryState
 from kvledger.registry.tiered import OFFLOAD_FILTERS, TieredRegistry
-from kvledger.simulate import TIERS, EventCounter, SimStats, replay_cache
 
 POLICIES = ("lru", "lineage", "multi_lru")
 SYNTHETIC_REQUESTS = 2000
@@ -159,17 +160,24 @@ def build_cache(
     return MeteredCache(registry, metrics) if metrics is not None else SimulatedCache(registry)
 
 
+def engine_clock(args: argparse.Namespace) -> SimClock | None:
+    """The mock engine's clock for ``--engine on`` (events carry simulated time), else None."""
+    return SimClock() if args.engine == "on" else None
+
+
 def run_workload(
     cache: SimulatedCache,
     requests: list[TraceRequest],
     settings: Settings,
     *,
-    engine: bool,
+    clock: SimClock | None,
     speedup: float = 0.0,
     progress: Callable[[int], None] | None = None,
     sample_every: int = 0,
 ) -> SimStats:
-    if not engine:
+    """Run ``requests`` through ``cache``: with the mock engine on ``clock`` (the clock the
+    cache's emitter was built with), or engine off when ``clock`` is None."""
+    if clock is None:
         if speedup:
             raise ValueError("--speedup needs --engine on (engine off has no clock)")
         return replay_cache(
@@ -180,7 +188,8 @@ def run_workload(
             sample_every=sample_every,
         )
     config = EngineConfig.from_settings(settings, speedup=speedup)
-    return MockEngine(cache, config).run(requests, progress=progress, sample_every=sample_every)
+    engine = MockEngine(cache, config, clock=clock)
+    return engine.run(requests, progress=progress, sample_every=sample_every)
 
 
 # -- the command -------------------------------------------------------------------------
@@ -228,8 +237,13 @@ def simulate(args: argparse.Namespace, note: Callable[[str], None]) -> Outcome:
 
         counter = EventCounter(fan_out if len(sinks) > 1 else log.append)
         previous = log.last_event_id(worker)
+        clock = engine_clock(args)
         emitter = EventEmitter(
-            counter, worker_id=worker, dp_rank=settings.dp_rank, first_event_id=previous + 1
+            counter,
+            worker_id=worker,
+            dp_rank=settings.dp_rank,
+            first_event_id=previous + 1,
+            clock=time.time if clock is None else clock,
         )
         if previous >= 0:
             note(
@@ -252,7 +266,7 @@ def simulate(args: argparse.Namespace, note: Callable[[str], None]) -> Outcome:
                 cache,
                 requests,
                 settings,
-                engine=args.engine == "on",
+                clock=clock,
                 speedup=args.speedup,
                 progress=progress,
                 sample_every=sample_every,

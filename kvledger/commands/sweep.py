@@ -9,19 +9,21 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from typing import Any
 
 from kvledger.commands.args import output_file
-from kvledger.commands.progress import Progress
 from kvledger.commands.simulate import (
     add_workload_args,
     build_cache,
+    engine_clock,
     load_workload,
     run_workload,
     settings_from_args,
 )
+from kvledger.mocker.stats import EventCounter
+from kvledger.progress import Progress
 from kvledger.registry.emitter import EventEmitter
-from kvledger.simulate import EventCounter
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -71,14 +73,18 @@ def run(args: argparse.Namespace) -> int:
     for capacity in capacities:
         settings = base.model_copy(update={"g1_blocks": capacity})
         counter = EventCounter()
-        cache = build_cache(settings, EventEmitter(counter, worker_id=settings.worker_id))
+        clock = engine_clock(args)
+        emitter = EventEmitter(
+            counter, worker_id=settings.worker_id, clock=time.time if clock is None else clock
+        )
+        cache = build_cache(settings, emitter)
         progress = Progress(len(requests), f"G1 {capacity:>7}")
         try:
             stats = run_workload(
                 cache,
                 requests,
                 settings,
-                engine=args.engine == "on",
+                clock=clock,
                 speedup=args.speedup,
                 progress=progress,
             )

@@ -37,9 +37,9 @@ from xxhash import xxh3_64_intdigest
 from kvledger.config import Settings
 from kvledger.events.types import Tier
 from kvledger.mocker.cache import Admission, SimulatedCache
+from kvledger.mocker.stats import SimStats, occupancy
 from kvledger.mocker.traces import TraceRequest, iter_arrivals, request_hashes
 from kvledger.registry.hashing import sequence_hash
-from kvledger.simulate import SimStats, occupancy
 
 _PACK_DECODE = struct.Struct("<QQ").pack
 
@@ -146,17 +146,40 @@ class _Sequence:
         self.tokens = self.req.input_length + self.generated
 
 
+class SimClock:
+    """Simulated time, which the mock engine advances step by step.
+
+    Calling it gives Unix seconds, so it serves as an ``EventEmitter``'s clock: build the
+    cache's emitter with the clock the engine is given and events carry simulated time.
+    """
+
+    __slots__ = ("epoch", "now_ms")
+
+    def __init__(self) -> None:
+        self.now_ms = 0.0
+        self.epoch = time.time()  # Unix seconds at now_ms == 0
+
+    def __call__(self) -> float:
+        return self.epoch + self.now_ms / 1e3
+
+    def start(self, now_ms: float) -> None:
+        """Make this wall-clock instant simulated ``now_ms`` (a run starts when it begins)."""
+        self.now_ms = now_ms
+        self.epoch = time.time() - now_ms / 1e3
+
+
 class MockEngine:
     """Drives a ``SimulatedCache`` with a scheduler; ``run`` returns the run's ``SimStats``.
 
-    Events emitted while the engine runs are stamped with simulated time (the cache's
-    emitter gets the engine's clock), so a log can be replayed up to a simulated instant.
+    Events emitted while the engine runs are stamped with simulated time when the cache's
+    emitter was built with the engine's ``clock``, so a log can be replayed up to a simulated
+    instant.
     """
 
-    def __init__(self, cache: SimulatedCache, config: EngineConfig) -> None:
+    def __init__(self, cache: SimulatedCache, config: EngineConfig, *, clock: SimClock) -> None:
         self.cache = cache
         self.config = config
-        self.now_ms = 0.0
+        self.clock = clock
         self.steps = 0
         self.preemptions = 0
         self.onboard_ms = 0.0
@@ -165,14 +188,8 @@ class MockEngine:
         self.on_step: Callable[[StepRecord], None] | None = None
         #: take runs of identical decode steps at once (False: the step-by-step reference)
         self.decode_ahead = True
-        self._epoch = time.time()
         self._wall_start = time.monotonic()
         self._sim_start_ms = 0.0
-        cache.registry.emitter.clock = self.clock
-
-    def clock(self) -> float:
-        """Simulated time as Unix seconds (the run starts at the wall-clock time it began)."""
-        return self._epoch + self.now_ms / 1e3
 
     # -- the run --------------------------------------------------------------------------
 
@@ -189,17 +206,17 @@ class MockEngine:
         self._check_fits(pending)
         stats = SimStats()
         if pending:
-            self.now_ms = self._sim_start_ms = pending[0].req.arrival_ms
-            self._epoch = time.time() - self.now_ms / 1e3
+            self._sim_start_ms = pending[0].req.arrival_ms
+            self.clock.start(self._sim_start_ms)
         self._wall_start = time.monotonic()
         waiting: deque[_Sequence] = deque()
         running: list[_Sequence] = []
         finished = 0
         while pending or waiting or running:
-            while pending and pending[0].req.arrival_ms <= self.now_ms:
+            while pending and pending[0].req.arrival_ms <= self.clock.now_ms:
                 waiting.append(pending.popleft())
             if not waiting and not running:
-                self.now_ms = pending[0].req.arrival_ms
+                self.clock.now_ms = pending[0].req.arrival_ms
                 self._pace()
                 continue
             done = None
@@ -289,12 +306,12 @@ class MockEngine:
             + costs.prefill_ms_per_token * prefill_tokens
             + onboard_ms
         )
-        self.now_ms += step_ms
+        self.clock.now_ms += step_ms
         self.onboard_ms += onboard_ms
         self.steps += 1
         if self.on_step is not None:
             tokens = sum(n for _, n in batch)
-            self.on_step(StepRecord(self.now_ms, step_ms, len(batch), tokens, prefill_tokens))
+            self.on_step(StepRecord(self.clock.now_ms, step_ms, len(batch), tokens, prefill_tokens))
         done: list[_Sequence] = []
         for s, n in batch:
             computed = s.computed = s.computed + n
@@ -303,8 +320,8 @@ class MockEngine:
             s.generated += 1  # the step that feeds the last token samples the next one
             s.tokens += 1
             if s.first_token_ms is None:
-                s.first_token_ms = self.now_ms
-                stats.ttft_ms.append(self.now_ms - s.req.arrival_ms)
+                s.first_token_ms = self.clock.now_ms
+                stats.ttft_ms.append(self.clock.now_ms - s.req.arrival_ms)
             if s.generated >= s.output_length:
                 done.append(s)
         self._finish(done, running)
@@ -333,15 +350,17 @@ class MockEngine:
         costs = self.config.costs
         step_ms = costs.step_ms + costs.per_seq_ms * len(running)
         if next_arrival_ms is not None:
-            k = min(k, math.ceil((next_arrival_ms - self.now_ms) / step_ms))
+            k = min(k, math.ceil((next_arrival_ms - self.clock.now_ms) / step_ms))
         if k < 2:
             return None
         if self.on_step is not None:
             for j in range(1, k + 1):
                 self.on_step(
-                    StepRecord(self.now_ms + j * step_ms, step_ms, len(running), len(running), 0)
+                    StepRecord(
+                        self.clock.now_ms + j * step_ms, step_ms, len(running), len(running), 0
+                    )
                 )
-        self.now_ms += k * step_ms
+        self.clock.now_ms += k * step_ms
         self.steps += k
         done: list[_Sequence] = []
         for s in running:
@@ -359,7 +378,7 @@ class MockEngine:
             assert s.admission is not None
             self.cache.finish(s.admission)
             s.admission = None
-            self.latency_ms.append(self.now_ms - s.req.arrival_ms)
+            self.latency_ms.append(self.clock.now_ms - s.req.arrival_ms)
         self._pace()
 
     def _admit(
@@ -443,14 +462,14 @@ class MockEngine:
         speedup = self.config.speedup
         if not speedup:
             return
-        due = self._wall_start + (self.now_ms - self._sim_start_ms) / 1e3 / speedup
+        due = self._wall_start + (self.clock.now_ms - self._sim_start_ms) / 1e3 / speedup
         delay = due - time.monotonic()
         if delay > 0:
             time.sleep(delay)
 
     def _summary(self) -> dict[str, float | int]:
         out: dict[str, float | int] = {
-            "simulated_s": round((self.now_ms - self._sim_start_ms) / 1e3, 3),
+            "simulated_s": round((self.clock.now_ms - self._sim_start_ms) / 1e3, 3),
             "steps": self.steps,
             "preemptions": self.preemptions,
             "onboard_ms": round(self.onboard_ms, 3),

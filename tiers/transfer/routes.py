@@ -1,4 +1,4 @@
-"""Batched, asynchronous block copies between any two tiers.
+"""The copy routes of the transfer engine: how a batch of blocks moves between two tiers.
 
 A copy is a list of (source slot, destination slot) pairs. Copying block by block and layer by
 layer would issue ``blocks x layers`` small copies (measured: 4 GB/s that way against 48 GB/s
@@ -14,26 +14,16 @@ batched), so every route moves whole batches instead:
 - memory <-> disk: host slots are written or read in place by the disk tier's I/O threads;
   anything else (device memory, or a layer-separate layout) goes through a host staging tier.
 
-Transfers take effect in submission order and return a ``TransferHandle`` at once. They run on
-one worker thread, except that a memory copy with a GPU side, asked for while no transfer is
-pending, is issued on the caller's thread at once (the GPU runs it asynchronously) and only its
-completion goes to the worker: handing the issuing to another thread costs a thread wake-up
-before the first byte moves (measured: ~0.5 ms on a virtual machine, 5% of a 512 MiB copy).
-When a transfer finishes, the emitter (if any) is told which blocks arrived (it turns that into
-Offloaded / Onboarded events), then the callbacks run, all on the worker thread.
+Threads, ordering and results are the engine's (``kvledger.tiers.transfer.engine``).
 """
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
-from typing import Protocol
 
 import torch
 
-from kvledger.events.types import BlockInfo, Tier
+from kvledger.events.types import BlockInfo
 from kvledger.tiers.base import MemoryTier, StorageTier
 from kvledger.tiers.disk.tier import DiskTier
 from kvledger.tiers.host.tier import HostTier
@@ -52,260 +42,54 @@ _new_event: Callable[[], torch.cuda.Event] = torch.cuda.Event
 _new_stream: Callable[[torch.device], torch.cuda.Stream] = torch.cuda.Stream
 
 
-class CopyListener(Protocol):
-    """What the engine tells when a copy lands; ``kvledger.registry.emitter.EventEmitter`` fits."""
-
-    def copied(self, src_tier: Tier, dst_tier: Tier, blocks: Sequence[BlockInfo]) -> None: ...
-
-
-@dataclass(frozen=True)
-class TransferResult:
-    """What arrived. ``failed`` pairs read an empty or corrupt G3 slot: their destination slot
-    holds nothing usable and must not be registered."""
-
-    src_tier: Tier
-    dst_tier: Tier
-    copied: Pairs
-    failed: Pairs = field(default_factory=list)
-    blocks: list[BlockInfo] = field(default_factory=list)
-
-    @property
-    def dst_slots(self) -> list[int]:
-        return [d for _, d in self.copied]
-
-
-class TransferHandle:
-    """A transfer in flight: ``done()``, ``wait()`` and completion callbacks."""
-
-    def __init__(
-        self, future: Future[TransferResult], issued: torch.cuda.Event | None = None
-    ) -> None:
-        self._future = future
-        self._issued = issued
-
-    def done(self) -> bool:
-        return self._future.done()
-
-    def wait(self, timeout: float | None = None) -> TransferResult:
-        """Block until the copy finished; re-raises its error (nothing was reported then).
-
-        A copy issued on the caller's thread is first waited for on its CUDA event (a spin
-        without the GIL), so the caller is awake when the worker reports it."""
-        if self._issued is not None and timeout is None:
-            self._issued.synchronize()
-        return self._future.result(timeout)
-
-    def add_done_callback(self, fn: Callable[[TransferHandle], None]) -> None:
-        """Run ``fn(handle)`` when the transfer ends, successfully or not (at once if it has)."""
-        self._future.add_done_callback(lambda _f: fn(self))
-
-    def exception(self) -> BaseException | None:
-        return self._future.exception()
-
-
-class TransferEngine:
-    """Copies between tiers; one engine per worker, shared by every offload and onboard.
+class CopyRoutes:
+    """The torch side of a transfer engine: which copies move a batch of pairs from one tier to
+    another, and the staging buffers and CUDA streams they run on.
 
     ``staging_blocks`` is the size, in blocks, of each of the two device staging buffers and of
-    the host staging buffer used for device <-> disk copies.
+    the host staging buffer used for device <-> disk copies. Not thread-safe: the engine calls
+    it from one thread at a time (its worker, or a caller while no transfer is pending).
     """
 
-    def __init__(
-        self,
-        *,
-        listener: CopyListener | None = None,
-        on_copied: Callable[[TransferResult], None] | None = None,
-        staging_blocks: int = 32,
-    ) -> None:
-        if staging_blocks < 1:
-            raise ValueError(f"staging_blocks must be at least 1, got {staging_blocks}")
-        self.listener = listener
-        self.on_copied = on_copied
+    def __init__(self, staging_blocks: int) -> None:
         self.staging_blocks = staging_blocks
-        self._worker = ThreadPoolExecutor(1, thread_name_prefix="kvledger-transfer")
-        self._listener_lock = threading.Lock()
         self._device_staging: dict[tuple[torch.device, BlockShape], list[torch.Tensor]] = {}
         self._host_staging: dict[BlockShape, HostTier] = {}
         self._streams: dict[torch.device, tuple[torch.cuda.Stream, torch.cuda.Stream]] = {}
-        self._pending_lock = threading.Lock()
-        self._pending = 0  # transfers submitted whose copies have not finished
 
-    # -- public API ---------------------------------------------------------------------------
-
-    def copy(
-        self,
-        src: StorageTier,
-        src_slots: Sequence[int],
-        dst: StorageTier,
-        dst_slots: Sequence[int],
-        *,
-        blocks: Sequence[BlockInfo] | None = None,
-        callback: Callable[[TransferHandle], None] | None = None,
-    ) -> TransferHandle:
-        """Copy ``src_slots[i]`` of ``src`` to ``dst_slots[i]`` of ``dst``, asynchronously.
-
-        ``blocks[i]`` names the block in pair ``i``; when given, the listener hears about the
-        blocks that arrived. Bad arguments raise here, before anything is queued.
-        """
-        pairs = self._validate(src, src_slots, dst, dst_slots, blocks)
-        ready = _record_ready(src, dst)
-        issued: torch.cuda.Event | None = None
-        with self._pending_lock:
-            self._pending += 1
-            if self._pending == 1 and pairs and _gpu_memory_copy(src, dst):
-                assert isinstance(src, MemoryTier) and isinstance(dst, MemoryTier)
-                try:
-                    issued = self._memory_to_memory(src.layout, dst.layout, pairs, ready)
-                except Exception as exc:
-                    future = self._worker.submit(self._fail, exc)
-                else:
-                    future = self._worker.submit(self._report, src, dst, pairs, blocks, issued)
-            else:
-                future = self._worker.submit(self._run, src, dst, pairs, blocks, ready)
-        handle = TransferHandle(future, issued)
-        if callback is not None:
-            handle.add_done_callback(callback)
-        return handle
-
-    def offload(
-        self,
-        src: StorageTier,
-        src_slots: Sequence[int],
-        dst: StorageTier,
-        dst_slots: Sequence[int],
-        *,
-        blocks: Sequence[BlockInfo] | None = None,
-        callback: Callable[[TransferHandle], None] | None = None,
-    ) -> TransferHandle:
-        """Copy blocks down to a slower tier (G1 -> G2/G3, G2 -> G3)."""
-        if dst.tier <= src.tier:
-            raise ValueError(f"offload goes to a slower tier; {src.tier.name} -> {dst.tier.name}")
-        return self.copy(src, src_slots, dst, dst_slots, blocks=blocks, callback=callback)
-
-    def onboard(
-        self,
-        src: StorageTier,
-        src_slots: Sequence[int],
-        dst: StorageTier,
-        dst_slots: Sequence[int],
-        *,
-        blocks: Sequence[BlockInfo] | None = None,
-        callback: Callable[[TransferHandle], None] | None = None,
-    ) -> TransferHandle:
-        """Copy G2/G3 blocks into G1 slots; the result's ``dst_slots`` are the G1 slots filled."""
-        if dst.tier != Tier.G1 or src.tier == Tier.G1:
-            raise ValueError(
-                f"onboard copies from G2/G3 into G1; got {src.tier.name} -> {dst.tier.name}"
-            )
-        return self.copy(src, src_slots, dst, dst_slots, blocks=blocks, callback=callback)
-
-    def close(self) -> None:
-        """Finish queued transfers and drop staging buffers."""
-        self._worker.shutdown(wait=True)
-        self._device_staging.clear()
-        self._host_staging.clear()
-
-    # -- validation ---------------------------------------------------------------------------
-
-    @staticmethod
-    def _validate(
-        src: StorageTier,
-        src_slots: Sequence[int],
-        dst: StorageTier,
-        dst_slots: Sequence[int],
-        blocks: Sequence[BlockInfo] | None,
-    ) -> Pairs:
-        if src is dst:
-            raise ValueError(f"source and destination are the same {src.tier.name} tier")
-        if src.shape != dst.shape:
-            raise ValueError(
-                f"{src.tier.name} holds blocks of {src.shape} but {dst.tier.name} of {dst.shape}"
-            )
-        if isinstance(src, DiskTier) and isinstance(dst, DiskTier):
-            raise ValueError("disk-to-disk copies are not supported")
-        if len(src_slots) != len(dst_slots):
-            raise ValueError(
-                f"{len(src_slots)} source slots but {len(dst_slots)} destination slots"
-            )
-        if blocks is not None and len(blocks) != len(src_slots):
-            raise ValueError(f"{len(blocks)} blocks named for {len(src_slots)} slot pairs")
-        s = src.check_slots(src_slots, "source")
-        d = dst.check_slots(dst_slots, "destination")
-        return list(zip(s, d, strict=True))
-
-    # -- the worker ---------------------------------------------------------------------------
-
-    def _run(
+    def run(
         self,
         src: StorageTier,
         dst: StorageTier,
         pairs: Pairs,
         blocks: Sequence[BlockInfo] | None,
         ready: torch.cuda.Event | None,
-    ) -> TransferResult:
-        failed: Pairs = []
-        try:
-            if not pairs:
-                pass
-            elif isinstance(dst, DiskTier):
-                assert isinstance(src, MemoryTier)
-                self._memory_to_disk(src, dst, pairs, blocks, ready)
-            elif isinstance(src, DiskTier):
-                assert isinstance(dst, MemoryTier)
-                failed = self._disk_to_memory(src, dst, pairs, ready)
-            else:
-                assert isinstance(src, MemoryTier) and isinstance(dst, MemoryTier)
-                _settle(self._memory_to_memory(src.layout, dst.layout, pairs, ready))
-        finally:
-            self._finished()
-        return self._result(src, dst, pairs, blocks, failed)
+    ) -> Pairs:
+        """Copy ``pairs`` and wait until the bytes are there; returns the pairs that read an
+        empty or corrupt G3 slot (their destination slot was left alone)."""
+        if not pairs:
+            return []
+        if isinstance(dst, DiskTier):
+            assert isinstance(src, MemoryTier)
+            self._memory_to_disk(src, dst, pairs, blocks, ready)
+            return []
+        if isinstance(src, DiskTier):
+            assert isinstance(dst, MemoryTier)
+            return self._disk_to_memory(src, dst, pairs, ready)
+        assert isinstance(src, MemoryTier) and isinstance(dst, MemoryTier)
+        settle(self.issue(src, dst, pairs, ready))
+        return []
 
-    def _report(
-        self,
-        src: StorageTier,
-        dst: StorageTier,
-        pairs: Pairs,
-        blocks: Sequence[BlockInfo] | None,
-        issued: torch.cuda.Event | None,
-    ) -> TransferResult:
-        """The worker's part of a copy issued on the caller's thread."""
-        try:
-            _settle(issued)
-        finally:
-            self._finished()
-        return self._result(src, dst, pairs, blocks, [])
+    def issue(
+        self, src: MemoryTier, dst: MemoryTier, pairs: Pairs, ready: torch.cuda.Event | None
+    ) -> torch.cuda.Event | None:
+        """Issue a memory-to-memory copy without waiting for it; returns the CUDA event that
+        marks its end (None: already done)."""
+        return self._memory_to_memory(src.layout, dst.layout, pairs, ready)
 
-    def _fail(self, error: Exception) -> TransferResult:
-        """Re-raise, on the worker, an error from issuing on the caller's thread."""
-        self._finished()
-        raise error
-
-    def _finished(self) -> None:
-        with self._pending_lock:
-            self._pending -= 1
-
-    def _result(
-        self,
-        src: StorageTier,
-        dst: StorageTier,
-        pairs: Pairs,
-        blocks: Sequence[BlockInfo] | None,
-        failed: Pairs,
-    ) -> TransferResult:
-        lost = set(failed)
-        copied = [p for p in pairs if p not in lost]
-        infos = (
-            []
-            if blocks is None
-            else [b for p, b in zip(pairs, blocks, strict=True) if p not in lost]
-        )
-        result = TransferResult(src.tier, dst.tier, copied, failed, infos)
-        if self.listener is not None and infos:
-            with self._listener_lock:
-                self.listener.copied(src.tier, dst.tier, infos)
-        if self.on_copied is not None:
-            self.on_copied(result)
-        return result
+    def drop_staging(self) -> None:
+        self._device_staging.clear()
+        self._host_staging.clear()
 
     def _memory_to_memory(
         self, src: KVLayout, dst: KVLayout, pairs: Pairs, ready: torch.cuda.Event | None
@@ -456,7 +240,7 @@ class TransferEngine:
         for start in range(0, len(pairs), step):
             chunk = pairs[start : start + step]
             into_staging = [(s, i) for i, (s, _) in enumerate(chunk)]
-            _settle(self._memory_to_memory(src.layout, staging.layout, into_staging, ready))
+            settle(self._memory_to_memory(src.layout, staging.layout, into_staging, ready))
             ready = None
             named = None if blocks is None else blocks[start : start + step]
             dst.write_slots([d for _, d in chunk], [rows[i] for i in range(len(chunk))], named)
@@ -477,7 +261,7 @@ class TransferEngine:
             good = [(i, d) for i, ((_, d), fine) in enumerate(zip(chunk, ok, strict=True)) if fine]
             failed += [p for p, fine in zip(chunk, ok, strict=True) if not fine]
             if good:  # corrupt slots never reach the destination
-                _settle(self._memory_to_memory(staging.layout, dst.layout, good, ready))
+                settle(self._memory_to_memory(staging.layout, dst.layout, good, ready))
                 ready = None
         return failed
 
@@ -508,7 +292,7 @@ class TransferEngine:
         return self._streams[dev]
 
 
-def _record_ready(src: StorageTier, dst: StorageTier) -> torch.cuda.Event | None:
+def record_ready(src: StorageTier, dst: StorageTier) -> torch.cuda.Event | None:
     """An event on the caller's current CUDA stream: the copy starts after work queued so far
     (the kernels that wrote the blocks, or the last reads of the slots being overwritten)."""
     for tier in (src, dst):
@@ -519,7 +303,7 @@ def _record_ready(src: StorageTier, dst: StorageTier) -> torch.cuda.Event | None
     return None
 
 
-def _gpu_memory_copy(src: StorageTier, dst: StorageTier) -> bool:
+def issues_on_caller(src: StorageTier, dst: StorageTier) -> bool:
     """Whether a copy between these tiers is memory to memory with a GPU side, so that issuing
     it costs the caller only the issuing (the bytes move asynchronously)."""
     if not (isinstance(src, MemoryTier) and isinstance(dst, MemoryTier)):
@@ -533,7 +317,7 @@ def _record(stream: torch.cuda.Stream) -> torch.cuda.Event:
     return event
 
 
-def _settle(event: torch.cuda.Event | None) -> None:
+def settle(event: torch.cuda.Event | None) -> None:
     if event is not None:
         event.synchronize()
 

@@ -1,20 +1,19 @@
-"""Run a workload through a simulated worker and collect what capacity planning needs.
+"""What a simulated run measures for capacity planning: hits, events by kind, tier occupancy.
 
-``replay_cache`` is the engine-off mode: requests in arrival order, each one matched,
-admitted in full and released, with no timing. The mock engine (``kvledger.mocker.engine``)
-drives the same ``SimulatedCache`` with a scheduler and a clock.
+Both ways of running a workload fill these: engine off (``kvledger.mocker.engine_off``) and
+the mock engine (``kvledger.mocker.engine``).
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from kvledger.events.types import AnyEvent, Offloaded, Onboarded, Removed, Stored, Tier
 from kvledger.mocker.cache import Admission, SimulatedCache
-from kvledger.mocker.traces import TraceRequest, iter_arrivals, request_hashes
+from kvledger.mocker.traces import TraceRequest
 
 TIERS = (Tier.G1, Tier.G2, Tier.G3)
 
@@ -108,25 +107,3 @@ class SimStats:
 
 def occupancy(cache: SimulatedCache) -> dict[str, int]:
     return {tier.name: pool.num_registered for tier, pool in cache.registry.pools.items()}
-
-
-def replay_cache(
-    requests: Iterable[TraceRequest],
-    cache: SimulatedCache,
-    block_size: int,
-    *,
-    progress: Callable[[int], None] | None = None,
-    sample_every: int = 0,
-) -> SimStats:
-    """Engine off: match, admit and release every request in arrival order."""
-    stats = SimStats()
-    for i, req in enumerate(iter_arrivals(list(requests))):
-        seq, local = request_hashes(req, block_size)
-        admission = cache.admit(seq, local)
-        stats.record(req, admission, block_size, len(seq))
-        cache.finish(admission)
-        if progress is not None:
-            progress(i + 1)
-        if sample_every and (i + 1) % sample_every == 0:
-            stats.timeline.append((i + 1, stats.hit_rate, occupancy(cache)))
-    return stats

@@ -1,0 +1,49 @@
+"""Where the tests find PostgreSQL and Redis, and how they skip when a server is down.
+
+Both are real servers (``.ci/services`` starts them); the PostgreSQL address can be moved with
+``KVLEDGER_TEST_PG_HOST``, ``KVLEDGER_TEST_PG_PORT`` and ``KVLEDGER_TEST_PG_USER``.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import pytest
+import redis
+
+PG_HOST = os.environ.get("KVLEDGER_TEST_PG_HOST", "127.0.0.1")
+PG_PORT = int(os.environ.get("KVLEDGER_TEST_PG_PORT", "5432"))
+PG_USER = os.environ.get("KVLEDGER_TEST_PG_USER", "postgres")
+PG_SERVER_URL = f"postgresql+psycopg://{PG_USER}@{PG_HOST}:{PG_PORT}"
+"""The server, without a database: append ``/name`` for a SQLAlchemy URL."""
+
+REDIS_URL = "redis://127.0.0.1:6379/0"
+
+
+def pg_connect(dbname: str = "postgres") -> Any:
+    """An autocommit psycopg connection as the admin user (psycopg is imported here, so a test
+    module that never reaches PostgreSQL does not need it)."""
+    import psycopg
+
+    return psycopg.connect(
+        host=PG_HOST, port=PG_PORT, user=PG_USER, dbname=dbname, autocommit=True, connect_timeout=3
+    )
+
+
+def skip_without_postgres() -> None:
+    """Skip the calling test when the PostgreSQL server cannot be reached."""
+    try:
+        pg_connect().close()
+    except Exception as exc:  # psycopg.OperationalError, or psycopg missing
+        pytest.skip(f"PostgreSQL at {PG_HOST}:{PG_PORT} is unreachable ({exc}); run .ci/services")
+
+
+def redis_or_skip(url: str = REDIS_URL, **kwargs: Any) -> redis.Redis:
+    """A client of the Redis server at ``url``; skips the calling test when it is down."""
+    client = redis.Redis.from_url(url, **kwargs)
+    try:
+        client.ping()
+    except redis.ConnectionError:
+        pytest.skip(f"no Redis at {url} (run .ci/services)")
+    return client
