@@ -14,7 +14,7 @@ import torch
 
 from kvledger import BlockManager
 from kvledger.config import Settings
-from kvledger.events.replay import replay
+from kvledger.events.log.replay import replay
 from kvledger.events.types import Tier
 from kvledger.registry.state import RegistryState
 
@@ -218,7 +218,7 @@ def test_redis_url_publishes_to_the_shared_registry(tmp_path):
         client.ping()
     except redis.ConnectionError:
         pytest.skip("no Redis server on 127.0.0.1:6379")
-    from kvledger.events.shared_registry import SharedRegistry
+    from kvledger.events.shared.registry import SharedRegistry
 
     namespace = f"test-manager-{uuid.uuid4().hex[:8]}"
     s = settings(tmp_path, redis_url="redis://127.0.0.1:6379/0", redis_namespace=namespace)

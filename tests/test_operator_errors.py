@@ -21,7 +21,7 @@ from eventlog_backends import PG_HOST, PG_PORT, PG_USER
 from kvledger.cli import main
 from kvledger.config import Settings, SettingsError, unknown_variables
 from kvledger.events.log import EventLog
-from kvledger.events.schema import VERSION_TABLE
+from kvledger.events.log.schema import VERSION_TABLE
 from kvledger.events.types import Tier
 from kvledger.registry.emitter import EventEmitter
 from kvledger.registry.hashing import TokenBlockSequence

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from kvledger.commands.progress import Progress
-from kvledger.events.replay import load_state, replay
+from kvledger.events.log.replay import load_state, replay
 from kvledger.events.types import Tier
 
 # The shared data folder sits beside the checkout; KVLEDGER_SHARED_DATA points elsewhere
