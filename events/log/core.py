@@ -214,6 +214,15 @@ class LogCore:
         expected = self._next_ids.get(worker)
         return None if expected is None else expected - 1
 
+    def _accept_next(self, worker: int, event_id: int) -> bool:
+        """The hot path of a single append: True when ``event_id`` is the next id of a worker
+        the log knows (and is taken); False sends the caller through ``_accept_ids``."""
+        next_ids = self._next_ids
+        if next_ids.get(worker) == event_id:
+            next_ids[worker] = event_id + 1
+            return True
+        return False
+
     def _unknown_workers(self, rows: Sequence[Row]) -> set[int]:
         """Workers of ``rows`` whose next id must be read from the database first."""
         known = self._next_ids

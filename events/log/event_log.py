@@ -124,7 +124,8 @@ class EventLog(LogCore):
             now = monotonic()
             if backlog.room(now) < 1:
                 now = self._wait_for_room()
-            self._accept_ids(rows, self._committed_ids(rows))
+            if not self._accept_next(event.worker_id, event.event_id):
+                self._accept_ids(rows, self._committed_ids(rows))
             if backlog.add(rows, now):
                 self._wake_writer.notify()
 
@@ -149,8 +150,6 @@ class EventLog(LogCore):
 
     def _committed_ids(self, rows: Sequence[Any]) -> dict[int, int]:
         """The newest committed id of each worker of ``rows`` the log has not seen yet."""
-        if len(rows) == 1 and rows[0][0] in self._next_ids:  # the hot path: a known worker
-            return {}
         return {worker: self._last_committed_id(worker) for worker in self._unknown_workers(rows)}
 
     def _wait_for_room(self) -> float:
