@@ -16,6 +16,7 @@ import sqlalchemy as sa
 
 from kvledger.events.log.engine import Durability
 from kvledger.events.log.rows import Row
+from kvledger.events.log.schema import shown_url
 
 
 class EventLogError(RuntimeError):
@@ -193,6 +194,8 @@ class LogCore:
     call that changes state.
     """
 
+    url: str
+
     def __init__(
         self, *, batch_size: int, queue_size: int, max_delay: float, durability: Durability
     ) -> None:
@@ -205,7 +208,9 @@ class LogCore:
         self.max_lag = self._backlog.max_lag
         self._next_ids: dict[int, int] = {}
         self._closing = False
+        self._closed = False
         self._error: BaseException | None = None
+        self.read_only = False
 
     # -- event ids -----------------------------------------------------------------------------
 
@@ -248,11 +253,13 @@ class LogCore:
     # -- errors --------------------------------------------------------------------------------
 
     def _check_open(self) -> None:
-        """Raise what stops an append: the writer's failure, or a closed log."""
+        """Raise what stops an append: the writer's failure, a closed or a read-only log."""
         if self._error is not None:
             raise writer_failure(self._error, self.queue_depth) from self._error
-        if self._closing:
+        if self._closing or self._closed:
             raise EventLogError("the event log is closed")
+        if self.read_only:
+            raise EventLogError(f"{shown_url(self.url)} was opened read-only")
 
     def _raise_writer_failure(self) -> None:
         if self._error is not None:

@@ -27,7 +27,7 @@ import sqlalchemy as sa
 
 from kvledger.events.log import checkpoints, reader
 from kvledger.events.log.checkpoints import Checkpoint
-from kvledger.events.log.core import EventLogError, LogCore
+from kvledger.events.log.core import LogCore
 from kvledger.events.log.engine import Durability, make_engine, open_read_only
 from kvledger.events.log.reader import READ_CHUNK, LogSummary
 from kvledger.events.log.rows import InsertStatements, max_params, to_row
@@ -88,7 +88,6 @@ class EventLog(LogCore):
         self._lock = threading.Lock()
         self._wake_writer = threading.Condition(self._lock)
         self._committed_cv = threading.Condition(self._lock)
-        self._closed = False
         self._writer: threading.Thread | None = None
         if not read_only:
             self._writer = threading.Thread(target=self._run_writer, name="kvledger-log-writer")
@@ -172,13 +171,6 @@ class EventLog(LogCore):
         with self._engine.connect() as conn:
             value = conn.execute(reader.last_id_query(worker)).scalar()
         return -1 if value is None else int(value)
-
-    def _check_open(self) -> None:
-        super()._check_open()
-        if self._closed:
-            raise EventLogError("the event log is closed")
-        if self.read_only:
-            raise EventLogError(f"{shown_url(self.url)} was opened read-only")
 
     def flush(self) -> None:
         """Return once everything appended so far is committed."""
