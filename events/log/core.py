@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Mapping, Sequence
+from operator import itemgetter
 from time import monotonic
 
 import sqlalchemy as sa
@@ -230,8 +231,7 @@ class LogCore:
 
     def _unknown_workers(self, rows: Sequence[Row]) -> set[int]:
         """Workers of ``rows`` whose next id must be read from the database first."""
-        known = self._next_ids
-        return {row[0] for row in rows if row[0] not in known}
+        return set(map(itemgetter(0), rows)).difference(self._next_ids)
 
     def _accept_ids(self, rows: Sequence[Row], committed: Mapping[int, int]) -> None:
         """Check that each worker's ids in ``rows`` go on from the last one accepted (or from
