@@ -21,7 +21,7 @@ from collections.abc import Callable
 from eventlog_bench import workload
 
 from kvledger.events.codec import encode
-from kvledger.events.replay import fold_chunk
+from kvledger.events.log.replay import fold_chunk
 from kvledger.registry.state import RegistryState
 
 CHUNK = 10_000

@@ -23,7 +23,7 @@ from collections import Counter
 from contextlib import closing
 from pathlib import Path
 
-from kvledger.events.replay import replay
+from kvledger.events.log.replay import replay
 
 COLUMNS = ("worker", "event_id", "kind", "tier", "ts")
 

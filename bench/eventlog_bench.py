@@ -40,7 +40,7 @@ import msgpack
 
 from kvledger.events.codec import KIND_NAMES, encode
 from kvledger.events.log import EventLog
-from kvledger.events.replay import replay
+from kvledger.events.log.replay import replay
 from kvledger.events.types import AnyEvent, BlockInfo, Tier
 from kvledger.registry.emitter import EventEmitter
 

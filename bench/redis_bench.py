@@ -24,7 +24,7 @@ import uuid
 
 import redis
 
-from kvledger.events.shared_registry import SharedRegistry
+from kvledger.events.shared.registry import SharedRegistry
 from kvledger.events.types import AnyEvent, Stored, Tier
 from kvledger.events.wire import encode_record
 from kvledger.mocker.kv_manager import Deref, FullBlock, KvManager, Use

@@ -38,8 +38,8 @@ from kvledger.events.codec import (
     FLOAT64,
     HEADER_BYTES,
     INT64,
+    LOG_RECORD_VERSION,
     NIL,
-    RECORD_VERSION,
     UINT64,
     UNCHECKED_VERSION,
 )
@@ -111,7 +111,7 @@ def decode_chunk(
         return None
     head = _window(buf, HEADER_BYTES)[starts]
     kind = head[:, 2]
-    checked = head[:, 1] == RECORD_VERSION
+    checked = head[:, 1] == LOG_RECORD_VERSION
     if not checked.all() and not (checked | (head[:, 1] == UNCHECKED_VERSION)).all():
         return None
     # a version 3 record ends with its checksum field, which a version 2 record lacks

@@ -66,7 +66,9 @@ from kvledger.events.types import (
 from kvledger.registry.columns import BlockColumns
 from kvledger.registry.state import RegistryState
 
-RECORD_VERSION = 3
+LOG_RECORD_VERSION = 3
+"""The durable log's record layout (``encode``); the Redis stream's records have their own,
+``wire.STREAM_RECORD_VERSION``."""
 UNCHECKED_VERSION = 2  # the layout before checksums: still read, nothing to verify
 SNAPSHOT_VERSION = 3
 CHECK_TAG = 0xCE  # msgpack uint32: the checksum field's first byte
@@ -175,7 +177,7 @@ def encode(event: AnyEvent) -> bytes:
             f"number in {event!r}"
         )
     # fmt: off
-    head = (FIXARRAY[kind], RECORD_VERSION, kind, INT64, worker_id, UINT64, event_id,
+    head = (FIXARRAY[kind], LOG_RECORD_VERSION, kind, INT64, worker_id, UINT64, event_id,
             INT64, dp_rank, tier, FLOAT64, ts)
     # fmt: on
     try:
@@ -264,15 +266,17 @@ def _from_record(record: object, position: int | None, intact: bool) -> AnyEvent
     if type(record) is not tuple or not record:
         raise CodecError(f"expected an array of at least {_HEADER_LEN} fields", position)
     version = record[0]
-    if type(version) is int and version == RECORD_VERSION:
+    if type(version) is int and version == LOG_RECORD_VERSION:
         if not intact or type(record[-1]) is not int:
             raise CodecError(DAMAGED, position)
         record = record[:-1]
     elif type(version) is not int or version != UNCHECKED_VERSION:
-        written_by = "an older" if type(version) is int and version < RECORD_VERSION else "a newer"
+        written_by = (
+            "an older" if type(version) is int and version < LOG_RECORD_VERSION else "a newer"
+        )
         raise CodecError(
             f"record version {version!r} is not supported (this code reads versions "
-            f"{UNCHECKED_VERSION} and {RECORD_VERSION}); was the log written by {written_by} "
+            f"{UNCHECKED_VERSION} and {LOG_RECORD_VERSION}); was the log written by {written_by} "
             f"kvledger?",
             position,
         )

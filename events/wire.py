@@ -31,7 +31,9 @@ from kvledger.events.types import (
     Tier,
 )
 
-RECORD_VERSION = 1
+STREAM_RECORD_VERSION = 1
+"""The Redis stream record layout (``encode_record``); the durable log's records have their own,
+``codec.LOG_RECORD_VERSION``."""
 KIND_OF_CODE = {code: cls for cls, code in KIND_CODES.items()}
 _U64_MAX = (1 << 64) - 1
 
@@ -88,7 +90,7 @@ def encode_record(event: AnyEvent) -> bytes:
     else:
         raise TypeError(f"not an event: {event!r}")
     record = [
-        RECORD_VERSION,
+        STREAM_RECORD_VERSION,
         KIND_CODES[type(event)],
         event.event_id,
         event.worker_id,
@@ -110,9 +112,9 @@ def decode_record(data: bytes) -> AnyEvent:
     if not isinstance(record, list) or len(record) != 9:
         raise WireFormatError(f"stream record must be a 9-item array, got {type(record).__name__}")
     version, code, event_id, worker_id, dp_rank, tier_num, ts, seq_blob, body = record
-    if version != RECORD_VERSION:
+    if version != STREAM_RECORD_VERSION:
         raise WireFormatError(
-            f"stream record version {version!r}; this reader knows {RECORD_VERSION}"
+            f"stream record version {version!r}; this reader knows {STREAM_RECORD_VERSION}"
         )
     kind = KIND_OF_CODE.get(code)
     if kind is None:

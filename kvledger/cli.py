@@ -98,7 +98,7 @@ def operator_error(exc: Exception, where: str | None = None) -> str | None:
 def _database_message(exc: Exception, where: str | None) -> str:
     import sqlalchemy as sa
 
-    from kvledger.events.schema import database_url, shown_url
+    from kvledger.events.log.schema import database_url, shown_url
 
     orig = getattr(exc, "orig", None) or exc
     text = _one_line(orig)

@@ -34,9 +34,9 @@ import torch
 
 from kvledger.config import Settings, ensure_log_folder
 from kvledger.events.log import EventLog
-from kvledger.events.publish import CallbackPublisher, RedisPublisher
-from kvledger.events.replay import replay
-from kvledger.events.shared_registry import SharedRegistry
+from kvledger.events.log.replay import replay
+from kvledger.events.shared.publish import FanOut, RedisPublisher
+from kvledger.events.shared.registry import SharedRegistry
 from kvledger.events.types import AnyEvent, BlockInfo, Tier
 from kvledger.metrics import Metrics
 from kvledger.registry.emitter import EventEmitter
@@ -144,7 +144,7 @@ class BlockManager:
                 log = self.event_log
                 metrics.watch_log(log)
         self.emitter = EventEmitter(
-            CallbackPublisher(*all_sinks) if all_sinks else None,
+            FanOut(*all_sinks) if all_sinks else None,
             worker_id=s.worker_id,
             dp_rank=s.dp_rank,
             first_event_id=first_id,
@@ -259,10 +259,10 @@ class BlockManager:
         """Hand every later event to ``sink`` as well, after the log and the sinks given at
         start (for sinks that need the manager's tiers, such as a remote block exporter)."""
         with self._lock:
-            if isinstance(self.emitter.sink, CallbackPublisher):
+            if isinstance(self.emitter.sink, FanOut):
                 self.emitter.sink.callbacks.append(sink)
             else:
-                self.emitter.sink = CallbackPublisher(sink)
+                self.emitter.sink = FanOut(sink)
 
     def refresh_metrics(self) -> None:
         """Set the per-tier block gauges from the pools (call before a scrape, or periodically)."""

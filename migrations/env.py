@@ -10,7 +10,7 @@ from __future__ import annotations
 import sqlalchemy as sa
 from alembic import context
 
-from kvledger.events.schema import VERSION_TABLE, metadata
+from kvledger.events.log.schema import VERSION_TABLE, metadata
 
 config = context.config
 

@@ -9,7 +9,7 @@ from alembic import command
 from alembic.config import Config
 from alembic.script import ScriptDirectory
 
-from kvledger.events.schema import database_url, schema_revision
+from kvledger.events.log.schema import database_url, schema_revision
 
 SCRIPT_LOCATION = str(Path(__file__).resolve().parent)
 

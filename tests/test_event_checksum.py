@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 from kvledger.cli import main
 from kvledger.events.codec import CodecError, decode, encode
 from kvledger.events.log import EventLog
-from kvledger.events.replay import fold_chunk, replay, replay_report
+from kvledger.events.log.replay import fold_chunk, replay, replay_report
 from kvledger.events.types import AnyEvent, BlockInfo, Tier
 from kvledger.registry.emitter import EventEmitter
 from kvledger.registry.state import RegistryState

@@ -11,7 +11,7 @@ import pytest
 
 from kvledger.cli import main
 from kvledger.events.log import EventLog
-from kvledger.events.replay import replay_report, save_state
+from kvledger.events.log.replay import replay_report, save_state
 from kvledger.events.types import BlockInfo, Tier
 from kvledger.migrations import runner
 from kvledger.registry.emitter import EventEmitter

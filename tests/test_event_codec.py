@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from kvledger.events.chunk_decode import decode_chunk
 from kvledger.events.codec import (
-    RECORD_VERSION,
+    LOG_RECORD_VERSION,
     CodecError,
     decode,
     decode_state,
@@ -23,7 +23,7 @@ from kvledger.events.codec import (
     encode_state,
     iter_decode,
 )
-from kvledger.events.replay import fold_chunk
+from kvledger.events.log.replay import fold_chunk
 from kvledger.events.types import (
     AnyEvent,
     BlockInfo,
@@ -99,7 +99,7 @@ def events(draw: st.DrawFn, event_id: int = -1) -> AnyEvent:
 def test_round_trip(event: AnyEvent) -> None:
     data = encode(event)
     assert decode(data) == event
-    assert msgpack.unpackb(data)[0] == RECORD_VERSION
+    assert msgpack.unpackb(data)[0] == LOG_RECORD_VERSION
 
 
 def test_decode_stream_names_positions() -> None:
@@ -238,7 +238,7 @@ VALUES = st.recursive(
 def near_records(draw: st.DrawFn) -> bytes:
     """Records that look right at first: a current header and a random body."""
     head = [
-        draw(st.sampled_from([RECORD_VERSION, 2])),
+        draw(st.sampled_from([LOG_RECORD_VERSION, 2])),
         draw(st.integers(0, 6)),
         draw(st.integers(0, 3) | VALUES),
         draw(st.integers(-1, 3) | VALUES),
@@ -248,7 +248,7 @@ def near_records(draw: st.DrawFn) -> bytes:
     ]
     hash_bins = st.integers(0, 4).flatmap(lambda n: st.binary(min_size=8 * n, max_size=8 * n))
     body = draw(st.lists(VALUES | hash_bins | st.binary(max_size=3), max_size=5))
-    return seal(head + body) if head[0] == RECORD_VERSION else msgpack.packb(head + body)
+    return seal(head + body) if head[0] == LOG_RECORD_VERSION else msgpack.packb(head + body)
 
 
 @settings(max_examples=500)
@@ -298,8 +298,8 @@ def log_rows(draw: st.DrawFn) -> list[tuple[int, float, bytes]]:
                 blocks=tuple((draw(hashes), 1) for _ in event.blocks),
             )
         next_id[worker] += 1
-        version = draw(st.sampled_from([RECORD_VERSION] * 3 + [2]))
-        payload = encode(event) if version == RECORD_VERSION else unchecked(encode(event))
+        version = draw(st.sampled_from([LOG_RECORD_VERSION] * 3 + [2]))
+        payload = encode(event) if version == LOG_RECORD_VERSION else unchecked(encode(event))
         ts = event.ts
         corruption = draw(
             st.sampled_from(

@@ -11,7 +11,7 @@ import textwrap
 import time
 
 from kvledger.events.log import EventLog
-from kvledger.events.replay import replay
+from kvledger.events.log.replay import replay
 from kvledger.events.types import Tier
 from kvledger.registry.emitter import EventEmitter
 from kvledger.registry.state import RegistryState

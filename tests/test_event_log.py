@@ -17,8 +17,8 @@ import sqlalchemy as sa
 
 from kvledger.events.codec import CodecError
 from kvledger.events.log import EventLog, EventLogError
-from kvledger.events.replay import replay, replay_report, verify
-from kvledger.events.schema import SchemaError
+from kvledger.events.log.replay import replay, replay_report, verify
+from kvledger.events.log.schema import SchemaError
 from kvledger.events.types import BlockInfo, Removed, Stored, Tier
 from kvledger.migrations import runner
 from kvledger.registry.emitter import EventEmitter
@@ -363,7 +363,7 @@ def test_replay_refuses_a_gap_naming_its_position(log_url: str) -> None:
 
 
 def test_async_log_round_trip(log_url: str) -> None:
-    from kvledger.events.async_log import AsyncEventLog
+    from kvledger.events.log import AsyncEventLog
 
     if log_url.startswith("sqlite:"):
         async_url = log_url.replace("sqlite:", "sqlite+aiosqlite:", 1)
@@ -462,3 +462,35 @@ def test_disk_full_is_one_clean_line(backend: str, log_url: str) -> None:
     _assert_one_clean_line(message)
     assert "database or disk is full" in message
     assert re.search(r"OperationalError: .*; \d+ appended events were not stored$", message)
+
+
+@pytest.mark.parametrize("bad_id", [0, 2, 5])
+def test_async_log_checks_ids_as_the_threaded_log_does(log_url: str, bad_id: int) -> None:
+    """One id check serves both logs: the same refusals, nothing of a refused batch queued, and
+    a worker's next id learned from what a previous run committed."""
+    from kvledger.events.log import AsyncEventLog
+
+    async_url = log_url.replace("sqlite:", "sqlite+aiosqlite:", 1)
+
+    def removed(event_id: int) -> Removed:
+        return Removed(
+            event_id=event_id, worker_id=0, dp_rank=0, tier=Tier.G1, ts=0.0, sequence_hashes=(1,)
+        )
+
+    with EventLog(log_url) as log:
+        emitter = EventEmitter(log.append)
+        for i in range(3):
+            emitter.stored(Tier.G1, None, [(i, i)])
+
+    async def run() -> list[int]:
+        async with AsyncEventLog(async_url) as log:
+            with pytest.raises(ValueError, match=f"worker 0: event {bad_id} .*expects event 3"):
+                await log.append(removed(bad_id))
+            with pytest.raises(ValueError, match=f"event {bad_id} .*expects event 4 next"):
+                await log.append_many([removed(3), removed(bad_id)])
+            assert log.queue_depth == 0 and await log.last_event_id(0) == 2
+            await log.append(removed(3))  # nothing of the refused batch was queued
+            await log.flush()
+            return [e.event_id async for e in log.read()]
+
+    assert asyncio.run(run()) == [0, 1, 2, 3]

@@ -22,8 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from kvledger.events.async_log import AsyncEventLog
-from kvledger.events.log import EventLog
+from kvledger.events.log import AsyncEventLog, EventLog
 from kvledger.events.types import Removed, Stored, Tier
 from kvledger.registry.emitter import EventEmitter
 

@@ -15,7 +15,7 @@ import pytest
 
 from kvledger.cli import main
 from kvledger.events.log import EventLog
-from kvledger.events.replay import replay
+from kvledger.events.log.replay import replay
 from kvledger.events.types import BlockInfo, Tier
 from kvledger.registry.emitter import EventEmitter
 from kvledger.registry.state import RegistryState

@@ -23,7 +23,7 @@ from hypothesis.stateful import (
 )
 
 from kvledger.events.log import EventLog
-from kvledger.events.replay import replay, replay_report
+from kvledger.events.log.replay import replay, replay_report
 from kvledger.events.types import AnyEvent
 from kvledger.mocker.kv_manager import Deref, FullBlock, KvManager, PartialBlock, Promote, Use
 from kvledger.registry.state import RegistryState

@@ -20,7 +20,7 @@ import torch
 
 from kvledger import BlockManager
 from kvledger.config import Settings
-from kvledger.events.replay import replay
+from kvledger.events.log.replay import replay
 from kvledger.events.types import Removed, Tier
 from kvledger.registry.state import RegistryState
 from kvledger.tiers.disk import G3InUse

@@ -16,7 +16,7 @@ from services import REDIS_URL, redis_or_skip
 
 from kvledger import BlockManager
 from kvledger.config import Settings
-from kvledger.events.replay import replay
+from kvledger.events.log.replay import replay
 from kvledger.events.types import Tier
 from kvledger.registry.state import RegistryState
 
@@ -228,7 +228,7 @@ def test_redis_url_publishes_to_the_shared_registry(tmp_path):
     import uuid
 
     client = redis_or_skip()
-    from kvledger.events.shared_registry import SharedRegistry
+    from kvledger.events.shared.registry import SharedRegistry
 
     namespace = f"test-manager-{uuid.uuid4().hex[:8]}"
     s = settings(tmp_path, redis_url=REDIS_URL, redis_namespace=namespace)

@@ -13,7 +13,7 @@ import pytest
 
 from kvledger import BlockManager
 from kvledger.config import Settings
-from kvledger.events.replay import replay
+from kvledger.events.log.replay import replay
 from kvledger.events.types import AnyEvent, Cleared
 from kvledger.registry.policies import POLICY_NAMES
 from kvledger.registry.state import RegistryState

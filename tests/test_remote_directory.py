@@ -16,7 +16,8 @@ import torch
 import xxhash
 from services import REDIS_URL
 
-from kvledger.events.shared_registry import SharedRegistry
+from kvledger.events.shared.keys import KeySpace
+from kvledger.events.shared.registry import SharedRegistry
 from kvledger.events.types import BlockInfo, Cleared, Offloaded, Removed, Stored, Tier
 from kvledger.tiers.host.tier import HostTier
 from kvledger.tiers.layout import BlockShape
@@ -121,6 +122,38 @@ def test_lookup_needs_the_workers_lease(client: redis.Redis, namespace: str) -> 
     shared.heartbeat(WORKER)
     directory.withdraw(WORKER)
     assert directory.lookup(WORKER, [11]) == (None, [None])
+
+
+def test_one_key_space_names_every_key_of_a_namespace(client: redis.Redis, namespace: str) -> None:
+    """The shared registry (and its scripts) and the G4 directory write only keys that
+    ``KeySpace`` names, so the layout is described in one place."""
+    keys = KeySpace(namespace)
+    directory = RemoteDirectory(client, namespace, ttl_s=5)
+    shared = SharedRegistry(client, namespace, lease_ttl_s=5)
+    assert shared.keys == directory.keys == keys
+    events = [_event(Stored, Tier.G2, [100 + i], i) for i in range(3)]
+    shared.apply(WORKER, [*events, _event(Cleared, Tier.G2, [], 3)])
+    shared.heartbeat(WORKER)
+    directory.publish_card(card())
+    directory.update_blocks(WORKER, [(11, BlockEntry(Tier.G2, 1, 111))])
+    named = {
+        keys.index,
+        keys.generations,
+        keys.held,
+        keys.applied,
+        keys.count,
+        keys.workers,
+        keys.stream,
+        keys.sweep,
+        keys.lease(WORKER),
+        keys.agent_card(WORKER),
+        keys.block_table(WORKER),
+    }
+    written = {k.decode() for k in client.scan_iter(match=keys.all_keys(), count=1000)}
+    assert written <= named
+    assert {keys.applied, keys.stream, keys.lease(WORKER), keys.agent_card(WORKER)} <= written
+    with pytest.raises(ValueError, match="namespace"):
+        KeySpace("bad space")
 
 
 def test_update_blocks_clears_then_deletes_then_puts(client: redis.Redis, namespace: str) -> None:

@@ -37,7 +37,7 @@ from services import REDIS_URL
 
 from kvledger.config import Settings
 from kvledger.events.log import EventLog
-from kvledger.events.shared_registry import SharedRegistry
+from kvledger.events.shared.registry import SharedRegistry
 from kvledger.events.types import AnyEvent, Onboarded, Stored, Tier
 from kvledger.manager import BlockManager
 from kvledger.tiers.remote import (
@@ -107,7 +107,7 @@ def owner_main(argv: list[str]) -> int:
     client = redis.Redis.from_url(REDIS_URL)
     shared = SharedRegistry(client, args.namespace, lease_ttl_s=LEASE_S)
     log = EventLog(settings.log_url)
-    from kvledger.events.publish import RedisPublisher
+    from kvledger.events.shared.publish import RedisPublisher
 
     publisher = RedisPublisher(shared, OWNER, log=log).start()
     manager = BlockManager(settings, event_log=log, sinks=[publisher])

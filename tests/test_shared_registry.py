@@ -22,9 +22,9 @@ from redis.retry import Retry
 from services import REDIS_URL, redis_or_skip
 
 from kvledger.events.log import EventLog
-from kvledger.events.publish import CallbackPublisher, RedisPublisher
-from kvledger.events.shared_registry import SharedRegistry
-from kvledger.events.subscribe import StreamSubscriber
+from kvledger.events.shared.publish import FanOut, RedisPublisher
+from kvledger.events.shared.registry import SharedRegistry
+from kvledger.events.shared.subscribe import StreamSubscriber
 from kvledger.events.types import AnyEvent, BlockInfo, Cleared, Tier
 from kvledger.events.wire import WireFormatError, decode_record, encode_record
 from kvledger.registry.emitter import EventEmitter
@@ -243,7 +243,7 @@ def test_publisher_catches_up_from_the_log(registry: SharedRegistry, tmp_path: P
     """A queue too small for a burst drops events; the publisher reads them back from the log."""
     log = EventLog(str(tmp_path / "w.db"))
     publisher = RedisPublisher(registry, 6, log=log, batch_size=8, max_pending=16)
-    sink = CallbackPublisher(log.append, publisher)
+    sink = FanOut(log.append, publisher)
     replay = worker_events(6, 6, 300, prompt_pool(6))
     for event in replay:  # a burst before the publishing thread even runs
         sink(event)
@@ -310,7 +310,7 @@ def test_publisher_survives_a_redis_restart(tmp_path: Path) -> None:
         )
         log = EventLog(str(tmp_path / "w.db"))
         publisher = RedisPublisher(reg, 9, log=log, batch_size=16, retry_s=0.05).start()
-        sink = CallbackPublisher(log.append, publisher)
+        sink = FanOut(log.append, publisher)
         stream = worker_events(9, 9, 400, prompt_pool(9))
         for event in stream[:150]:
             sink(event)

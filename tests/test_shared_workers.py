@@ -16,7 +16,7 @@ import pytest
 from services import redis_or_skip
 
 from kvledger.events.log import EventLog
-from kvledger.events.shared_registry import SharedRegistry
+from kvledger.events.shared.registry import SharedRegistry
 from kvledger.events.wire import decode_record
 from kvledger.registry.index import holders_from_state
 from kvledger.registry.state import RegistryState

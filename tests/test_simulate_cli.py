@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from kvledger.events.replay import load_state, replay
+from kvledger.events.log.replay import load_state, replay
 from kvledger.events.types import Tier
 from kvledger.progress import Progress
 

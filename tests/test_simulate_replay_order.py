@@ -19,7 +19,7 @@ import pytest
 
 from kvledger.config import Settings
 from kvledger.events.log import EventLog
-from kvledger.events.replay import replay
+from kvledger.events.log.replay import replay
 from kvledger.events.types import AnyEvent, Tier
 from kvledger.mocker.cache import SimulatedCache
 from kvledger.mocker.engine import EngineConfig, MockEngine, SimClock

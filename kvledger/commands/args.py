@@ -14,7 +14,7 @@ from pathlib import Path
 
 import sqlalchemy as sa
 
-from kvledger.events.schema import database_url
+from kvledger.events.log.schema import database_url
 
 
 def non_negative_int(text: str) -> int:

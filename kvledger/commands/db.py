@@ -9,7 +9,7 @@ from pathlib import Path
 import sqlalchemy as sa
 
 from kvledger.commands.args import log_location
-from kvledger.events.schema import (
+from kvledger.events.log.schema import (
     KNOWN_REVISIONS,
     SCHEMA_HEAD,
     SchemaError,

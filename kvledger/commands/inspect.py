@@ -8,10 +8,10 @@ import datetime as dt
 import json
 
 from kvledger.commands.args import log_location
-from kvledger.events.check import CheckReport, check_log, record_versions
-from kvledger.events.codec import RECORD_VERSION, UNCHECKED_VERSION
+from kvledger.events.codec import LOG_RECORD_VERSION, UNCHECKED_VERSION
 from kvledger.events.log import EventLog
-from kvledger.events.schema import shown_url
+from kvledger.events.log.check import CheckReport, check_log, record_versions
+from kvledger.events.log.schema import shown_url
 from kvledger.progress import Progress
 
 
@@ -39,16 +39,17 @@ def _versions(first: int | None, last: int | None) -> str:
     """What the record versions of the first and last rows mean for checking the log."""
     if first is None and last is None:
         return "-"
-    if first == last == RECORD_VERSION:
-        return f"version {RECORD_VERSION}, every row with a checksum"
+    if first == last == LOG_RECORD_VERSION:
+        return f"version {LOG_RECORD_VERSION}, every row with a checksum"
     if first == last == UNCHECKED_VERSION:
         return (
             f"version {UNCHECKED_VERSION}, written before checksums: damage to a row cannot be "
             f"detected (--check still checks every row's structure and columns)"
         )
-    if first == UNCHECKED_VERSION and last == RECORD_VERSION:
+    if first == UNCHECKED_VERSION and last == LOG_RECORD_VERSION:
         return (
-            f"versions {UNCHECKED_VERSION} then {RECORD_VERSION}: the older rows carry no checksum"
+            f"versions {UNCHECKED_VERSION} then {LOG_RECORD_VERSION}: "
+            "the older rows carry no checksum"
         )
     return f"first row version {first!r}, last row version {last!r}"
 

@@ -16,7 +16,7 @@ from kvledger.commands.args import (
 )
 from kvledger.events.codec import CodecError
 from kvledger.events.log import EventLog
-from kvledger.events.replay import (
+from kvledger.events.log.replay import (
     ReplayReport,
     RowOrderError,
     load_state,

@@ -31,8 +31,8 @@ from kvledger.commands.args import (
 )
 from kvledger.config import Settings, ensure_log_folder
 from kvledger.events.log import EventLog
-from kvledger.events.replay import replay, save_state
-from kvledger.events.schema import database_url, shown_url
+from kvledger.events.log.replay import replay, save_state
+from kvledger.events.log.schema import database_url, shown_url
 from kvledger.events.types import AnyEvent
 from kvledger.metrics import Metrics
 from kvledger.mocker.cache import SimulatedCache

@@ -24,8 +24,8 @@ import redis
 
 from kvledger.commands.args import log_location, non_negative_int, positive_int
 from kvledger.events.log import EventLog
-from kvledger.events.publish import CallbackPublisher, RedisPublisher
-from kvledger.events.shared_registry import SharedRegistry
+from kvledger.events.shared.publish import FanOut, RedisPublisher
+from kvledger.events.shared.registry import SharedRegistry
 from kvledger.events.types import Tier
 from kvledger.mocker.kv_manager import Deref, FullBlock, KvManager, Use
 from kvledger.registry.hashing import TokenBlockSequence
@@ -74,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
         args.blocks,
         args.block_size,
         eviction="lru",
-        sink=CallbackPublisher(log.append, publisher),
+        sink=FanOut(log.append, publisher),
         worker_id=args.worker_id,
         dp_rank=args.dp_rank,
     )
@@ -157,7 +157,7 @@ def _note(message: str) -> None:
 def _report_publisher_warnings() -> None:
     """The publisher logs when Redis goes away and comes back (once each, not per retry);
     show those lines on stderr in the worker's own voice."""
-    publish_log = logging.getLogger("kvledger.events.publish")
+    publish_log = logging.getLogger("kvledger.events.shared.publish")
     if any(h.get_name() == "kvledger worker" for h in publish_log.handlers):
         return
     handler = logging.StreamHandler(sys.stderr)

@@ -1,9 +1,10 @@
 """Where another worker's blocks can be read: NIXL agent cards and block tables in Redis.
 
-The shared registry (``kvledger.events.shared_registry``) says *which* worker holds a prefix on
+The shared registry (``kvledger.events.shared.registry``) says *which* worker holds a prefix on
 which tier; a remote read also needs *where*: the worker's NIXL agent metadata, the address of
 its registered host memory, and the slot and checksum of each block. Those live here, under the
-shared registry's namespace and hash tag, in keys the registry's scripts never touch:
+shared registry's namespace and hash tag (both name their keys through
+``kvledger.events.shared.keys.KeySpace``), in keys the registry's scripts never touch:
 
 - ``nixl:<worker>``         string  msgpack ``AgentCard`` (agent name and metadata, regions)
 - ``nixl:<worker>:blocks``  hash    8-byte sequence hash -> 13 bytes: u8 tier, u32 slot,
@@ -24,12 +25,12 @@ from dataclasses import dataclass
 import msgpack
 import redis
 
+from kvledger.events.shared.keys import KeySpace
 from kvledger.events.types import Tier
 from kvledger.tiers.layout import BlockShape
 
 CARD_VERSION = 1
 _ENTRY = struct.Struct(">BIQ")
-_NAMESPACE_CHARS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_.-")
 
 
 def shape_key(shape: BlockShape) -> str:
@@ -140,10 +141,7 @@ class RemoteDirectory:
     """
 
     def __init__(self, client: redis.Redis, namespace: str, *, ttl_s: float = 10.0) -> None:
-        if not namespace or len(namespace) > 64 or not set(namespace) <= _NAMESPACE_CHARS:
-            raise ValueError(
-                f"namespace {namespace!r} must be 1-64 characters of letters, digits, '_', '.', '-'"
-            )
+        keys = KeySpace(namespace)
         if ttl_s <= 0:
             raise ValueError(f"ttl_s must be positive, got {ttl_s}")
         if client.get_connection_kwargs().get("decode_responses"):
@@ -151,22 +149,13 @@ class RemoteDirectory:
                 "the remote directory needs a Redis client with decode_responses=False"
             )
         self.client = client
-        self.prefix = f"kvl:{{{namespace}}}:"
+        self.keys = keys
         self.ttl_ms = int(ttl_s * 1000)
-
-    def _card_key(self, worker_id: int) -> str:
-        return f"{self.prefix}nixl:{int(worker_id)}"
-
-    def _blocks_key(self, worker_id: int) -> str:
-        return f"{self.prefix}nixl:{int(worker_id)}:blocks"
-
-    def _lease_key(self, worker_id: int) -> str:
-        return f"{self.prefix}lease:{int(worker_id)}"
 
     # -- the worker that owns the blocks -----------------------------------------------------
 
     def publish_card(self, card: AgentCard) -> None:
-        self.client.set(self._card_key(card.worker_id), card.encode(), px=self.ttl_ms)
+        self.client.set(self.keys.agent_card(card.worker_id), card.encode(), px=self.ttl_ms)
 
     def update_blocks(
         self,
@@ -177,7 +166,7 @@ class RemoteDirectory:
         clear: bool = False,
     ) -> None:
         """Apply one batch of block-table changes (clear first, then deletes, then puts)."""
-        key = self._blocks_key(worker_id)
+        key = self.keys.block_table(worker_id)
         pipe = self.client.pipeline(transaction=True)
         if clear:
             pipe.delete(key)
@@ -192,13 +181,13 @@ class RemoteDirectory:
 
     def heartbeat(self, worker_id: int) -> None:
         pipe = self.client.pipeline(transaction=False)
-        pipe.pexpire(self._card_key(worker_id), self.ttl_ms)
-        pipe.pexpire(self._blocks_key(worker_id), self.ttl_ms)
+        pipe.pexpire(self.keys.agent_card(worker_id), self.ttl_ms)
+        pipe.pexpire(self.keys.block_table(worker_id), self.ttl_ms)
         pipe.execute()
 
     def withdraw(self, worker_id: int) -> None:
         """Remove the worker's card and block table (clean shutdown)."""
-        self.client.delete(self._card_key(worker_id), self._blocks_key(worker_id))
+        self.client.delete(self.keys.agent_card(worker_id), self.keys.block_table(worker_id))
 
     # -- readers -----------------------------------------------------------------------------
 
@@ -211,10 +200,10 @@ class RemoteDirectory:
         is None when the worker does not (or no longer) list the block.
         """
         pipe = self.client.pipeline(transaction=False)
-        pipe.exists(self._lease_key(worker_id))
-        pipe.get(self._card_key(worker_id))
+        pipe.exists(self.keys.lease(int(worker_id)))
+        pipe.get(self.keys.agent_card(worker_id))
         if sequence_hashes:
-            pipe.hmget(self._blocks_key(worker_id), [_hash_field(h) for h in sequence_hashes])
+            pipe.hmget(self.keys.block_table(worker_id), [_hash_field(h) for h in sequence_hashes])
         replies = pipe.execute()
         alive, raw_card = replies[0], replies[1]
         raw_entries = replies[2] if sequence_hashes else []

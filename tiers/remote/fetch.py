@@ -50,7 +50,7 @@ _TIER_BIT = {Tier.G1: 1, Tier.G2: 2, Tier.G3: 4, Tier.G4: 8}
 
 
 class HolderIndex(Protocol):
-    """``kvledger.events.shared_registry.SharedRegistry`` fits."""
+    """``kvledger.events.shared.registry.SharedRegistry`` fits."""
 
     def who_has(
         self, sequence_hashes: Sequence[int], *, stop_at_miss: bool = False

@@ -1,17 +1,18 @@
 """The registry shared by all workers, kept in Redis.
 
-Each worker's events are applied by a Lua script (``shared_registry_lua.py``), so a call is
-atomic and the per-worker "last applied event id" moves in the same step as the index: applying
-events twice changes nothing, and a call that starts past the next expected id is refused at the
-gap and the caller fills it from the worker's durable log. The Python side checks the records
-and reduces a run of events to what it leaves behind (each touched block once, with the bits it
-ends set or cleared, and the Cleared count per tier), so Lua only does the part that needs the
-stored values; a long batch goes out as several calls in one pipeline. The same script appends
-every applied event to one Redis stream (trimmed approximately), so routers reading it with a
-consumer group see each event exactly once, in order per worker.
+Each worker's events are applied by a Lua script (``lua/apply.lua``, loaded by ``scripts.py``),
+so a call is atomic and the per-worker "last applied event id" moves in the same step as the
+index: applying events twice changes nothing, and a call that starts past the next expected id
+is refused at the gap and the caller fills it from the worker's durable log. The Python side
+checks the records and reduces a run of events to what it leaves behind (each touched block
+once, with the bits it ends set or cleared, and the Cleared count per tier), so Lua only does
+the part that needs the stored values; a long batch goes out as several calls in one pipeline.
+The same script appends every applied event to one Redis stream (trimmed approximately), so
+routers reading it with a consumer group see each event exactly once, in order per worker.
 
-Keys, all under ``kvl:{<namespace>}:`` (the braces are a hash tag: Redis Cluster keeps a whole
-namespace on one slot, which the scripts need because they touch keys they derive):
+Keys, all under ``kvl:{<namespace>}:`` and named by ``keys.KeySpace`` (the braces are a hash
+tag: Redis Cluster keeps a whole namespace on one slot, which the scripts need because they
+touch keys they derive):
 
 - ``idx``                       hash  8-byte sequence hash -> run of 21-byte entries: u32 worker
                                 id, u8 tier mask (G1=1, G2=2, G3=4, G4=8), and the worker's 16
@@ -43,7 +44,6 @@ no-op Cleared skip the sweep.
 from __future__ import annotations
 
 import itertools
-import re
 import struct
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -52,12 +52,13 @@ import msgpack
 import numpy as np
 import redis
 
-from kvledger.events import shared_registry_lua as lua
 from kvledger.events.codec import KIND_CODES
+from kvledger.events.shared import scripts as lua
+from kvledger.events.shared.keys import KeySpace
 from kvledger.events.types import AnyEvent, Cleared, Removed, Tier
 from kvledger.events.wire import (
     KIND_OF_CODE,
-    RECORD_VERSION,
+    STREAM_RECORD_VERSION,
     WireFormatError,
     encode_record,
     hash_key,
@@ -66,7 +67,6 @@ from kvledger.registry.index import prefix_depths
 
 _STAMPED = struct.Struct(">IB16s")
 _NO_GENERATIONS = bytes(16)
-_NAMESPACE = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,10 +91,7 @@ class SharedRegistry:
         sweep_slice: int = 256,
         events_per_call: int = 512,
     ) -> None:
-        if not _NAMESPACE.match(namespace):
-            raise ValueError(
-                f"namespace {namespace!r} must be 1-64 characters of letters, digits, '_', '.', '-'"
-            )
+        keys = KeySpace(namespace)
         if lease_ttl_s <= 0:
             raise ValueError(f"lease_ttl_s must be positive, got {lease_ttl_s}")
         if stream_maxlen < 1:
@@ -107,7 +104,8 @@ class SharedRegistry:
             raise ValueError("the shared registry needs a Redis client with decode_responses=False")
         self.client = client
         self.namespace = namespace
-        self.prefix = f"kvl:{{{namespace}}}:"
+        self.keys = keys
+        self.prefix = keys.prefix
         self.lease_ttl_ms = int(lease_ttl_s * 1000)
         self.stream_maxlen = stream_maxlen
         self.sweep_slice = sweep_slice
@@ -117,9 +115,9 @@ class SharedRegistry:
         first of them an eighth of this (so Redis starts on it while the rest is packed).
         Longer calls touch fewer blocks: a block stored and removed within a call costs one
         read and no write."""
-        self.stream_key = self.prefix + "events"
-        self.workers_key = self.prefix + "workers"
-        self.index_key = self.prefix + "idx"
+        self.stream_key = keys.stream
+        self.workers_key = keys.workers
+        self.index_key = keys.index
         self._apply = client.register_script(lua.APPLY)
         self._purge = client.register_script(lua.PURGE)
         self._who_has = client.register_script(lua.WHO_HAS)
@@ -201,12 +199,12 @@ class SharedRegistry:
                 b"EVALSHA",
                 self._apply.sha,
                 7,
-                self.prefix + "applied",
-                self.prefix + "count",
+                self.keys.applied,
+                self.keys.count,
                 self.stream_key,
                 self.workers_key,
-                self.prefix + "lease:" + wid,
-                self.prefix + "held",
+                self.keys.lease(wid),
+                self.keys.held,
                 self.index_key,
                 self.prefix,
                 wid,
@@ -257,7 +255,7 @@ class SharedRegistry:
         """Refresh the worker's lease (and list it, so its entries are purged when it lapses)."""
         wid = str(int(worker_id))
         pipe = self.client.pipeline(transaction=True)
-        pipe.set(self.prefix + "lease:" + wid, "1", px=self.lease_ttl_ms)
+        pipe.set(self.keys.lease(wid), "1", px=self.lease_ttl_ms)
         pipe.sadd(self.workers_key, wid)
         pipe.execute()
 
@@ -311,18 +309,18 @@ class SharedRegistry:
 
     def applied_event_id(self, worker_id: int) -> int:
         """The last event id applied for a worker, -1 when Redis knows nothing of it."""
-        raw = self.client.hget(self.prefix + "applied", str(int(worker_id)))
+        raw = self.client.hget(self.keys.applied, str(int(worker_id)))
         return -1 if raw is None else int(raw)
 
     def applied_count(self, worker_id: int) -> int:
         """Events applied for a worker since it was last purged (equals last id + 1 when no
         event was ever applied twice)."""
-        raw = self.client.hget(self.prefix + "count", str(int(worker_id)))
+        raw = self.client.hget(self.keys.count, str(int(worker_id)))
         return 0 if raw is None else int(raw)
 
     def held_count(self, worker_id: int, tier: Tier) -> int:
         """How many blocks a worker holds on ``tier`` (kept by the apply; what a purge drops)."""
-        raw = self.client.hget(self.prefix + "held", f"{int(worker_id)}:{int(tier)}")
+        raw = self.client.hget(self.keys.held, f"{int(worker_id)}:{int(tier)}")
         return 0 if raw is None else int(raw)
 
     def workers(self) -> set[int]:
@@ -331,7 +329,7 @@ class SharedRegistry:
     def snapshot(self) -> dict[int, dict[int, int]]:
         """``sequence_hash -> {worker: tier mask}`` for the whole namespace (HSCAN; for checks)."""
         generations: dict[bytes, bytes] = {}
-        for worker, stamp in self.client.hgetall(self.prefix + "gens").items():
+        for worker, stamp in self.client.hgetall(self.keys.generations).items():
             if not isinstance(worker, bytes) or not isinstance(stamp, bytes):
                 raise TypeError("generations must be bytes")  # refused in __init__, as above
             generations[worker] = stamp
@@ -344,7 +342,7 @@ class SharedRegistry:
 
     def delete_namespace(self) -> int:
         """Remove every key of this namespace (tests and tear-down); returns keys deleted."""
-        keys = list(self.client.scan_iter(match=self.prefix + "*", count=1000))
+        keys = list(self.client.scan_iter(match=self.keys.all_keys(), count=1000))
         for chunk in _chunks(keys, 1000):
             self.client.delete(*chunk)
         return len(keys)
@@ -398,7 +396,7 @@ def _parse_record(worker_id: int, record: bytes) -> _Parsed:
     if not isinstance(fields, tuple) or len(fields) != 9:
         raise WireFormatError("a stream record is a 9-item array")
     version, kind, event_id, worker, _dp_rank, tier, _ts, seqs, _body = fields
-    if version != RECORD_VERSION:
+    if version != STREAM_RECORD_VERSION:
         raise WireFormatError(f"stream record version {version!r}; this reader knows 1")
     if worker != worker_id:
         raise ValueError(f"record of worker {worker!r} sent as worker {worker_id}")

@@ -13,7 +13,7 @@ from typing import Any
 
 import redis
 
-from kvledger.events.shared_registry import SharedRegistry
+from kvledger.events.shared.registry import SharedRegistry
 from kvledger.events.types import AnyEvent
 from kvledger.events.wire import decode_record
 
@@ -32,7 +32,7 @@ class StreamSubscriber:
         start_id: str = "0",
     ) -> None:
         self.client = registry.client
-        self.stream = registry.stream_key
+        self.stream = registry.keys.stream
         self.group = group
         self.consumer = consumer
         self.on_event = on_event

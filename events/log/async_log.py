@@ -1,9 +1,10 @@
 """The event log for asyncio code, on SQLAlchemy's asyncio engine (``sqlite+aiosqlite``,
 ``postgresql+psycopg``).
 
-Same tables, records, id checks, group commit and back-pressure (``Backlog``) as ``EventLog``;
-the writer is a task on the caller's loop instead of a thread, and a backlog at its bound makes
-``append`` wait instead of block.
+Same tables, records, id checks, counters, group commit and back-pressure (``core.LogCore``)
+as ``EventLog``, and the same row selection (``reader.select_rows``); the writer is a task on
+the caller's loop instead of a thread, and a backlog at its bound makes ``append`` wait instead
+of block.
 """
 
 from __future__ import annotations
@@ -14,28 +15,20 @@ from collections.abc import AsyncIterator, Iterable
 from time import monotonic
 
 import sqlalchemy as sa
-from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
+from sqlalchemy.ext.asyncio import AsyncEngine
 
 from kvledger.events.codec import decode
-from kvledger.events.log import (
-    Backlog,
-    Durability,
-    EventLogError,
-    InsertStatements,
-    engine_args,
-    install_sqlite_pragmas,
-    max_params,
-    order_error,
-    to_row,
-    writer_failure,
-)
-from kvledger.events.schema import SchemaError, check_schema, events, shown_url
+from kvledger.events.log import reader
+from kvledger.events.log.core import EventLogError, LogCore
+from kvledger.events.log.engine import Durability, make_async_engine
+from kvledger.events.log.rows import InsertStatements, max_params, to_row
+from kvledger.events.log.schema import SchemaError, check_schema, shown_url
 from kvledger.events.types import AnyEvent
 
 DEFAULT_ASYNC_URL = "sqlite+aiosqlite:///kvledger-data/events.db"
 
 
-class AsyncEventLog:
+class AsyncEventLog(LogCore):
     """``async with AsyncEventLog(url) as log: await log.append(event)``."""
 
     def __init__(
@@ -48,24 +41,14 @@ class AsyncEventLog:
         max_delay: float = 0.05,
         create: bool = True,
     ) -> None:
-        self._backlog = Backlog(
+        super().__init__(
             batch_size=batch_size, queue_size=queue_size, max_delay=max_delay, durability=durability
         )
         self.url = url
-        self.batch_size = batch_size
-        self.queue_size = queue_size
-        self.max_delay = max_delay
-        self.max_lag = self._backlog.max_lag
         self.create = create
-        parsed, kwargs, synchronous = engine_args(url, durability)
-        self._engine: AsyncEngine = create_async_engine(parsed, **kwargs)
-        if synchronous is not None:
-            install_sqlite_pragmas(self._engine.sync_engine, synchronous)
-        self._next_ids: dict[int, int] = {}
+        self._engine: AsyncEngine = make_async_engine(url, durability)
         self._changed: asyncio.Condition | None = None
         self._writer: asyncio.Task[None] | None = None
-        self._closing = False
-        self._error: BaseException | None = None
 
     async def open(self) -> AsyncEventLog:
         """Check (or, for a blank database, create) the schema and start the writer task."""
@@ -94,37 +77,6 @@ class AsyncEventLog:
             raise EventLogError("the log is not open; use `async with` or `await log.open()`")
         return self._changed
 
-    def _check_open(self) -> None:
-        if self._error is not None:
-            raise writer_failure(self._error, self.queue_depth) from self._error
-        if self._closing:
-            raise EventLogError("the event log is closed")
-
-    @property
-    def queue_depth(self) -> int:
-        """Events appended and not yet committed (what a crash now would lose)."""
-        return self._backlog.appended - self._backlog.committed
-
-    @property
-    def commit_lag(self) -> float:
-        """Seconds the oldest uncommitted event has waited (0 when all is committed)."""
-        return self._backlog.commit_lag(monotonic())
-
-    @property
-    def max_commit_lag(self) -> float:
-        """The longest an event waited for its commit so far (append to commit), in seconds."""
-        return self._backlog.max_commit_lag
-
-    @property
-    def backpressure_waits(self) -> int:
-        """Appends that had to wait for the writer (the backlog was at its bound)."""
-        return self._backlog.backpressure_waits
-
-    @property
-    def backpressure_seconds(self) -> float:
-        """Time appenders spent waiting for the writer, in total."""
-        return self._backlog.backpressure_seconds
-
     async def append(self, event: AnyEvent) -> None:
         await self.append_many((event,))
 
@@ -133,15 +85,8 @@ class AsyncEventLog:
         rows = [to_row(e) for e in batch]
         cond = self._cond()
         self._check_open()
-        next_ids: dict[int, int] = {}
-        for worker, event_id, *_ in rows:
-            expected = next_ids.get(worker, self._next_ids.get(worker))
-            if expected is None:
-                expected = await self._last_committed_id(worker) + 1
-            if event_id != expected:
-                raise order_error(worker, event_id, expected)
-            next_ids[worker] = expected + 1
-        self._next_ids.update(next_ids)
+        committed = {w: await self._last_committed_id(w) for w in self._unknown_workers(rows)}
+        self._accept_ids(rows, committed)
         backlog = self._backlog
         async with cond:
             start = 0
@@ -195,8 +140,7 @@ class AsyncEventLog:
             await self._writer
         self._closing = True
         await self._engine.dispose()
-        if self._error is not None:
-            raise writer_failure(self._error, self.queue_depth) from self._error
+        self._raise_writer_failure()
 
     async def _run_writer(self) -> None:
         cond = self._cond()
@@ -232,16 +176,12 @@ class AsyncEventLog:
 
     async def _last_committed_id(self, worker: int) -> int:
         async with self._engine.connect() as conn:
-            value = await conn.scalar(
-                sa.select(sa.func.max(events.c.event_id)).where(events.c.worker == worker)
-            )
+            value = await conn.scalar(reader.last_id_query(worker))
         return -1 if value is None else int(value)
 
     async def last_event_id(self, worker_id: int) -> int:
-        expected = self._next_ids.get(worker_id)
-        if expected is not None:
-            return expected - 1
-        return await self._last_committed_id(worker_id)
+        known = self._known_last_id(worker_id)
+        return await self._last_committed_id(worker_id) if known is None else known
 
     async def read(
         self,
@@ -252,14 +192,9 @@ class AsyncEventLog:
         until_ts: float | None = None,
     ) -> AsyncIterator[AnyEvent]:
         """Committed events in append order (same bounds as ``EventLog.read``)."""
-        c = events.c
-        stmt = sa.select(c.id, c.ts, c.payload).order_by(c.id)
-        if worker_id is not None:
-            stmt = stmt.where(c.worker == worker_id)
-        if after_event_id >= 0:
-            stmt = stmt.where(c.event_id > after_event_id)
-        if until_event_id is not None:
-            stmt = stmt.where(c.event_id <= until_event_id)
+        stmt = reader.select_rows(
+            worker_id=worker_id, after_event_id=after_event_id, until_event_id=until_event_id
+        )
         async with self._engine.connect() as conn:
             result = await conn.stream(stmt)
             async for position, ts, payload in result:

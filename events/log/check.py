@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from kvledger.events.chunk_decode import decode_chunk
-from kvledger.events.codec import KIND_CODES, KIND_NAMES, RECORD_VERSION, CodecError, decode
+from kvledger.events.codec import KIND_CODES, KIND_NAMES, LOG_RECORD_VERSION, CodecError, decode
 from kvledger.events.log import EventLog
 
 _COLUMNS = ("id", "worker", "event_id", "kind", "tier", "ts", "payload")
@@ -59,7 +59,7 @@ def check_log(log: EventLog, on_progress: Callable[[int], None] | None = None) -
                 if event_id != expected and worker in next_id:
                     what = "repeats" if event_id < expected else "skips to"
                     problem = f"worker {worker}: event {event_id} {what} (expected {expected})"
-                elif payload[1] == RECORD_VERSION:
+                elif payload[1] == LOG_RECORD_VERSION:
                     report.with_checksum += 1
             if problem is not None:
                 report.damaged.append(DamagedRow(position, problem))
@@ -92,7 +92,7 @@ def _chunk_intact(chunk: list[Any], next_id: dict[int, int], report: CheckReport
     ):
         return False
     report.rows += n
-    report.with_checksum += int((h.version == RECORD_VERSION).sum())
+    report.with_checksum += int((h.version == LOG_RECORD_VERSION).sum())
     next_id.update((w, i + 1) for w, i in decoded.last_event_id.items())
     return True
 

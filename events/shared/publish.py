@@ -19,7 +19,7 @@ from typing import Protocol
 
 import redis
 
-from kvledger.events.shared_registry import SharedRegistry
+from kvledger.events.shared.registry import SharedRegistry
 from kvledger.events.types import AnyEvent
 
 log = logging.getLogger(__name__)
@@ -37,8 +37,8 @@ class LogReader(Protocol):
     ) -> Iterator[AnyEvent]: ...
 
 
-class CallbackPublisher:
-    """In-process publisher: hands every event to each callback, in order, synchronously.
+class FanOut:
+    """A fan-out sink: hands every event to each callback, in order, synchronously.
 
     For consumers in the same process (a router index, a test recorder); a callback that raises
     stops the engine, on purpose, rather than letting a consumer silently miss an event.

@@ -1,0 +1,308 @@
+"""What the threaded and the asyncio event log share, with no I/O and no locking: the backlog
+of uncommitted rows and the bound that makes ``append`` wait, the counters read from it, each
+worker's next event id, and the errors an append or the writer ends in.
+
+Each log holds this state under its own lock (a ``threading.Lock`` or an ``asyncio.Condition``)
+and does the database work itself; ``LogCore`` keeps the counts and says what to do next.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Mapping, Sequence
+from operator import itemgetter
+from time import monotonic
+
+import sqlalchemy as sa
+
+from kvledger.events.log.engine import Durability
+from kvledger.events.log.rows import Row
+from kvledger.events.log.schema import shown_url
+
+
+class EventLogError(RuntimeError):
+    """The writer failed; events appended since the last commit were not stored."""
+
+
+def check_queue_sizes(batch_size: int, queue_size: int) -> None:
+    """The writer wakes every ``batch_size`` events, so the queue must hold at least one batch."""
+    if batch_size < 1 or queue_size < batch_size:
+        raise ValueError(
+            f"need 1 <= batch_size <= queue_size, got batch_size={batch_size}, "
+            f"queue_size={queue_size}"
+        )
+
+
+LAG_BOUND = 1.0
+"""With durability "batch" or "fsync", ``append`` waits once the oldest uncommitted row is older
+than ``LAG_BOUND * max_delay``, so a crash loses at most what was appended within ``max_delay``.
+The writer starts a commit ``max_delay / 4`` after a row is queued, which leaves the commit
+three quarters of the delay before the producer feels it."""
+
+
+class Backlog:
+    """The rows appended and not yet committed, and the bound that makes ``append`` wait.
+
+    The contract: the writer starts a commit at most ``max_delay / 4`` after a row is queued (or
+    at once when ``batch_size`` rows are queued or an appender waits), so while it keeps up a row
+    is committed within ``max_delay`` (measured p99 at the engine-on simulation's rate: see
+    bench/eventlog_bench.py, "lag under load"). Whether or not it keeps up, the uncommitted
+    tail (appended - committed, the batch being written included) never exceeds ``queue_size``
+    rows, and with durability "batch" or "fsync" no row is queued while the oldest uncommitted
+    one is older than ``max_lag`` (``LAG_BOUND * max_delay``): ``append`` waits instead
+    (back-pressure, counted in ``backpressure_waits`` and ``backpressure_seconds``). A crash
+    therefore loses at most ``queue_size`` rows, all queued within ``max_lag`` of the oldest
+    of them. Durability "none" keeps only the row bound.
+
+    Shared by ``EventLog`` and ``AsyncEventLog``; each holds it under its own lock, so it neither
+    locks nor waits itself: it keeps the counts and says when to write and when to wait.
+    """
+
+    def __init__(
+        self, *, batch_size: int, queue_size: int, max_delay: float, durability: Durability
+    ) -> None:
+        check_queue_sizes(batch_size, queue_size)
+        if not max_delay > 0:
+            raise ValueError(f"max_delay must be a positive number of seconds, got {max_delay}")
+        self.batch_size = batch_size
+        self.queue_size = queue_size
+        self.commit_after = max_delay / 4
+        self.max_lag: float | None = None if durability == "none" else LAG_BOUND * max_delay
+        self.pending: list[Row] = []
+        self.appended = 0
+        self.committed = 0
+        self.waiters = 0  # appenders held back and flushes under way: commit at once
+        self.backpressure_waits = 0
+        self.backpressure_seconds = 0.0
+        self.max_commit_lag = 0.0
+        self.commit_times: deque[tuple[int, float]] = deque(maxlen=4096)
+        """Recent commits as (rows committed so far, ``time.monotonic()``): what a lag
+        measurement pairs with its own append times."""
+        self._pending_since: float | None = None  # when the oldest queued row was appended
+        self._writing_since: float | None = None  # the same for the batch being written
+
+    def oldest(self) -> float | None:
+        """When the oldest uncommitted row was appended (``time.monotonic()``)."""
+        return self._pending_since if self._writing_since is None else self._writing_since
+
+    def room(self, now: float) -> int:
+        """Rows that may be queued now; 0 means the appender must wait."""
+        if self.max_lag is not None:  # the hot path: oldest() inlined
+            oldest = self._pending_since if self._writing_since is None else self._writing_since
+            if oldest is not None and now - oldest > self.max_lag:
+                return 0
+        return self.queue_size - (self.appended - self.committed)
+
+    def add(self, rows: list[Row], now: float) -> bool:
+        """Queue rows (the caller checked ``room``); True when the writer should be woken."""
+        pending = self.pending
+        was_empty = not pending
+        if was_empty:
+            self._pending_since = now
+        pending.extend(rows)
+        self.appended += len(rows)
+        return was_empty or len(pending) >= self.batch_size
+
+    def writer_wait(self, now: float) -> float | None:
+        """Seconds the writer may sleep before its next commit (None: nothing is queued)."""
+        if not self.pending:
+            return None
+        if self.waiters or len(self.pending) >= self.batch_size:
+            return 0.0
+        assert self._pending_since is not None
+        return max(0.0, self._pending_since + self.commit_after - now)
+
+    def take(self) -> list[Row]:
+        """Everything queued, as the batch the writer commits next."""
+        batch, self.pending = self.pending, []
+        if batch:
+            self._writing_since, self._pending_since = self._pending_since, None
+        return batch
+
+    def done(self, rows: int, now: float) -> None:
+        """The batch taken last is committed."""
+        self.committed += rows
+        if self._writing_since is not None:
+            self.max_commit_lag = max(self.max_commit_lag, now - self._writing_since)
+            self._writing_since = None
+        self.commit_times.append((self.committed, now))
+
+    def hold(self) -> None:
+        """An appender starts waiting: counted now, so metrics show a wait while it lasts."""
+        self.waiters += 1
+        self.backpressure_waits += 1
+
+    def release(self, seconds: float) -> None:
+        """An appender stops waiting, after ``seconds``."""
+        self.waiters -= 1
+        self.backpressure_seconds += seconds
+
+    def commit_lag(self, now: float) -> float:
+        """How long the oldest uncommitted row has waited (0 when everything is committed)."""
+        oldest = self.oldest()
+        return 0.0 if oldest is None else now - oldest
+
+
+_DBAPI_ERRORS = frozenset(
+    {
+        "IntegrityError",
+        "OperationalError",
+        "DataError",
+        "ProgrammingError",
+        "InternalError",
+        "NotSupportedError",
+        "InterfaceError",
+        "DatabaseError",
+    }
+)
+"""PEP 249's error classes: each driver's errors derive from these (the first one in an
+error's MRO is the most specific)."""
+
+
+def writer_failure(exc: BaseException, lost: int) -> EventLogError:
+    """One line naming the cause: the driver's message, never SQLAlchemy's, which carries the
+    statement and its parameters (binary rows); named by its PEP 249 category (IntegrityError,
+    OperationalError), the same on every database."""
+    cause = exc.orig if isinstance(exc, sa.exc.DBAPIError) and exc.orig is not None else exc
+    text = "; ".join(line.strip() for line in str(cause).splitlines() if line.strip())
+    category = next(
+        (c.__name__ for c in type(cause).__mro__ if c.__name__ in _DBAPI_ERRORS),
+        type(cause).__name__,
+    )
+    hint = ""
+    if category == "IntegrityError":
+        hint = " (is another process logging as the same worker id?)"
+    return EventLogError(
+        f"the event log writer failed ({category}: {text}){hint}; "
+        f"{lost} appended events were not stored"
+    )
+
+
+def order_error(worker: int, event_id: int, expected: int) -> ValueError:
+    what = "repeats an id already logged" if event_id < expected else "leaves a gap"
+    return ValueError(
+        f"worker {worker}: event {event_id} {what}; the log expects event {expected} next "
+        f"(start the worker's emitter at log.last_event_id({worker}) + 1)"
+    )
+
+
+class LogCore:
+    """The state both logs keep, and the checks both make, with neither I/O nor locking.
+
+    ``next_ids`` holds each worker's next event id once the log has seen the worker (learned
+    from the database on its first append); appends are checked against it so a log only ever
+    holds what replay can fold. Subclasses hold ``_lock`` (or their condition) around every
+    call that changes state.
+    """
+
+    url: str
+
+    def __init__(
+        self, *, batch_size: int, queue_size: int, max_delay: float, durability: Durability
+    ) -> None:
+        self._backlog = Backlog(
+            batch_size=batch_size, queue_size=queue_size, max_delay=max_delay, durability=durability
+        )
+        self.batch_size = batch_size
+        self.queue_size = queue_size
+        self.max_delay = max_delay
+        self.max_lag = self._backlog.max_lag
+        self._next_ids: dict[int, int] = {}
+        self._closing = False
+        self._closed = False
+        self._error: BaseException | None = None
+        self.read_only = False
+
+    # -- event ids -----------------------------------------------------------------------------
+
+    def _known_last_id(self, worker: int) -> int | None:
+        """The worker's newest accepted event id, None until the log has seen the worker."""
+        expected = self._next_ids.get(worker)
+        return None if expected is None else expected - 1
+
+    def _accept_next(self, worker: int, event_id: int) -> bool:
+        """The hot path of a single append: True when ``event_id`` is the next id of a worker
+        the log knows (and is taken); False sends the caller through ``_accept_ids``."""
+        next_ids = self._next_ids
+        if next_ids.get(worker) == event_id:
+            next_ids[worker] = event_id + 1
+            return True
+        return False
+
+    def _unknown_workers(self, rows: Sequence[Row]) -> set[int]:
+        """Workers of ``rows`` whose next id must be read from the database first."""
+        return set(map(itemgetter(0), rows)).difference(self._next_ids)
+
+    def _accept_ids(self, rows: Sequence[Row], committed: Mapping[int, int]) -> None:
+        """Check that each worker's ids in ``rows`` go on from the last one accepted (or from
+        ``committed``, its newest committed id, for a worker not seen yet) without a gap or a
+        repeat, then take them as accepted; nothing is taken when any is out of order."""
+        known = self._next_ids
+        next_ids: dict[int, int] = {}
+        for worker, event_id, *_ in rows:
+            expected = next_ids.get(worker)
+            if expected is None:
+                expected = known.get(worker)
+            if expected is None:
+                expected = committed[worker] + 1
+            if event_id != expected:
+                raise order_error(worker, event_id, expected)
+            next_ids[worker] = expected + 1
+        known.update(next_ids)
+
+    # -- errors --------------------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        """Raise what stops an append: the writer's failure, a closed or a read-only log."""
+        if self._error is not None:
+            raise writer_failure(self._error, self.queue_depth) from self._error
+        if self._closing or self._closed:
+            raise EventLogError("the event log is closed")
+        if self.read_only:
+            raise EventLogError(f"{shown_url(self.url)} was opened read-only")
+
+    def _raise_writer_failure(self) -> None:
+        if self._error is not None:
+            raise writer_failure(self._error, self.queue_depth) from self._error
+
+    # -- counters ------------------------------------------------------------------------------
+
+    @property
+    def queue_depth(self) -> int:
+        """Events appended and not yet committed (what a crash now would lose)."""
+        return self._backlog.appended - self._backlog.committed
+
+    @property
+    def appended(self) -> int:
+        """Events appended since this log was opened."""
+        return self._backlog.appended
+
+    @property
+    def committed(self) -> int:
+        """Events this log has committed since it was opened."""
+        return self._backlog.committed
+
+    @property
+    def commit_lag(self) -> float:
+        """Seconds the oldest uncommitted event has waited (0 when all is committed)."""
+        return self._backlog.commit_lag(monotonic())
+
+    @property
+    def max_commit_lag(self) -> float:
+        """The longest an event waited for its commit so far (append to commit), in seconds."""
+        return self._backlog.max_commit_lag
+
+    @property
+    def backpressure_waits(self) -> int:
+        """Appends that had to wait for the writer (the backlog was at its bound)."""
+        return self._backlog.backpressure_waits
+
+    @property
+    def backpressure_seconds(self) -> float:
+        """Time appenders spent waiting for the writer, in total."""
+        return self._backlog.backpressure_seconds
+
+    @property
+    def commit_times(self) -> deque[tuple[int, float]]:
+        """Recent commits as (events committed so far, ``time.monotonic()``)."""
+        return self._backlog.commit_times

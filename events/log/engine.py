@@ -1,0 +1,116 @@
+"""SQL engine setup for the event log: one place that turns a URL and a durability into an
+engine, for the threaded log (``make_engine``, ``open_read_only``) and the asyncio log
+(``make_async_engine``)."""
+
+from __future__ import annotations
+
+import os
+import sqlite3
+from pathlib import Path
+from typing import Any, Literal
+from urllib.parse import quote
+
+import sqlalchemy as sa
+from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
+
+Durability = Literal["batch", "fsync", "none"]
+DURABILITY_MODES: tuple[Durability, ...] = ("batch", "fsync", "none")
+_SQLITE_SYNC = {"batch": "NORMAL", "fsync": "FULL", "none": "OFF"}
+_PG_SYNC = {"batch": "on", "fsync": "on", "none": "off"}
+
+
+def engine_args(url: str, durability: Durability) -> tuple[sa.URL, dict[str, Any], str | None]:
+    """(URL, create_engine keyword arguments, SQLite ``synchronous`` pragma or None).
+
+    Shared by the threaded and the asyncio log so both honour ``durability`` the same way.
+    """
+    if durability not in DURABILITY_MODES:
+        raise ValueError(
+            f"unknown durability {durability!r}; expected one of {', '.join(DURABILITY_MODES)}"
+        )
+    parsed = sa.make_url(url)
+    backend = parsed.get_backend_name()
+    if backend == "sqlite":
+        if parsed.database in (None, "", ":memory:"):
+            raise ValueError(
+                "an in-memory SQLite event log cannot be shared by its writer and readers; "
+                "give a file path"
+            )
+        return (
+            parsed,
+            {"connect_args": {"timeout": 30}, "hide_parameters": True},
+            _SQLITE_SYNC[durability],
+        )
+    if backend == "postgresql":
+        # libpq options from the URL (e.g. a search_path) are kept, with ours after them.
+        given = parsed.query.get("options", "")
+        given = given if isinstance(given, str) else " ".join(given)
+        options = f"{given} -c synchronous_commit={_PG_SYNC[durability]}".strip()
+        return (
+            parsed.difference_update_query(["options"]),
+            {"connect_args": {"options": options}, "hide_parameters": True},
+            None,
+        )
+    return parsed, {"hide_parameters": True}, None
+
+
+def install_sqlite_pragmas(engine: sa.Engine, synchronous: str) -> None:
+    """WAL (readers never block the writer) and the durability's ``synchronous`` level."""
+
+    @sa.event.listens_for(engine, "connect")
+    def _pragmas(dbapi_conn: Any, _record: Any) -> None:
+        cur = dbapi_conn.cursor()
+        cur.execute("PRAGMA journal_mode=WAL")
+        cur.execute(f"PRAGMA synchronous={synchronous}")
+        cur.close()
+
+
+def make_engine(url: str, durability: Durability = "batch") -> sa.Engine:
+    """An engine with the settings that ``durability`` asks for."""
+    parsed, kwargs, synchronous = engine_args(url, durability)
+    engine = sa.create_engine(parsed, **kwargs)
+    if synchronous is not None:
+        install_sqlite_pragmas(engine, synchronous)
+    return engine
+
+
+def make_async_engine(url: str, durability: Durability = "batch") -> AsyncEngine:
+    """``make_engine`` for SQLAlchemy's asyncio engine (``sqlite+aiosqlite``,
+    ``postgresql+psycopg``)."""
+    parsed, kwargs, synchronous = engine_args(url, durability)
+    engine = create_async_engine(parsed, **kwargs)
+    if synchronous is not None:
+        install_sqlite_pragmas(engine.sync_engine, synchronous)
+    return engine
+
+
+def open_read_only(url: str) -> tuple[sa.Engine, bool]:
+    """An engine that reads a SQLite log wherever it lies, and whether it may store checkpoints.
+
+    Reading a WAL database takes its -shm (and -wal) file, which SQLite creates next to it;
+    where it cannot (a read-only mount, a folder the user may not write) a plain open fails with
+    "unable to open database file". Then the file is opened through SQLite's URI as
+    ``mode=ro``, which reads existing -shm/-wal files without writing them, and failing that as
+    ``immutable=1``: no writer is running then (it would have created those files), so the file
+    cannot change while it is read. Only the plain open may store checkpoints.
+    """
+    parsed = sa.make_url(url)
+    path = Path(parsed.database or "").resolve()
+    failure: sa.exc.OperationalError | None = None
+    for query in ("", "mode=ro", "mode=ro&immutable=1"):
+        target = f"file:{quote(str(path))}?{query}" if query else str(path)
+
+        def connect(target: str = target, uri: bool = bool(query)) -> sqlite3.Connection:
+            return sqlite3.connect(target, uri=uri, timeout=30, check_same_thread=False)
+
+        engine = sa.create_engine(parsed, creator=connect, hide_parameters=True)
+        try:
+            with engine.connect() as conn:
+                conn.exec_driver_sql("SELECT count(*) FROM sqlite_master").scalar()
+        except sa.exc.OperationalError as exc:
+            engine.dispose()
+            failure = exc
+            continue
+        return engine, not query and os.access(path, os.W_OK)
+    assert failure is not None
+    raise failure

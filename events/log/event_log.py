@@ -1,0 +1,386 @@
+"""The durable event log for threaded code: group-committed appends, ordered reads, checkpoints.
+
+Appends cost the caller an encode and a list append; a writer thread takes what is queued and
+commits it in one transaction (group commit), so the engine's hot path never waits for the disk
+while the writer keeps up. When it does not, ``append`` waits (back-pressure, see
+``core.Backlog``) rather than let the uncommitted tail, which a crash would lose, grow without
+bound. The rows go out as multi-row INSERTs (``rows.py`` says why).
+
+Reads stream rows in append order (the row id) through ``reader.read_chunks`` and decode them.
+Each worker's event ids are checked on append to be contiguous (``core.LogCore``), so a log only
+ever holds what replay can fold.
+"""
+
+from __future__ import annotations
+
+import atexit
+import sys
+import threading
+import weakref
+from collections.abc import Generator, Iterable, Iterator, Sequence
+from itertools import chain
+from pathlib import Path
+from time import monotonic
+from typing import Any
+
+import sqlalchemy as sa
+
+from kvledger.events.log import checkpoints, reader
+from kvledger.events.log.checkpoints import Checkpoint
+from kvledger.events.log.core import LogCore
+from kvledger.events.log.engine import Durability, make_engine, open_read_only
+from kvledger.events.log.reader import READ_CHUNK, LogSummary
+from kvledger.events.log.rows import InsertStatements, max_params, to_row
+from kvledger.events.log.schema import (
+    DEFAULT_URL,
+    SchemaError,
+    check_schema,
+    database_url,
+    shown_url,
+)
+from kvledger.events.types import AnyEvent
+from kvledger.registry.state import RegistryState
+
+
+class EventLog(LogCore):
+    """An append-only event log in a SQL database (SQLite file by default).
+
+    ``batch_size``: queued events that wake the writer at once; ``queue_size``: most events
+    appended and not yet committed; ``max_delay``: longest an appended event waits for its
+    commit while the writer keeps up; ``durability``: "batch" (a committed batch survives the
+    process dying), "fsync" (also survives the machine dying), "none". ``Backlog`` states the
+    bound on what a crash loses and the back-pressure that keeps it. ``read_only`` opens an
+    existing log without a writer, also where it cannot be written (see ``open_read_only``).
+    """
+
+    def __init__(
+        self,
+        url: str = DEFAULT_URL,
+        *,
+        batch_size: int = 10_000,
+        queue_size: int = 100_000,
+        durability: Durability = "batch",
+        max_delay: float = 0.05,
+        read_only: bool = False,
+        create: bool = True,
+    ) -> None:
+        super().__init__(
+            batch_size=batch_size, queue_size=queue_size, max_delay=max_delay, durability=durability
+        )
+        self.url = database_url(url)
+        parsed = sa.make_url(self.url)
+        if parsed.get_backend_name() == "sqlite" and (read_only or not create):
+            path = Path(parsed.database or "")
+            if not path.is_file():
+                raise FileNotFoundError(f"no event log at {path}")
+        self.read_only = read_only
+        self.writable = True
+        """False when a read-only log lies where it cannot be written (no checkpoints then)."""
+        if read_only and parsed.get_backend_name() == "sqlite":
+            self._engine, self.writable = open_read_only(self.url)
+        else:
+            self._engine = make_engine(self.url, durability)
+        try:
+            self._open_schema(create and not read_only)
+        except BaseException:
+            self._engine.dispose()
+            raise
+        self._lock = threading.Lock()
+        self._wake_writer = threading.Condition(self._lock)
+        self._committed_cv = threading.Condition(self._lock)
+        self._writer: threading.Thread | None = None
+        if not read_only:
+            self._writer = threading.Thread(target=self._run_writer, name="kvledger-log-writer")
+            self._writer.daemon = True  # closed at exit by _close_open_logs, not by join order
+            self._writer.start()
+            _open_logs.add(self)
+
+    # -- schema -------------------------------------------------------------------------------
+
+    def _open_schema(self, create: bool) -> None:
+        with self._engine.connect() as conn:
+            if check_schema(conn, self.url):
+                return
+            if not create:
+                raise SchemaError(
+                    f"{shown_url(self.url)} holds no event log; run "
+                    f"`kvledger db upgrade --url '{shown_url(self.url)}'` or open it for writing"
+                )
+            from kvledger.migrations.runner import upgrade
+
+            upgrade(self.url, connection=conn)
+            conn.commit()
+            check_schema(conn, self.url)
+
+    # -- appending ----------------------------------------------------------------------------
+
+    def append(self, event: AnyEvent) -> None:
+        """Queue one event; waits while the backlog is at its bound. Usable as an emitter's sink."""
+        rows = [to_row(event)]
+        backlog = self._backlog
+        with self._lock:
+            self._check_open()
+            now = monotonic()
+            if backlog.room(now) < 1:
+                now = self._wait_for_room()
+            if not self._accept_next(event.worker_id, event.event_id):
+                self._accept_ids(rows, self._committed_ids(rows))
+            if backlog.add(rows, now):
+                self._wake_writer.notify()
+
+    def append_many(self, batch: Iterable[AnyEvent]) -> None:
+        """Queue several events (checked as a whole before any is queued)."""
+        rows = [to_row(e) for e in batch]
+        backlog = self._backlog
+        with self._lock:
+            self._check_open()
+            self._accept_ids(rows, self._committed_ids(rows))
+            start = 0
+            while start < len(rows):
+                now = monotonic()
+                room = backlog.room(now)
+                if room < 1:
+                    now = self._wait_for_room()
+                    room = backlog.room(now)
+                chunk = rows[start : start + room]
+                start += len(chunk)
+                if backlog.add(chunk, now):
+                    self._wake_writer.notify()
+
+    def _committed_ids(self, rows: Sequence[Any]) -> dict[int, int]:
+        """The newest committed id of each worker of ``rows`` the log has not seen yet."""
+        return {worker: self._last_committed_id(worker) for worker in self._unknown_workers(rows)}
+
+    def _wait_for_room(self) -> float:
+        """Back-pressure: hold the appender (lock held on entry and exit) until the backlog has
+        room; returns the time it ends. The writer commits at once while someone waits."""
+        backlog = self._backlog
+        started = now = monotonic()
+        backlog.hold()
+        try:
+            while backlog.room(now) < 1:
+                self._wake_writer.notify()
+                self._committed_cv.wait(self.max_delay)
+                self._check_open()
+                now = monotonic()
+        finally:
+            backlog.release(now - started)
+        return now
+
+    def _last_committed_id(self, worker: int) -> int:
+        with self._engine.connect() as conn:
+            value = conn.execute(reader.last_id_query(worker)).scalar()
+        return -1 if value is None else int(value)
+
+    def flush(self) -> None:
+        """Return once everything appended so far is committed."""
+        if self._writer is None:
+            return
+        with self._lock:
+            backlog = self._backlog
+            target = backlog.appended
+            backlog.waiters += 1
+            try:
+                while backlog.committed < target:
+                    if self._error is not None:
+                        self._check_open()
+                    self._wake_writer.notify()
+                    self._committed_cv.wait(0.1)
+            finally:
+                backlog.waiters -= 1
+
+    def close(self) -> None:
+        """Flush, stop the writer and release the database. Safe to call twice."""
+        if self._closed:
+            return
+        if self._writer is not None:
+            with self._lock:
+                self._closing = True
+                self._wake_writer.notify()
+            self._writer.join()
+            _open_logs.discard(self)
+        self._closed = True
+        self._engine.dispose()
+        self._raise_writer_failure()
+
+    def __enter__(self) -> EventLog:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _run_writer(self) -> None:
+        backlog = self._backlog
+        try:
+            with self._engine.connect() as conn:
+                statements = InsertStatements(
+                    conn.dialect.paramstyle, max_params(conn.dialect.name)
+                )
+                # The driver's own connection, and one cursor for the writer's life: every call
+                # that releases the GIL costs a hand-off (see InsertStatements), and SQLAlchemy
+                # opens and closes a cursor per statement.
+                dbapi = conn.connection.dbapi_connection
+                assert dbapi is not None
+                cursor = dbapi.cursor()
+                while True:
+                    with self._lock:
+                        while not self._closing:
+                            wait = backlog.writer_wait(monotonic())
+                            if wait == 0.0:
+                                break
+                            self._wake_writer.wait(wait)
+                        batch = backlog.take()
+                        closing = self._closing
+                    if batch:
+                        for sql, params in statements(batch):
+                            cursor.execute(sql, params)
+                        dbapi.commit()
+                        with self._lock:
+                            backlog.done(len(batch), monotonic())
+                            self._committed_cv.notify_all()
+                    elif closing:
+                        return
+        except BaseException as exc:
+            with self._lock:
+                self._error = exc
+                self._committed_cv.notify_all()
+
+    # -- reading: every read goes through ``read_chunks`` ----------------------------------------
+
+    def read(
+        self,
+        *,
+        worker_id: int | None = None,
+        after_event_id: int = -1,
+        until_event_id: int | None = None,
+        until_ts: float | None = None,
+    ) -> Iterator[AnyEvent]:
+        """Committed events in append order.
+
+        The event-id bounds apply to each worker's own ids, so without ``worker_id`` they select
+        every worker's events ``after_event_id < id <= until_event_id``. ``until_ts`` stops at
+        the first event stamped later than it (a prefix of the log, not a filter).
+        """
+        positions = self.read_positions(
+            worker_id=worker_id,
+            after_event_id=after_event_id,
+            until_event_id=until_event_id,
+            until_ts=until_ts,
+        )
+        return (event for _position, event in positions)
+
+    def read_positions(
+        self,
+        *,
+        worker_id: int | None = None,
+        after_event_id: int = -1,
+        until_event_id: int | None = None,
+        until_ts: float | None = None,
+        after_position: int = 0,
+        until_position: int | None = None,
+    ) -> Iterator[tuple[int, AnyEvent]]:
+        """Like ``read``, with each event's position (its row id) and position bounds."""
+        rows = self.read_rows(
+            worker_id=worker_id,
+            after_event_id=after_event_id,
+            until_event_id=until_event_id,
+            after_position=after_position,
+            until_position=until_position,
+        )
+        return reader.decode_rows(rows, until_ts)
+
+    def read_rows(
+        self,
+        *,
+        worker_id: int | None = None,
+        after_event_id: int = -1,
+        until_event_id: int | None = None,
+        after_position: int = 0,
+        until_position: int | None = None,
+    ) -> Iterator[tuple[int, float, bytes]]:
+        """Raw (position, ts, payload) rows in append order."""
+        return chain.from_iterable(
+            self.read_chunks(
+                worker_id=worker_id,
+                after_event_id=after_event_id,
+                until_event_id=until_event_id,
+                after_position=after_position,
+                until_position=until_position,
+            )
+        )
+
+    def read_chunks(
+        self,
+        *,
+        worker_id: int | None = None,
+        after_event_id: int = -1,
+        until_event_id: int | None = None,
+        after_position: int = 0,
+        until_position: int | None = None,
+        chunk_size: int = READ_CHUNK,
+        columns: Sequence[str] = ("id", "ts", "payload"),
+    ) -> Generator[list[tuple[Any, ...]], None, None]:
+        """Raw rows in lists of up to ``chunk_size``: what replay folds a list at a time.
+        ``columns`` names what each row holds (``kvledger inspect --check`` reads them all)."""
+        stmt = reader.select_rows(
+            worker_id=worker_id,
+            after_event_id=after_event_id,
+            until_event_id=until_event_id,
+            after_position=after_position,
+            until_position=until_position,
+            columns=columns,
+        )
+        return reader.read_chunks(self._engine, stmt, chunk_size)
+
+    def last_event_id(self, worker_id: int) -> int:
+        """The worker's newest event id accepted by this log (queued or committed); -1 if none."""
+        with self._lock:
+            known = self._known_last_id(worker_id)
+        return self._last_committed_id(worker_id) if known is None else known
+
+    def last_position(self) -> int:
+        """The newest committed row's position; 0 for an empty log."""
+        return reader.last_position(self._engine)
+
+    def summary(self) -> LogSummary:
+        return reader.summary(self._engine)
+
+    # -- checkpoints --------------------------------------------------------------------------
+
+    def save_checkpoint(self, position: int, state: RegistryState, max_ts: float) -> bool:
+        """Store ``state`` as the fold of every row up to ``position``; False if not stored.
+
+        A log on storage this process cannot write (``writable`` is False) keeps none: a
+        checkpoint only saves a later replay time.
+        """
+        if not self.writable:
+            return False
+        checkpoints.save_checkpoint(self._engine, position, state, max_ts)
+        return True
+
+    def latest_checkpoint(
+        self,
+        *,
+        max_position: int | None = None,
+        max_event_id: int | None = None,
+        max_ts: float | None = None,
+    ) -> Checkpoint | None:
+        """The newest checkpoint that covers no event beyond the given bounds."""
+        return checkpoints.latest_checkpoint(
+            self._engine, max_position=max_position, max_event_id=max_event_id, max_ts=max_ts
+        )
+
+
+_open_logs: weakref.WeakSet[EventLog] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_open_logs() -> None:
+    """Commit what is queued when the interpreter exits without ``close()``."""
+    for log in list(_open_logs):
+        try:
+            log.close()
+        except Exception as exc:
+            print(
+                f"kvledger: closing event log {shown_url(log.url)} at exit: {exc}", file=sys.stderr
+            )

@@ -1,0 +1,21 @@
+"""The registry shared by all workers, in Redis, by job: ``keys`` (the key layout of a namespace,
+also used by the G4 directory), ``registry`` (``SharedRegistry``, atomic applies through the Lua
+scripts that ``scripts`` loads from ``lua/``), ``publish`` (sinks that carry a worker's events
+there, and ``FanOut``) and ``subscribe`` (routers reading its event stream).
+
+The names users need are importable from here.
+"""
+
+from kvledger.events.shared.keys import KeySpace
+from kvledger.events.shared.publish import FanOut, RedisPublisher
+from kvledger.events.shared.registry import ApplyResult, SharedRegistry
+from kvledger.events.shared.subscribe import StreamSubscriber
+
+__all__ = [
+    "ApplyResult",
+    "FanOut",
+    "KeySpace",
+    "RedisPublisher",
+    "SharedRegistry",
+    "StreamSubscriber",
+]
