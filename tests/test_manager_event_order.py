@@ -40,15 +40,12 @@ def settings(tmp_path: Path, **kw: object) -> Settings:
 
 
 def live_state(manager: BlockManager) -> RegistryState:
-    worker = manager.settings.worker_id
-    return RegistryState.from_mapping(
-        {(worker, t): p.resident_blocks() for t, p in manager.registry.pools.items()}
-    )
+    return manager.state()
 
 
 class FoldChecker:
-    """A sink that folds each event and compares the fold with the manager right then (sinks
-    run under the manager's lock, so its tiers cannot move meanwhile)."""
+    """An observer that folds each event and compares the fold with the manager right then
+    (observers run under the manager's lock, so its tiers cannot move meanwhile)."""
 
     def __init__(self) -> None:
         self.fold = RegistryState()
@@ -60,7 +57,7 @@ class FoldChecker:
         m = self.manager
         if m is None or isinstance(event, Cleared):  # a restart clears tier by tier
             return
-        capacity = {tier: pool.capacity for tier, pool in m.registry.pools.items()}
+        capacity = m.capacities()
         for (_, tier), n in self.fold.counts().items():
             assert n <= capacity.get(tier, 0), f"event {event.event_id}: {n} on {tier.name}"
         live = live_state(m)
@@ -71,7 +68,7 @@ class FoldChecker:
 @pytest.mark.parametrize("policy", POLICY_NAMES)
 def test_each_event_folds_to_the_managers_tiers_at_that_event(tmp_path: Path, policy: str) -> None:
     checker = FoldChecker()
-    m = BlockManager(settings(tmp_path, eviction_policy=policy), sinks=[checker])
+    m = BlockManager(settings(tmp_path, eviction_policy=policy), observers=[checker])
     checker.manager = m
     rng = random.Random(policy)
     prefixes = [[100 * p + t for t in range(2 * BLOCK)] for p in range(3)]
@@ -93,7 +90,7 @@ def test_each_event_folds_to_the_managers_tiers_at_that_event(tmp_path: Path, po
     again = FoldChecker()
     again.fold = checker.fold
     m2 = BlockManager(
-        settings(tmp_path, eviction_policy=policy, g2_blocks=0, g3_blocks=0), sinks=[again]
+        settings(tmp_path, eviction_policy=policy, g2_blocks=0, g3_blocks=0), observers=[again]
     )
     again.manager = m2
     try:
