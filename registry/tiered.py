@@ -87,30 +87,23 @@ class TieredRegistry:
         # Only the seen_twice filter guarding a disk tier reads the counts.
         self._counts_requests = offload_filter == "seen_twice" and Tier.G3 in self.pools
 
-    def forget_previous_run(self, keep: Collection[Tier] = ()) -> None:
-        """Start a log that an earlier run of this worker wrote over again: a ``Cleared`` for
-        every local tier, configured here or not, so that the log replays to this registry and
+    def resume(self, last_event_id: int, keep: Collection[Tier] = ()) -> None:
+        """Continue a log that an earlier run of this worker wrote up to ``last_event_id``
+        (-1: none; nothing is said then): the ids go on from there, and a ``Cleared`` for
+        every local tier, configured here or not, makes the log replay to this registry and
         not to what the earlier run (maybe with a G2 or G3 this one lacks) left there.
 
         Tiers in ``keep`` are left as they are: a disk cache the restart recovered already
         holds exactly what the earlier run's log lists for it (less what was dropped, which
         the caller reports as ``Removed``).
         """
-        pools = [(tier, pool) for tier, pool in self.pools.items() if tier not in keep]
-        held = [tier.name for tier, pool in pools if pool.num_registered]
-        if held:
-            raise ValueError(f"forget_previous_run on a registry that holds blocks ({held})")
-        for tier in (Tier.G1, Tier.G2, Tier.G3):
-            if tier not in keep:
-                self.emitter.cleared(tier)
-
-    def resume(self, last_event_id: int, keep: Collection[Tier] = ()) -> None:
-        """Continue the event ids of an earlier run of this worker that logged up to
-        ``last_event_id`` (-1: none): the restart rule, one place for every caller. After
-        a run, the tiers not in ``keep`` are cleared (``forget_previous_run``)."""
-        self.emitter.next_event_id = last_event_id + 1
         if last_event_id >= 0:
-            self.forget_previous_run(keep)
+            pools = [(tier, pool) for tier, pool in self.pools.items() if tier not in keep]
+            held = [tier.name for tier, pool in pools if pool.num_registered]
+            if held:
+                raise ValueError(f"resume on a registry that holds blocks ({held})")
+        cleared = [tier for tier in (Tier.G1, Tier.G2, Tier.G3) if tier not in keep]
+        self.emitter.resume(last_event_id, clear=cleared)
 
     def state(self) -> RegistryState:
         """The live state, as the event log replays to it (for checks and dumps)."""
@@ -122,6 +115,10 @@ class TieredRegistry:
     def counts(self) -> dict[Tier, int]:
         """Blocks registered on each configured tier."""
         return {tier: pool.num_registered for tier, pool in self.pools.items()}
+
+    def in_use(self) -> dict[Tier, int]:
+        """Blocks held (referenced) on each configured tier: by requests or copies in flight."""
+        return {tier: pool.num_active for tier, pool in self.pools.items()}
 
     def capacities(self) -> dict[Tier, int]:
         """Slots of each configured tier."""
