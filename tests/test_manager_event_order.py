@@ -7,11 +7,12 @@ the earlier run had.
 from __future__ import annotations
 
 import random
+import threading
 from pathlib import Path
 
 import pytest
 
-from kvledger import BlockManager
+from kvledger import BlockManager, PoolExhausted
 from kvledger.config import Settings
 from kvledger.events.replay import replay
 from kvledger.events.types import AnyEvent, Cleared
@@ -101,3 +102,59 @@ def test_each_event_folds_to_the_managers_tiers_at_that_event(tmp_path: Path, po
         m2.close()
     replayed = replay(m2.settings.log_url)
     assert replayed == live_state(m2), replayed.diff(live_state(m2))
+
+
+def test_a_blocking_sink_does_not_hold_up_the_bookkeeping(tmp_path: Path) -> None:
+    """A sink that blocks (the log under back-pressure) runs outside the manager's lock:
+    another thread's lookup completes while the sink waits."""
+    m = BlockManager(settings(tmp_path, g2_blocks=0, g3_blocks=0), log_events=False)
+    seq = m.sequence(list(range(2 * BLOCK)))
+    seen: list[object] = []
+
+    def sink(event: AnyEvent) -> None:
+        if seen:
+            return
+        other = threading.Thread(target=lambda: seen.append(m.match(seq)))
+        other.start()
+        other.join(2)
+        seen.append(not other.is_alive())
+        other.join()
+
+    m.add_sink(sink)
+    try:
+        m.release(m.register(m.allocate(len(seq)), seq, start=0))
+    finally:
+        m.close()
+    assert seen[-1] is True, "the sink ran while the manager's lock was held"
+    assert seen[0] == (2, 0, 0)
+
+
+def test_events_from_many_threads_reach_the_sinks_in_emission_order(tmp_path: Path) -> None:
+    ids: list[int] = []
+    m = BlockManager(settings(tmp_path), sinks=[lambda e: ids.append(e.event_id)])
+    prefixes = [[100 * p + t for t in range(2 * BLOCK)] for p in range(3)]
+
+    def work(seed: int) -> None:
+        rng = random.Random(seed)
+        for i in range(25):
+            seq = m.sequence(rng.choice(prefixes) + [1000 + seed * 100 + i] * BLOCK)
+            try:
+                held = m.onboard(seq)
+                fresh = m.allocate(len(seq) - len(held), timeout=5)
+            except PoolExhausted:
+                m.release(held)
+                continue
+            held += m.register(fresh, seq, start=len(seq) - len(fresh))
+            m.release(held)
+
+    threads = [threading.Thread(target=work, args=(n,)) for n in range(4)]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert m.wait_idle(10)
+    finally:
+        m.close()
+    assert ids == list(range(len(ids))) and len(ids) > 100
+    assert replay(m.settings.log_url) == live_state(m)
