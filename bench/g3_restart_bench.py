@@ -115,7 +115,7 @@ def main() -> None:
             restart.append(time.perf_counter() - began)
             assert m.recovery is not None and m.recovery.recovered == args.slots, m.recovery
             tier_part.append(m.recovery.seconds)
-            slot_bytes = m.tiers[Tier.G3].slot_bytes  # type: ignore[attr-defined]
+            slot_bytes = m.tier(Tier.G3).slot_bytes  # type: ignore[attr-defined]
             m.close()
             ref.append(reference(data, s.bytes_per_block, slot_bytes, args.slots))
             empty = settings(root / f"fresh{rep}", args.slots, args.layers)

@@ -1,4 +1,9 @@
-"""kvledger: a KV-cache block manager with an event-sourced registry."""
+"""kvledger: a KV-cache block manager with an event-sourced registry.
+
+The public API is what ``__all__`` lists: ``from kvledger import BlockManager, Settings, ...``.
+Each name is imported on first use, so importing kvledger for its CLI or settings does not
+pay for torch.
+"""
 
 # The subpackages registry/, tiers/, events/ and migrations/ live in top-level folders of the
 # repository and are mapped into this package at install time. When Python runs from the
@@ -6,17 +11,76 @@
 # installed mapping supply the rest.
 __path__ = __import__("pkgutil").extend_path(__path__, __name__)
 
+from typing import TYPE_CHECKING
+
 __version__ = "0.1.0"
+
+#: public name -> the module that defines it
+_HOMES = {
+    "BlockManager": "kvledger.manager",
+    "G3Recovery": "kvledger.manager",
+    "G4Link": "kvledger.manager",
+    "Settings": "kvledger.config",
+    "SettingsError": "kvledger.config",
+    "Metrics": "kvledger.metrics",
+    "PoolExhausted": "kvledger.registry.errors",
+    "PoolBusy": "kvledger.registry.errors",
+    "G3InUse": "kvledger.tiers.disk.lock",
+    "Tier": "kvledger.events.types",
+    "AnyEvent": "kvledger.events.types",
+    "MatchResult": "kvledger.registry.tiered",
+    "TokenBlockSequence": "kvledger.registry.hashing",
+    "RegistryState": "kvledger.registry.state",
+    "EventLog": "kvledger.events.log",
+    "replay": "kvledger.events.log.replay",
+}
+
+__all__ = [
+    "AnyEvent",
+    "BlockManager",
+    "EventLog",
+    "G3InUse",
+    "G3Recovery",
+    "G4Link",
+    "MatchResult",
+    "Metrics",
+    "PoolBusy",
+    "PoolExhausted",
+    "RegistryState",
+    "Settings",
+    "SettingsError",
+    "Tier",
+    "TokenBlockSequence",
+    "replay",
+]
+
+if TYPE_CHECKING:
+    from kvledger.config import Settings, SettingsError
+    from kvledger.events.log import EventLog
+    from kvledger.events.log.replay import replay
+    from kvledger.events.types import AnyEvent, Tier
+    from kvledger.manager import BlockManager, G3Recovery, G4Link
+    from kvledger.metrics import Metrics
+    from kvledger.registry.errors import PoolBusy, PoolExhausted
+    from kvledger.registry.hashing import TokenBlockSequence
+    from kvledger.registry.state import RegistryState
+    from kvledger.registry.tiered import MatchResult
+    from kvledger.tiers.disk.lock import G3InUse
+
+
+assert set(__all__) == set(_HOMES)
 
 
 def __getattr__(name: str) -> object:
-    # Lazy: importing kvledger for its CLI or settings should not pay for torch.
-    if name == "BlockManager":
-        from kvledger.manager import BlockManager
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module 'kvledger' has no attribute {name!r}")
+    from importlib import import_module
 
-        return BlockManager
-    if name == "Settings":
-        from kvledger.config import Settings
+    value = getattr(import_module(home), name)
+    globals()[name] = value  # later look-ups skip this function
+    return value
 
-        return Settings
-    raise AttributeError(f"module 'kvledger' has no attribute {name!r}")
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

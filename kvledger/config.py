@@ -96,6 +96,12 @@ class Settings(BaseSettings):
         None, description="shared registry; every event is also published there when set"
     )
     redis_namespace: str = Field("kvledger", min_length=1, description="key namespace in Redis")
+    g4: bool = Field(
+        False,
+        description="share G2 with the workers of redis_namespace and read theirs over NIXL "
+        "(needs G2, redis_url and the remote extra)",
+    )
+    g4_timeout_s: float = Field(5.0, gt=0, description="longest wait for one remote read")
     worker_id: int = Field(0, ge=0)
     dp_rank: int = Field(0, ge=0)
     chain_seed: int = Field(1337, ge=0, lt=1 << 64, description="seed of the sequence-hash chain")
@@ -106,6 +112,8 @@ class Settings(BaseSettings):
             raise ValueError(
                 f"event_log_url must be a URL such as sqlite:///path.db, got {self.event_log_url!r}"
             )
+        if self.g4 and (not self.g2_capacity or self.redis_url is None):
+            raise ValueError("g4 needs a G2 (g2_gb or g2_blocks) and redis_url")
         return self
 
     @classmethod

@@ -25,8 +25,9 @@ import asyncio
 import logging
 import threading
 import time
-from collections import Counter
-from collections.abc import Callable, Iterable, Sequence
+from collections import Counter, deque
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -35,14 +36,15 @@ import torch
 from kvledger.config import Settings, ensure_log_folder
 from kvledger.events.log import EventLog
 from kvledger.events.log.replay import replay
-from kvledger.events.shared.publish import FanOut, RedisPublisher
+from kvledger.events.shared.publish import RedisPublisher
 from kvledger.events.shared.registry import SharedRegistry
 from kvledger.events.types import AnyEvent, BlockInfo, Tier
 from kvledger.metrics import Metrics
 from kvledger.registry.emitter import EventEmitter
 from kvledger.registry.errors import PoolExhausted
 from kvledger.registry.hashing import TokenBlockSequence
-from kvledger.registry.tiered import MatchResult, TieredRegistry, Transfer
+from kvledger.registry.state import RegistryState
+from kvledger.registry.tiered import CopyPlan, MatchResult, TieredRegistry
 from kvledger.tiers.base import StorageTier
 from kvledger.tiers.device.tier import DeviceTier
 from kvledger.tiers.disk.recovery import KnownBlocks
@@ -52,7 +54,7 @@ from kvledger.tiers.layout import BlockShape, KVLayout
 from kvledger.tiers.transfer import TransferEngine, TransferHandle, TransferResult
 
 if TYPE_CHECKING:
-    from kvledger.tiers.remote.fetch import RemoteFetcher
+    from kvledger.tiers.remote import BlockExporter, RemoteAgent, RemoteFetcher
 
 log = logging.getLogger(__name__)
 
@@ -86,6 +88,20 @@ class G3Recovery:
     seconds: float = 0.0
 
 
+@dataclass(frozen=True)
+class G4Link:
+    """What the ``g4`` setting builds: this worker's NIXL agent, the exporter that publishes
+    its G2 blocks and the fetcher that reads other workers' G2."""
+
+    agent: RemoteAgent
+    exporter: BlockExporter
+    fetcher: RemoteFetcher
+
+    def close(self) -> None:
+        self.exporter.close()
+        self.agent.close()
+
+
 class BlockManager:
     """G1/G2/G3 KV blocks of one worker, with offload, onboard and an event log."""
 
@@ -98,6 +114,7 @@ class BlockManager:
         event_log: EventLog | None = None,
         log_events: bool = True,
         sinks: Sequence[Callable[[AnyEvent], None]] = (),
+        observers: Sequence[Callable[[AnyEvent], None]] = (),
         metrics: Metrics | None = None,
     ) -> None:
         self.settings = s = settings if settings is not None else Settings.load()
@@ -107,20 +124,21 @@ class BlockManager:
         self._own_log = event_log is None and log_events
         if self._own_log:
             ensure_log_folder(s.log_url)  # a first run in an empty folder makes kvledger-data/
-        self.event_log = EventLog(s.log_url) if self._own_log else event_log
-        self.publisher: RedisPublisher | None = None
-        self.tiers: dict[Tier, StorageTier] = {}
+        self._event_log = EventLog(s.log_url) if self._own_log else event_log
+        self._publisher: RedisPublisher | None = None
+        self._tiers: dict[Tier, StorageTier] = {}
         try:
-            self._build(s, g1_layout, device, sinks, metrics)
+            self._build(s, g1_layout, device, sinks, observers, metrics)
         except BaseException:
             # nothing half-built stays open: the log writer thread, the publisher, the G3 file
-            for tier in self.tiers.values():
+            for tier in self._tiers.values():
                 tier.close()
-            if self.publisher is not None:
-                self.publisher.stop(drain_timeout=0)
-            if self._own_log and self.event_log is not None:
-                self.event_log.close()
+            if self._publisher is not None:
+                self._publisher.stop(drain_timeout=0)
+            if self._own_log and self._event_log is not None:
+                self._event_log.close()
             raise
+        self._deliver()  # a restart's Cleared and Removed events
 
     def _build(
         self,
@@ -128,35 +146,39 @@ class BlockManager:
         g1_layout: KVLayout | None,
         device: torch.device | str | None,
         sinks: Sequence[Callable[[AnyEvent], None]],
+        observers: Sequence[Callable[[AnyEvent], None]],
         metrics: Metrics | None,
     ) -> None:
         first_id = 0
-        if self.event_log is not None:
-            first_id = self.event_log.last_event_id(s.worker_id) + 1
+        if self._event_log is not None:
+            first_id = self._event_log.last_event_id(s.worker_id) + 1
         self.metrics = metrics
-        self.publisher = self._redis_publisher(s) if s.redis_url else None
-        all_sinks = ([self.event_log.append] if self.event_log is not None else []) + list(sinks)
-        if self.publisher is not None:
-            all_sinks.append(self.publisher)
+        self._publisher = self._redis_publisher(s) if s.redis_url else None
+        all_sinks = ([self._event_log.append] if self._event_log is not None else []) + list(sinks)
+        if self._publisher is not None:
+            all_sinks.append(self._publisher)
         if metrics is not None:
             all_sinks.append(metrics.observe_event)
-            if self.event_log is not None:
-                log = self.event_log
+            if self._event_log is not None:
+                log = self._event_log
                 metrics.watch_log(log)
-        self.emitter = EventEmitter(
-            FanOut(*all_sinks) if all_sinks else None,
-            worker_id=s.worker_id,
-            dp_rank=s.dp_rank,
-            first_event_id=first_id,
+        self._sinks = all_sinks
+        self._observers = list(observers)
+        self._lock = threading.RLock()
+        self._idle = threading.Condition(self._lock)
+        self._queue: deque[AnyEvent] = deque()
+        self._deliver_lock = threading.Lock()
+        self._emitter = EventEmitter(
+            self._emit, worker_id=s.worker_id, dp_rank=s.dp_rank, first_event_id=first_id
         )
         g1_blocks = g1_layout.num_blocks if g1_layout is not None else s.g1_blocks
-        self.registry = TieredRegistry(
+        self._registry = TieredRegistry(
             g1_blocks,
             s.g2_capacity,
             s.g3_capacity,
             policy=s.eviction_policy,
             offload_filter=s.offload_filter,
-            emitter=self.emitter,
+            emitter=self._emitter,
         )
         if g1_layout is not None:
             if g1_layout.shape != self.shape:
@@ -166,9 +188,9 @@ class BlockManager:
             g1: StorageTier = DeviceTier.from_layout(g1_layout)
         else:
             g1 = DeviceTier(self.shape, g1_blocks, device=device)
-        self.tiers[Tier.G1] = g1
+        self._tiers[Tier.G1] = g1
         if s.g2_capacity:
-            self.tiers[Tier.G2] = HostTier(self.shape, s.g2_capacity)
+            self._tiers[Tier.G2] = HostTier(self.shape, s.g2_capacity)
         #: what a restart kept of the disk cache; None without G3
         self.recovery: G3Recovery | None = None
         dropped: list[int] = []
@@ -181,28 +203,28 @@ class BlockManager:
                 return folded[0] or {}
 
             g3 = DiskTier(s.data_dir, self.shape, s.g3_capacity, known=listed)
-            self.tiers[Tier.G3] = g3
+            self._tiers[Tier.G3] = g3
             g3_cleared = folded[0] is None  # a new file, or a log that cannot be folded
             self.recovery, dropped = self._adopt_g3(g3, folded[0] or {})
-        self.transfers = TransferEngine()
-        self._lock = threading.RLock()
-        self._in_flight: dict[TransferHandle, Transfer] = {}
-        self._idle = threading.Condition(self._lock)
-        self.failed_copies = 0
-        if first_id:
-            # A restarted worker's G1 and G2 start empty (and any tier it lacks now), and G3
-            # holds what was recovered: say so, so that replay agrees with it.
-            self.registry.forget_previous_run(keep=() if g3_cleared else (Tier.G3,))
-            if not g3_cleared:
-                self.emitter.removed(Tier.G3, dropped)
+        self._transfers = TransferEngine()
+        self._in_flight: dict[TransferHandle, CopyPlan] = {}
+        self._failed_copies = 0
+        self._g4: G4Link | None = None
+        if s.g4:
+            self._g4 = self._link_g4(s, metrics)
+        # A restarted worker's G1 and G2 start empty (and any tier it lacks now), and G3
+        # holds what was recovered: say so, so that replay agrees with it.
+        self._registry.resume(first_id - 1, keep=() if g3_cleared else (Tier.G3,))
+        if first_id and not g3_cleared:
+            self._emitter.removed(Tier.G3, dropped)
 
     def _logged_g3(self) -> KnownBlocks | None:
         """This worker's G3 blocks by the event log's fold; None when the log cannot be folded
         (the disk cache then starts empty rather than trusting slots the log cannot vouch for)."""
-        assert self.event_log is not None
+        assert self._event_log is not None
         key = (self.settings.worker_id, Tier.G3)
         try:
-            state = replay(self.event_log)
+            state = replay(self._event_log)
         except Exception as exc:
             log.warning("G3 not recovered: the event log cannot be folded (%s)", exc)
             return None
@@ -215,7 +237,7 @@ class BlockManager:
         """Serve the slots the tier verified again; returns the report and the listed blocks
         that are gone (the caller emits their ``Removed``)."""
         kept = g3.recovered_blocks()
-        self.registry.pools[Tier.G3].adopt([slot for slot, _ in kept], [b for _, b in kept])
+        self._registry.pools[Tier.G3].adopt([slot for slot, _ in kept], [b for _, b in kept])
         held = {b.sequence_hash for _, b in kept}
         dropped = [seq for seq in known if seq not in held]
         found = g3.recovery
@@ -246,29 +268,172 @@ class BlockManager:
             )
         return report, dropped
 
+    def _link_g4(self, s: Settings, metrics: Metrics | None) -> G4Link:
+        """Export G2 to the remote directory and read other workers' G2 (``g4`` setting)."""
+        import redis
+
+        from kvledger.tiers.remote import BlockExporter, RemoteAgent, RemoteDirectory, RemoteFetcher
+
+        assert s.redis_url is not None and self._publisher is not None  # checked by Settings
+        g2 = self._tiers[Tier.G2]
+        agent = RemoteAgent(s.worker_id)
+        try:
+            agent.register(g2)  # type: ignore[arg-type]
+            directory = RemoteDirectory(redis.Redis.from_url(s.redis_url), s.redis_namespace)
+            exporter = BlockExporter(directory, agent.card(self.shape), g2)  # type: ignore[arg-type]
+            fetcher = RemoteFetcher(
+                agent,
+                directory,
+                self._publisher.registry,
+                g2,  # type: ignore[arg-type]
+                worker_id=s.worker_id,
+                timeout_s=s.g4_timeout_s,
+                metrics_registry=metrics.registry if metrics is not None else None,
+            )
+            self.export_g2(exporter)
+        except BaseException:
+            agent.close()
+            raise
+        return G4Link(agent, exporter, fetcher)
+
+    def export_g2(self, exporter: BlockExporter) -> None:
+        """Publish this worker's G2 blocks for remote reads through ``exporter`` (what the
+        ``g4`` setting does; for an exporter built by hand). The exporter sees each event
+        under the lock, so it checksums a block before its slot can be reused."""
+        with self._lock:
+            exporter.bind(self._registry.pools[Tier.G2].lookup).start()
+            self._observers.append(exporter)
+
+    @property
+    def g4(self) -> G4Link | None:
+        """The remote link the ``g4`` setting built (None without it)."""
+        return self._g4
+
     def _redis_publisher(self, s: Settings) -> RedisPublisher:
         """Publish to the shared registry at ``redis_url``, catching up from the event log."""
-        if self.event_log is None or s.redis_url is None:
+        if self._event_log is None or s.redis_url is None:
             raise ValueError("redis_url needs the event log: the publisher catches up from it")
         import redis
 
         shared = SharedRegistry(redis.Redis.from_url(s.redis_url), s.redis_namespace)
-        return RedisPublisher(shared, s.worker_id, log=self.event_log).start()
+        return RedisPublisher(shared, s.worker_id, log=self._event_log).start()
+
+    # -- events ----------------------------------------------------------------------------
 
     def add_sink(self, sink: Callable[[AnyEvent], None]) -> None:
-        """Hand every later event to ``sink`` as well, after the log and the sinks given at
-        start (for sinks that need the manager's tiers, such as a remote block exporter)."""
+        """Hand every event delivered from now on to ``sink`` as well, after the log and the
+        sinks given at start. Sinks run outside the manager's lock, one event at a time in
+        emission order, so a sink that blocks (the log under back-pressure) holds up other
+        sinks but never the bookkeeping."""
+        with self._deliver_lock:
+            self._sinks.append(sink)
+
+    def add_observer(self, observer: Callable[[AnyEvent], None]) -> None:
+        """Call ``observer`` at each event under the manager's lock, right after the change,
+        while the tiers are as the event left them (for a G2 exporter that must checksum a
+        block before its slot can be reused, or a check of the state at each event). An
+        observer must not block: no I/O that can wait, no calls that wait for copies."""
         with self._lock:
-            if isinstance(self.emitter.sink, FanOut):
-                self.emitter.sink.callbacks.append(sink)
-            else:
-                self.emitter.sink = FanOut(sink)
+            self._observers.append(observer)
+
+    def _emit(self, event: AnyEvent) -> None:
+        """The emitter's sink, called under the lock: observers now, sinks after release."""
+        for observer in self._observers:
+            observer(event)
+        self._queue.append(event)
+
+    @contextmanager
+    def _changing(self) -> Iterator[None]:
+        """Hold the lock for a change, then hand its events to the sinks without it."""
+        try:
+            with self._lock:
+                yield
+        finally:
+            self._deliver()
+
+    def _deliver(self) -> None:
+        """Pass queued events to the sinks in emission order. Whoever holds the delivery lock
+        drains the queue, other threads' events included; a caller returns only once the
+        events it queued have reached every sink (it waits for the lock, then finds them gone
+        or passes them on itself)."""
+        queue, sinks = self._queue, self._sinks
+        with self._deliver_lock:
+            while queue:
+                event = queue.popleft()
+                for sink in sinks:
+                    sink(event)
+
+    # -- read-only views ---------------------------------------------------------------------
+
+    @property
+    def event_log(self) -> EventLog | None:
+        """The durable log events go to (None with ``log_events=False`` and no log given)."""
+        return self._event_log
+
+    @property
+    def publisher(self) -> RedisPublisher | None:
+        """The publisher to the shared registry (with the ``redis_url`` setting)."""
+        return self._publisher
+
+    @property
+    def failed_copies(self) -> int:
+        """Copies that failed in whole or in part (I/O error, corrupt G3 slot)."""
+        return self._failed_copies
+
+    @property
+    def next_event_id(self) -> int:
+        """The id the next event of this worker gets."""
+        return self._emitter.next_event_id
+
+    def state(self) -> RegistryState:
+        """What the tiers hold now, as the event log replays to it."""
+        with self._lock:
+            return self._registry.state()
+
+    def counts(self) -> dict[Tier, int]:
+        """Blocks registered on each configured tier."""
+        with self._lock:
+            return self._registry.counts()
+
+    def capacities(self) -> dict[Tier, int]:
+        """Slots of each configured tier."""
+        return self._registry.capacities()
+
+    def num_free(self, tier: Tier = Tier.G1) -> int:
+        """Slots of ``tier`` that hold nothing (not counting evictable cached blocks)."""
+        with self._lock:
+            return self._registry.pools[tier].num_free
+
+    def slot_of(self, tier: Tier, sequence_hash: int) -> int | None:
+        """The slot holding a block on ``tier``, or None."""
+        with self._lock:
+            return self._registry.pools[tier].lookup(sequence_hash)
+
+    def tier(self, tier: Tier) -> StorageTier:
+        """The bytes of one tier (``KeyError`` when it is not configured)."""
+        return self._tiers[tier]
+
+    def lower_tiers(self) -> list[Tier]:
+        """The configured tiers below G1."""
+        return self._registry.lower_tiers()
+
+    def remove(self, tier: Tier, sequence_hashes: Iterable[int]) -> list[int]:
+        """Drop cached blocks from ``tier`` (``Removed``); returns the hashes dropped. Blocks
+        a request holds are not dropped."""
+        with self._changing():
+            return self._registry.pools[tier].remove(sequence_hashes)
+
+    def release_slots(self, tier: Tier, slots: Iterable[int]) -> None:
+        """Free slots of ``tier`` handed out outside ``allocate`` (a remote read's slots
+        from ``RemoteFetcher.reclaim``)."""
+        with self._changing():
+            self._registry.release(tier, slots)
 
     def refresh_metrics(self) -> None:
         """Set the per-tier block gauges from the pools (call before a scrape, or periodically)."""
         if self.metrics is not None:
             with self._lock:
-                self.metrics.refresh(self.registry.pools)
+                self.metrics.refresh(self._registry.pools)
 
     # -- sequences and lookups -----------------------------------------------------------
 
@@ -281,11 +446,11 @@ class BlockManager:
     def match(self, sequence: TokenBlockSequence) -> MatchResult:
         """How much of ``sequence`` is cached: blocks on G1, then continuing on G2, then G3."""
         with self._lock:
-            return self.registry.match(sequence.sequence_hashes)
+            return self._registry.match(sequence.sequence_hashes)
 
     @property
     def g1(self) -> StorageTier:
-        return self.tiers[Tier.G1]
+        return self._tiers[Tier.G1]
 
     # -- onboarding ----------------------------------------------------------------------
 
@@ -297,8 +462,8 @@ class BlockManager:
         registry never names bytes that did not arrive.
         """
         hashes = sequence.sequence_hashes
-        with self._lock:
-            reg = self.registry
+        with self._changing():
+            reg = self._registry
             match = reg.match(hashes)
             reg.note_request(hashes)
             if self.metrics is not None:
@@ -312,14 +477,16 @@ class BlockManager:
         for plan, handle in started:
             landed = self._finish(plan, handle)
             if broken:  # after a hole: these blocks are cached on G1 but not part of the prefix
-                with self._lock:
-                    self.registry.g1.release(landed)
+                with self._changing():
+                    self._registry.release(Tier.G1, landed)
                 continue
             held.extend(landed)
             broken = len(landed) < len(plan)
         return held
 
-    def onboard_remote(self, sequence: TokenBlockSequence, fetcher: RemoteFetcher) -> list[int]:
+    def onboard_remote(
+        self, sequence: TokenBlockSequence, fetcher: RemoteFetcher | None = None
+    ) -> list[int]:
         """``onboard``, after reading the blocks that follow the local prefix from another
         worker (G4) into fresh G2 slots over NIXL (``kvledger.tiers.remote``).
 
@@ -333,36 +500,39 @@ class BlockManager:
         memory when one holds them (a local prefix continues from G2 onto G3, never from G3
         back onto G2, so remote blocks after a G3 run could not be matched).
         """
-        pool = self.registry.pools.get(Tier.G2)
-        if pool is None:
-            raise ValueError("remote onboard lands blocks on G2, and this worker has no G2")
+        if fetcher is None:
+            if self._g4 is None:
+                raise ValueError(
+                    "onboard_remote needs a fetcher: pass one, or turn on the g4 setting"
+                )
+            fetcher = self._g4.fetcher
         hashes = sequence.sequence_hashes
         reclaimed = fetcher.reclaim()  # slots of earlier reads abandoned while in flight
-        with self._lock:
-            pool.release(reclaimed)
-            local = self.registry.match(hashes)
+        with self._changing():
+            self._registry.reserve_g4(0)  # raises without a G2
+            self._registry.release(Tier.G2, reclaimed)
+            local = self._registry.match(hashes)
         start = local.g1 + local.g2
         plan = fetcher.plan(hashes[start:]) if start < len(hashes) else None
         landed: list[int] = []
         if plan is not None:
-            with self._lock:
-                slots = pool.allocate_upto(len(plan))
+            with self._changing():
+                slots = self._registry.reserve_g4(len(plan))
             result = fetcher.execute(plan, slots) if slots else None
             n = result.count if result is not None else 0
-            held_back = set(result.held_back) if result is not None else set()
+            held_back = result.held_back if result is not None else ()
             infos = [
                 BlockInfo(b.sequence_hash, b.local_hash, hashes[i - 1] if i else None)
                 for i, b in enumerate(sequence.blocks[start : start + n], start)
             ]
-            with self._lock:
-                landed = pool.register_copies(slots[:n], infos, Tier.G4) if n else []
-                pool.release([s for s in slots[n:] if s not in held_back])
+            with self._changing():
+                landed = self._registry.land_g4(slots, infos, held_back)
         try:
             return self.onboard(sequence)
         finally:
             if landed:  # held until onboard copied them up; now cached on G2 like the rest
-                with self._lock:
-                    pool.release(reversed(landed))
+                with self._changing():
+                    self._registry.release(Tier.G2, reversed(landed))
 
     async def aonboard(self, sequence: TokenBlockSequence) -> list[int]:
         """``onboard`` without blocking the event loop."""
@@ -382,8 +552,8 @@ class BlockManager:
         """
         started = time.perf_counter()
         wait = self.settings.allocate_wait_s if timeout is None else timeout
-        g1 = self.registry.g1
-        with self._idle:
+        g1 = self._registry.g1
+        with self._changing():  # an allocation may evict (Removed events)
             while True:
                 try:
                     slots = g1.allocate(count)
@@ -418,7 +588,7 @@ class BlockManager:
             if plan.src_tier is Tier.G1
             for slot in plan.src_slots
         )
-        refcount = self.registry.g1.refcount
+        refcount = self._registry.g1.refcount
         return sum(1 for slot, n in pins.items() if refcount(slot) == n)
 
     def register(
@@ -437,26 +607,26 @@ class BlockManager:
                 f"full blocks from position {start}"
             )
         parent = seqs[start - 1] if start else None
-        with self._lock:
-            held = self.registry.g1.register(
+        with self._changing():
+            held = self._registry.g1.register(
                 slots, list(zip(seqs[start:end], locals_[start:end], strict=True)), parent
             )
-            for plan in self.registry.plan_offload(held):
+            for plan in self._registry.plan_offload(held):
                 self._start(plan)
         return held
 
     def release(self, slots: Iterable[int]) -> None:
         """Let go of G1 blocks, last first; registered ones stay cached until evicted."""
-        with self._lock:
-            self.registry.g1.release(reversed(list(slots)))
+        with self._changing():
+            self._registry.release(Tier.G1, reversed(list(slots)))
 
     # -- copies --------------------------------------------------------------------------
 
-    def _start(self, plan: Transfer) -> TransferHandle:
+    def _start(self, plan: CopyPlan) -> TransferHandle:
         """Queue the bytes of a planned copy; its completion is recorded on the copy thread."""
-        src, dst = self.tiers[plan.src_tier], self.tiers[plan.dst_tier]
+        src, dst = self._tiers[plan.src_tier], self._tiers[plan.dst_tier]
         names = plan.blocks if plan.dst_tier is Tier.G3 else None  # G3 records them per slot
-        handle = self.transfers.copy(src, plan.src_slots, dst, plan.dst_slots, blocks=names)
+        handle = self._transfers.copy(src, plan.src_slots, dst, plan.dst_slots, blocks=names)
         self._in_flight[handle] = plan
         if self.metrics is not None:
             self._observe_transfer(plan, handle, time.perf_counter())
@@ -464,10 +634,10 @@ class BlockManager:
             handle.add_done_callback(lambda h: self._record_offload(plan, h))
         return handle
 
-    def _record_offload(self, plan: Transfer, handle: TransferHandle) -> None:
+    def _record_offload(self, plan: CopyPlan, handle: TransferHandle) -> None:
         self._record(plan, handle)
 
-    def _observe_transfer(self, plan: Transfer, handle: TransferHandle, started: float) -> None:
+    def _observe_transfer(self, plan: CopyPlan, handle: TransferHandle, started: float) -> None:
         assert self.metrics is not None
         latency = self.metrics.transfer_latency.labels(plan.src_tier.name, plan.dst_tier.name)
         moved = self.metrics.transfer_bytes.labels(plan.src_tier.name, plan.dst_tier.name)
@@ -480,11 +650,11 @@ class BlockManager:
 
         handle.add_done_callback(done)
 
-    def _record(self, plan: Transfer, handle: TransferHandle) -> list[int]:
+    def _record(self, plan: CopyPlan, handle: TransferHandle) -> list[int]:
         """Register what arrived, abort what did not; start follow-up copies."""
         error = handle.exception()
-        with self._lock:
-            try:
+        try:
+            with self._changing():
                 if error is not None:
                     log.warning(
                         "%s -> %s copy of %d blocks failed: %s",
@@ -493,42 +663,22 @@ class BlockManager:
                         len(plan),
                         error,
                     )
-                    self.failed_copies += 1
-                    self.registry.abort(plan)
+                    self._failed_copies += 1
+                    self._registry.abort(plan)
                     return []
-                result: TransferResult = handle.wait()
-                good = _good_prefix(plan, result)
+                good = _good_prefix(plan, handle.wait())
                 if good < len(plan):
-                    self.failed_copies += 1
-                    bad = plan.blocks[good:]
-                    ok_part = Transfer(
-                        plan.src_tier,
-                        plan.dst_tier,
-                        plan.src_slots[:good],
-                        plan.dst_slots[:good],
-                        plan.blocks[:good],
-                    )
-                    rest = Transfer(
-                        plan.src_tier,
-                        plan.dst_tier,
-                        plan.src_slots[good:],
-                        plan.dst_slots[good:],
-                        bad,
-                    )
-                    self.registry.abort(rest)
-                    if plan.src_tier is Tier.G3:  # the disk copy is corrupt: forget it
-                        self.registry.pools[Tier.G3].remove([b.sequence_hash for b in bad])
-                    plan = ok_part
-                if not len(plan):
-                    return []
-                for follow in self.registry.complete(plan):
+                    self._failed_copies += 1
+                for follow in self._registry.complete(plan, arrived=good):
                     self._start(follow)
                 return plan.landed
-            finally:
+        finally:
+            # after the events reached the sinks: a caller of wait_idle reads a complete log
+            with self._idle:
                 self._in_flight.pop(handle, None)
                 self._idle.notify_all()
 
-    def _finish(self, plan: Transfer, handle: TransferHandle) -> list[int]:
+    def _finish(self, plan: CopyPlan, handle: TransferHandle) -> list[int]:
         """Wait for a local copy (they cannot hang: memory and file I/O) and record it."""
         handle.exception()  # waits; an error is recorded as a failed copy
         return self._record(plan, handle)
@@ -541,15 +691,17 @@ class BlockManager:
     def close(self) -> None:
         """Finish copies, flush the log (when this manager opened it) and close the tiers."""
         self.wait_idle(timeout=120)
-        self.transfers.close()
-        for tier in self.tiers.values():
+        if self._g4 is not None:
+            self._g4.close()
+        self._transfers.close()
+        for tier in self._tiers.values():
             tier.close()
-        if self.event_log is not None:
-            self.event_log.flush()
-        if self.publisher is not None:
-            self.publisher.stop(drain_timeout=10.0)
-        if self.event_log is not None and self._own_log:
-            self.event_log.close()
+        if self._event_log is not None:
+            self._event_log.flush()
+        if self._publisher is not None:
+            self._publisher.stop(drain_timeout=10.0)
+        if self._event_log is not None and self._own_log:
+            self._event_log.close()
 
     def __enter__(self) -> BlockManager:
         return self
@@ -558,7 +710,7 @@ class BlockManager:
         self.close()
 
 
-def _good_prefix(plan: Transfer, result: TransferResult) -> int:
+def _good_prefix(plan: CopyPlan, result: TransferResult) -> int:
     """How many leading pairs of ``plan`` arrived intact."""
     failed = {d for _, d in result.failed}
     for i, dst in enumerate(plan.dst_slots):

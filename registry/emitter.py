@@ -47,6 +47,16 @@ class EventEmitter:
         self.next_event_id = first_event_id
         self.clock = clock
 
+    def resume(self, last_event_id: int, clear: Iterable[Tier] = ()) -> None:
+        """The restart rule: continue the ids of an earlier run of this worker that logged up
+        to ``last_event_id`` (-1: there was none), and after one, say with a ``Cleared`` that
+        each tier in ``clear`` starts empty, so the log replays to this run and not to what
+        the earlier one left."""
+        self.next_event_id = last_event_id + 1
+        if last_event_id >= 0:
+            for tier in clear:
+                self.cleared(tier)
+
     def _next_id(self) -> int:
         eid = self.next_event_id
         self.next_event_id = eid + 1

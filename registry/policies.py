@@ -2,8 +2,9 @@
 
 A policy only ever sees inactive blocks (refcount 0, still registered). The pool tells it
 when blocks become inactive (``released``), active again (``activated``), newly registered
-(``registered``) or looked up (``accessed``), and asks it for victims. Policies read the pool's
-per-slot hash and parent arrays directly instead of keeping copies: the pool owns that state.
+(``registered``, with each block's sequence hash and parent hash) or looked up (``accessed``),
+and asks it for victims. A policy keeps what it needs of those blocks itself (the lineage
+policy their hashes and parents, the frequency policy their hashes) and never reads the pool.
 """
 
 from __future__ import annotations
@@ -11,10 +12,7 @@ from __future__ import annotations
 import heapq
 from collections import OrderedDict
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Protocol
-
-if TYPE_CHECKING:
-    from kvledger.registry.pool import BlockPool
+from typing import Protocol
 
 POLICY_NAMES = ("lru", "lineage", "multi_lru")
 
@@ -23,8 +21,10 @@ class EvictionPolicy(Protocol):
     #: whether the pool should report every lookup hit (frequency-aware policies only)
     tracks_access: bool
 
-    def bind(self, pool: BlockPool) -> None: ...
-    def registered(self, slots: Sequence[int]) -> None: ...
+    def bind(self, capacity: int) -> None: ...
+    def registered(
+        self, slots: Sequence[int], hashes: Sequence[int], parents: Sequence[int | None]
+    ) -> None: ...
     def released(self, slots: Sequence[int]) -> None: ...
     def activated(self, slots: Sequence[int]) -> None: ...
     def accessed(self, slots: Sequence[int]) -> None: ...
@@ -43,10 +43,12 @@ class LruPolicy:
     def __init__(self) -> None:
         self._inactive: OrderedDict[int, None] = OrderedDict()
 
-    def bind(self, pool: BlockPool) -> None:
+    def bind(self, capacity: int) -> None:
         pass
 
-    def registered(self, slots: Sequence[int]) -> None:
+    def registered(
+        self, slots: Sequence[int], hashes: Sequence[int], parents: Sequence[int | None]
+    ) -> None:
         pass
 
     def accessed(self, slots: Sequence[int]) -> None:
@@ -92,20 +94,24 @@ class LineagePolicy:
         self._release_tick: dict[int, int] = {}
         self._heap: list[tuple[int, int]] = []
         self._children: dict[int, int] = {}
-        self._pool: BlockPool | None = None
+        #: per slot: the registered block's sequence hash and parent hash
+        self._hash: list[int] = []
+        self._parent: list[int | None] = []
+        self._slot_of: dict[int, int] = {}
 
-    def bind(self, pool: BlockPool) -> None:
-        self._pool = pool
+    def bind(self, capacity: int) -> None:
+        self._hash = [0] * capacity
+        self._parent = [None] * capacity
 
-    def _arrays(self) -> BlockPool:
-        assert self._pool is not None, "policy used before bind()"
-        return self._pool
-
-    def registered(self, slots: Sequence[int]) -> None:
-        parents = self._arrays()._parent
+    def registered(
+        self, slots: Sequence[int], hashes: Sequence[int], parents: Sequence[int | None]
+    ) -> None:
+        own_hash, own_parent, slot_of = self._hash, self._parent, self._slot_of
         children = self._children
-        for slot in slots:
-            parent = parents[slot]
+        for slot, seq, parent in zip(slots, hashes, parents, strict=True):
+            own_hash[slot] = seq
+            own_parent[slot] = parent
+            slot_of[seq] = slot
             if parent is not None:
                 children[parent] = children.get(parent, 0) + 1
 
@@ -113,7 +119,7 @@ class LineagePolicy:
         pass
 
     def released(self, slots: Sequence[int]) -> None:
-        hashes = self._arrays()._hash
+        hashes = self._hash
         children = self._children
         ticks = self._release_tick
         heap = self._heap
@@ -121,7 +127,7 @@ class LineagePolicy:
         for slot in slots:
             tick += 1
             ticks[slot] = tick
-            if not children.get(hashes[slot], 0):  # type: ignore[arg-type]
+            if not children.get(hashes[slot], 0):
                 heapq.heappush(heap, (tick, slot))
         self._tick = tick
 
@@ -134,20 +140,20 @@ class LineagePolicy:
         return len(self._release_tick)
 
     def pick_victims(self, count: int) -> list[int]:
-        pool = self._arrays()
-        hashes, parents, by_hash = pool._hash, pool._parent, pool._by_hash
+        hashes, parents = self._hash, self._parent
         ticks, heap, children = self._release_tick, self._heap, self._children
         victims: list[int] = []
         while heap and len(victims) < count:
             tick, slot = heapq.heappop(heap)
-            if ticks.get(slot) != tick or children.get(hashes[slot], 0):  # type: ignore[arg-type]
+            if ticks.get(slot) != tick or children.get(hashes[slot], 0):
                 continue  # reactivated since, or grew a child: not a leaf now
             del ticks[slot]
             victims.append(slot)
-            self._drop_child_of(parents[slot], by_hash)
+            self._drop_child_of(parents[slot])
+        self._unname(victims)
         return victims
 
-    def _drop_child_of(self, parent: int | None, by_hash: dict[int, int]) -> None:
+    def _drop_child_of(self, parent: int | None) -> None:
         if parent is None:
             return
         children = self._children
@@ -156,18 +162,25 @@ class LineagePolicy:
             children[parent] = left
             return
         del children[parent]
-        parent_slot = by_hash.get(parent)
+        parent_slot = self._slot_of.get(parent)
         if parent_slot is not None:
             tick = self._release_tick.get(parent_slot)
             if tick is not None:
                 heapq.heappush(self._heap, (tick, parent_slot))
 
+    def _unname(self, slots: Sequence[int]) -> None:
+        """Slots that leave the pool: their blocks are no longer anyone's parent here."""
+        slot_of, hashes = self._slot_of, self._hash
+        for slot in slots:
+            del slot_of[hashes[slot]]
+
     def forget(self, slots: Sequence[int]) -> None:
         """Slots leaving the pool by another way than eviction (explicit removal)."""
-        pool = self._arrays()
+        parents = self._parent
         for slot in slots:
             self._release_tick.pop(slot, None)
-            self._drop_child_of(pool._parent[slot], pool._by_hash)
+            self._drop_child_of(parents[slot])
+        self._unname(slots)
 
     def inactive_order(self) -> list[int]:
         return [slot for slot, _ in sorted(self._release_tick.items(), key=lambda kv: kv[1])]
@@ -176,6 +189,7 @@ class LineagePolicy:
         self._release_tick.clear()
         self._heap.clear()
         self._children.clear()
+        self._slot_of.clear()
 
 
 class FrequencySketch:
@@ -236,23 +250,25 @@ class MultiLruPolicy:
             OrderedDict() for _ in range(len(self.LEVEL_THRESHOLDS) + 1)
         ]
         self._level_of: dict[int, int] = {}
-        self._pool: BlockPool | None = None
+        self._hash: list[int] = []  # per slot: the registered block's sequence hash
 
-    def bind(self, pool: BlockPool) -> None:
-        self._pool = pool
-        self._capacity = pool.capacity
-        self._sketch = FrequencySketch(pool.capacity)
+    def bind(self, capacity: int) -> None:
+        self._capacity = capacity
+        self._sketch = FrequencySketch(capacity)
+        self._hash = [0] * capacity
 
-    def _hashes(self) -> list[int | None]:
-        assert self._pool is not None, "policy used before bind()"
-        return self._pool._hash
+    def registered(
+        self, slots: Sequence[int], hashes: Sequence[int], parents: Sequence[int | None]
+    ) -> None:
+        own, increment = self._hash, self._sketch.increment
+        for slot, seq in zip(slots, hashes, strict=True):
+            own[slot] = seq
+            increment(seq)
 
     def accessed(self, slots: Sequence[int]) -> None:
-        hashes, increment = self._hashes(), self._sketch.increment
+        hashes, increment = self._hash, self._sketch.increment
         for slot in slots:
-            increment(hashes[slot])  # type: ignore[arg-type]
-
-    registered = accessed
+            increment(hashes[slot])
 
     def _level(self, key: int) -> int:
         seen = self._sketch.estimate(key)
@@ -263,9 +279,9 @@ class MultiLruPolicy:
         return level
 
     def released(self, slots: Sequence[int]) -> None:
-        hashes, level_of, levels = self._hashes(), self._level_of, self._levels
+        hashes, level_of, levels = self._hash, self._level_of, self._levels
         for slot in slots:
-            level = self._level(hashes[slot])  # type: ignore[arg-type]
+            level = self._level(hashes[slot])
             levels[level][slot] = None
             level_of[slot] = level
 

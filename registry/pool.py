@@ -53,7 +53,7 @@ class BlockPool:
         # popped from the end, so slot 0 is handed out first
         self._free = list(range(capacity - 1, -1, -1))
         self._policy = make_policy(policy) if isinstance(policy, str) else policy
-        self._policy.bind(self)
+        self._policy.bind(capacity)
 
     # -- queries -------------------------------------------------------------------------
 
@@ -218,11 +218,13 @@ class BlockPool:
                 local_of[slot] = local
                 parent_of[slot] = parent
             by_hash.update(zip(seqs, slots, strict=True))
-            self._policy.registered(slots)
+            self._policy.registered(slots, seqs, parents)
             self.emitter.stored(self.tier, parent_hash, blocks, token_ids)
             return list(slots)
         out = list(slots)
         new: list[int] = []
+        new_hashes: list[int] = []
+        new_parents: list[int | None] = []
         duplicates: list[int] = []
         run_start, run_parent = -1, parent_hash
         prev = parent_hash
@@ -235,6 +237,8 @@ class BlockPool:
                 local_of[slot] = local
                 parent_of[slot] = prev
                 new.append(slot)
+                new_hashes.append(seq)
+                new_parents.append(prev)
                 if run_start < 0:
                     run_start, run_parent = i, prev
             else:
@@ -250,7 +254,7 @@ class BlockPool:
         if run_start >= 0:
             self._stored_run(run_parent, blocks, token_ids, run_start, len(slots))
         if new:
-            self._policy.registered(new)
+            self._policy.registered(new, new_hashes, new_parents)
         if duplicates:
             self.acquire(duplicates)
         return out
@@ -304,7 +308,9 @@ class BlockPool:
                 if not ref[slot]:
                     self._free.append(slot)
         if new:
-            self._policy.registered(new)
+            self._policy.registered(
+                new, [b.sequence_hash for b in landed], [b.parent_hash for b in landed]
+            )
         if duplicates:
             self.acquire(duplicates)
         self.emitter.copied(src_tier, self.tier, landed)
@@ -333,7 +339,9 @@ class BlockPool:
             self._hash[slot] = info.sequence_hash
             self._local[slot] = info.local_hash
             self._parent[slot] = info.parent_hash
-        self._policy.registered(slots)
+        self._policy.registered(
+            slots, [b.sequence_hash for b in blocks], [b.parent_hash for b in blocks]
+        )
         self._policy.released(slots)
 
     def release(self, slots: Iterable[int]) -> None:

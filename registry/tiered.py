@@ -2,8 +2,10 @@
 
 This is the bookkeeping half of the block manager: it decides which slots a copy reads and
 writes and records the outcome, but never touches bytes. A caller that moves real bytes
-(``kvledger.BlockManager``) executes each ``Transfer`` and then calls ``complete`` or
-``abort``; the simulator completes them at once. Either way the events are the same.
+(``kvledger.BlockManager``) executes each ``CopyPlan`` and then calls ``complete`` (with how
+many blocks arrived) or ``abort``; the simulator completes them at once. Either way the events
+are the same. Every state change of the worker's cache goes through here: copies, blocks read
+from another worker (G4), a restart; ``state()`` is what the event log must replay to.
 
 Offload rules: every block registered on G1 is written through to G2 (or, with no G2, to G3
 directly -- Dynamo's bypass). A block goes from G2 down to G3 only when the offload filter
@@ -13,7 +15,7 @@ writes go to blocks likely to come back) or ``never``.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -21,6 +23,7 @@ from kvledger.events.types import BlockInfo, Tier
 from kvledger.registry.emitter import EventEmitter
 from kvledger.registry.policies import FrequencySketch
 from kvledger.registry.pool import BlockPool
+from kvledger.registry.state import RegistryState
 
 OFFLOAD_FILTERS = ("always", "seen_twice", "never")
 
@@ -38,7 +41,7 @@ class MatchResult(NamedTuple):
 
 
 @dataclass(slots=True)
-class Transfer:
+class CopyPlan:
     """A planned copy of blocks between two tiers: source slots pinned, destination slots
     allocated (mutable) until ``complete`` or ``abort``."""
 
@@ -84,22 +87,42 @@ class TieredRegistry:
         # Only the seen_twice filter guarding a disk tier reads the counts.
         self._counts_requests = offload_filter == "seen_twice" and Tier.G3 in self.pools
 
-    def forget_previous_run(self, keep: Collection[Tier] = ()) -> None:
-        """Start a log that an earlier run of this worker wrote over again: a ``Cleared`` for
-        every local tier, configured here or not, so that the log replays to this registry and
+    def resume(self, last_event_id: int, keep: Collection[Tier] = ()) -> None:
+        """Continue a log that an earlier run of this worker wrote up to ``last_event_id``
+        (-1: none; nothing is said then): the ids go on from there, and a ``Cleared`` for
+        every local tier, configured here or not, makes the log replay to this registry and
         not to what the earlier run (maybe with a G2 or G3 this one lacks) left there.
 
         Tiers in ``keep`` are left as they are: a disk cache the restart recovered already
         holds exactly what the earlier run's log lists for it (less what was dropped, which
         the caller reports as ``Removed``).
         """
-        pools = [(tier, pool) for tier, pool in self.pools.items() if tier not in keep]
-        held = [tier.name for tier, pool in pools if pool.num_registered]
-        if held:
-            raise ValueError(f"forget_previous_run on a registry that holds blocks ({held})")
-        for tier in (Tier.G1, Tier.G2, Tier.G3):
-            if tier not in keep:
-                self.emitter.cleared(tier)
+        if last_event_id >= 0:
+            pools = [(tier, pool) for tier, pool in self.pools.items() if tier not in keep]
+            held = [tier.name for tier, pool in pools if pool.num_registered]
+            if held:
+                raise ValueError(f"resume on a registry that holds blocks ({held})")
+        cleared = [tier for tier in (Tier.G1, Tier.G2, Tier.G3) if tier not in keep]
+        self.emitter.resume(last_event_id, clear=cleared)
+
+    def state(self) -> RegistryState:
+        """The live state, as the event log replays to it (for checks and dumps)."""
+        worker = self.emitter.worker_id
+        return RegistryState.from_mapping(
+            {(worker, tier): pool.resident_blocks() for tier, pool in self.pools.items()}
+        )
+
+    def counts(self) -> dict[Tier, int]:
+        """Blocks registered on each configured tier."""
+        return {tier: pool.num_registered for tier, pool in self.pools.items()}
+
+    def in_use(self) -> dict[Tier, int]:
+        """Blocks held (referenced) on each configured tier: by requests or copies in flight."""
+        return {tier: pool.num_active for tier, pool in self.pools.items()}
+
+    def capacities(self) -> dict[Tier, int]:
+        """Slots of each configured tier."""
+        return {tier: pool.capacity for tier, pool in self.pools.items()}
 
     @property
     def g1(self) -> BlockPool:
@@ -140,7 +163,7 @@ class TieredRegistry:
 
     # -- onboarding ----------------------------------------------------------------------
 
-    def plan_onboard(self, sequence_hashes: Sequence[int], match: MatchResult) -> list[Transfer]:
+    def plan_onboard(self, sequence_hashes: Sequence[int], match: MatchResult) -> list[CopyPlan]:
         """Copies that bring the G2/G3 part of ``match`` into fresh G1 slots.
 
         ``sequence_hashes`` is the whole prompt; the blocks after ``match.g1`` are onboarded.
@@ -151,7 +174,7 @@ class TieredRegistry:
             return []
         g1 = self.g1
         dst = g1.allocate_upto(wanted)
-        transfers: list[Transfer] = []
+        plans: list[CopyPlan] = []
         start = match.g1
         remaining = dst
         for tier, count in ((Tier.G2, match.g2), (Tier.G3, match.g3)):
@@ -167,18 +190,18 @@ class TieredRegistry:
                 count = len(src)
             if count:
                 infos = [pool.block_info(s) for s in src]
-                transfers.append(Transfer(tier, Tier.G1, src, remaining[:count], infos))
+                plans.append(CopyPlan(tier, Tier.G1, src, remaining[:count], infos))
             remaining = remaining[count:]
             start += count
             if count < (match.g2 if tier is Tier.G2 else match.g3):
                 break
         if remaining:
             g1.release(remaining)
-        return transfers
+        return plans
 
     # -- offloading ----------------------------------------------------------------------
 
-    def plan_offload(self, g1_slots: Sequence[int]) -> list[Transfer]:
+    def plan_offload(self, g1_slots: Sequence[int]) -> list[CopyPlan]:
         """Write-through copies for blocks just registered on G1 (to G2, or to G3 with no G2)."""
         if Tier.G2 in self.pools:
             return self._plan_copy(Tier.G1, Tier.G2, g1_slots)
@@ -194,7 +217,7 @@ class TieredRegistry:
         info, estimate = self.pools[tier].block_info, self._seen.estimate
         return [s for s in slots if estimate(info(s).sequence_hash) >= 2]
 
-    def _plan_copy(self, src_tier: Tier, dst_tier: Tier, slots: Sequence[int]) -> list[Transfer]:
+    def _plan_copy(self, src_tier: Tier, dst_tier: Tier, slots: Sequence[int]) -> list[CopyPlan]:
         src_pool, dst_pool = self.pools[src_tier], self.pools[dst_tier]
         infos = [src_pool.block_info(s) for s in slots]
         todo = [
@@ -210,34 +233,92 @@ class TieredRegistry:
         todo = todo[: len(dst)]
         src = [slot for slot, _ in todo]
         src_pool.acquire(src)
-        return [Transfer(src_tier, dst_tier, src, dst, [info for _, info in todo])]
+        return [CopyPlan(src_tier, dst_tier, src, dst, [info for _, info in todo])]
 
     # -- completion ----------------------------------------------------------------------
 
-    def complete(self, transfer: Transfer) -> list[Transfer]:
-        """Record a finished copy. Returns follow-up copies (G2 -> G3 behind the filter).
+    def complete(self, plan: CopyPlan, arrived: int | None = None) -> list[CopyPlan]:
+        """Record a finished copy of which the first ``arrived`` blocks (default: all)
+        arrived intact. Returns follow-up copies (G2 -> G3 behind the filter).
 
-        Blocks onboarded into G1 stay referenced (the request that asked holds them);
-        copies to G2/G3 become inactive there, cached and evictable.
+        The blocks after ``arrived`` are aborted; when they were read from G3, the disk
+        copy is corrupt and G3 forgets them. ``plan.landed`` lists the slots now holding
+        the arrived blocks on the destination. Blocks onboarded into G1 stay referenced
+        (the request that asked holds them); copies to G2/G3 become inactive there, cached
+        and evictable.
         """
-        src_pool = self.pools[transfer.src_tier]
-        dst_pool = self.pools[transfer.dst_tier]
-        transfer.landed = dst_pool.register_copies(
-            transfer.dst_slots, transfer.blocks, transfer.src_tier
-        )
-        src_pool.release(transfer.src_slots)
-        follow: list[Transfer] = []
-        if transfer.dst_tier is not Tier.G1:
-            if transfer.dst_tier is Tier.G2 and Tier.G3 in self.pools:
-                down = self._filtered(Tier.G2, transfer.landed)
+        good = len(plan) if arrived is None else max(0, min(arrived, len(plan)))
+        if good < len(plan):
+            bad = plan.blocks[good:]
+            self.abort(
+                CopyPlan(
+                    plan.src_tier, plan.dst_tier, plan.src_slots[good:], plan.dst_slots[good:], bad
+                )
+            )
+            if plan.src_tier is Tier.G3:  # the disk copy is corrupt: forget it
+                self.pools[Tier.G3].remove([b.sequence_hash for b in bad])
+            if not good:
+                plan.landed = []
+                return []
+            part = CopyPlan(
+                plan.src_tier,
+                plan.dst_tier,
+                plan.src_slots[:good],
+                plan.dst_slots[:good],
+                plan.blocks[:good],
+            )
+            follow = self._complete(part)
+            plan.landed = part.landed
+            return follow
+        return self._complete(plan)
+
+    def _complete(self, plan: CopyPlan) -> list[CopyPlan]:
+        src_pool = self.pools[plan.src_tier]
+        dst_pool = self.pools[plan.dst_tier]
+        plan.landed = dst_pool.register_copies(plan.dst_slots, plan.blocks, plan.src_tier)
+        src_pool.release(plan.src_slots)
+        follow: list[CopyPlan] = []
+        if plan.dst_tier is not Tier.G1:
+            if plan.dst_tier is Tier.G2 and Tier.G3 in self.pools:
+                down = self._filtered(Tier.G2, plan.landed)
                 follow = self._plan_copy(Tier.G2, Tier.G3, down) if down else []
-            dst_pool.release(transfer.landed)
-        elif Tier.G3 in self.pools and Tier.G2 in self.pools and transfer.src_tier is Tier.G2:
+            dst_pool.release(plan.landed)
+        elif Tier.G3 in self.pools and Tier.G2 in self.pools and plan.src_tier is Tier.G2:
             # a block worth onboarding has been seen again: let it down to disk too
-            follow = self._plan_copy(Tier.G2, Tier.G3, self._filtered(Tier.G2, transfer.src_slots))
+            follow = self._plan_copy(Tier.G2, Tier.G3, self._filtered(Tier.G2, plan.src_slots))
         return follow
 
-    def abort(self, transfer: Transfer) -> None:
+    def abort(self, plan: CopyPlan) -> None:
         """A copy failed (I/O error, corrupt source): free its destination, unpin its source."""
-        self.pools[transfer.dst_tier].release(transfer.dst_slots)
-        self.pools[transfer.src_tier].release(transfer.src_slots)
+        self.pools[plan.dst_tier].release(plan.dst_slots)
+        self.pools[plan.src_tier].release(plan.src_slots)
+
+    # -- blocks read from another worker (G4) ----------------------------------------------
+
+    def reserve_g4(self, count: int) -> list[int]:
+        """Up to ``count`` fresh G2 slots for blocks to be read from another worker."""
+        return self._g2_for_g4().allocate_upto(count)
+
+    def land_g4(
+        self, slots: Sequence[int], blocks: Sequence[BlockInfo], held_back: Collection[int] = ()
+    ) -> list[int]:
+        """Register the first ``len(blocks)`` of the reserved ``slots`` as read from G4
+        (``Onboarded(G4 -> G2)``) and free the rest, except ``held_back`` (slots a read still
+        in flight may write; freed later with ``release``). Returns the landed slots, held
+        until the caller releases them."""
+        pool = self._g2_for_g4()
+        n = len(blocks)
+        landed = pool.register_copies(slots[:n], blocks, Tier.G4) if n else []
+        kept = set(held_back)
+        pool.release([s for s in slots[n:] if s not in kept])
+        return landed
+
+    def release(self, tier: Tier, slots: Iterable[int]) -> None:
+        """Let go of slots on ``tier`` in the order given (last use last)."""
+        self.pools[tier].release(slots)
+
+    def _g2_for_g4(self) -> BlockPool:
+        pool = self.pools.get(Tier.G2)
+        if pool is None:
+            raise ValueError("remote onboard lands blocks on G2, and this worker has no G2")
+        return pool

@@ -75,14 +75,15 @@ def onboarded(m: BlockManager, tokens: list[int]) -> list[torch.Tensor]:
 
 
 def on_g3(m: BlockManager, i: int) -> int:
-    return m.registry.pools[Tier.G3].probe(m.sequence(prompt(i)).sequence_hashes)
+    hashes = m.sequence(prompt(i)).sequence_hashes
+    n = 0
+    while n < len(hashes) and m.slot_of(Tier.G3, hashes[n]) is not None:
+        n += 1
+    return n
 
 
 def live_state(m: BlockManager) -> RegistryState:
-    worker = m.settings.worker_id
-    return RegistryState.from_mapping(
-        {(worker, t): p.resident_blocks() for t, p in m.registry.pools.items()}
-    )
+    return m.state()
 
 
 def assert_log_is_a_fold(m: BlockManager) -> None:
@@ -155,11 +156,10 @@ def test_a_corrupt_or_unnamed_slot_is_dropped_with_a_removed_event(tmp_path: Pat
     s = settings(tmp_path)
     with BlockManager(s) as m:
         original = [compute(m, prompt(i), seed=i) for i in range(2)]
-        g3 = m.registry.pools[Tier.G3]
         corrupt_hash = m.sequence(prompt(0)).sequence_hashes[1]
         lost_hash = m.sequence(prompt(1)).sequence_hashes[0]
-        corrupt_slot, lost_slot = g3.lookup(corrupt_hash), g3.lookup(lost_hash)
-        tier = m.tiers[Tier.G3]
+        corrupt_slot, lost_slot = m.slot_of(Tier.G3, corrupt_hash), m.slot_of(Tier.G3, lost_hash)
+        tier = m.tier(Tier.G3)
         path, index_path = tier.path, tier.index_path  # type: ignore[attr-defined]
         offset = tier.slot_offset(corrupt_slot)  # type: ignore[attr-defined]
     with open(path, "r+b") as f:  # one flipped bit in a slot's bytes
@@ -224,7 +224,7 @@ def test_g3_blocks_can_grow_and_shrink_keeping_the_newest(tmp_path: Path) -> Non
         assert r is not None and (r.recovered, r.no_room, r.missing) == (5, 7, 0)
         # the newest writes stay: prompts 5 and 4, and a block of prompt 3
         assert [on_g3(m, i) for i in (4, 5)] == [2, 2]
-        assert m.registry.pools[Tier.G3].num_registered == 5
+        assert m.counts()[Tier.G3] == 5
         for i in (4, 5):
             got = onboarded(m, prompt(i))
             assert all(torch.equal(a, b) for a, b in zip(got, original[i], strict=True))

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from kvledger import BlockManager, Settings
+from kvledger.events.types import Tier
 from kvledger.registry.errors import PoolExhausted
 
 
@@ -61,7 +62,7 @@ def stall_copies(m: BlockManager) -> threading.Event:
     """Keep the transfer engine's one worker thread busy until the returned event is set, so
     every copy queued meanwhile stays in flight."""
     go = threading.Event()
-    m.transfers._worker.submit(go.wait)
+    m._transfers._worker.submit(go.wait)  # no public way to stall the copy thread
     return go
 
 
@@ -94,7 +95,7 @@ def test_allocate_gives_up_after_its_timeout_naming_the_copies(tmp_path: Path) -
                 PoolExhausted, match=r"8 more are held by copies in flight .* within 0.2 s"
             ):
                 m.allocate(3, timeout=0.2)
-            assert m.registry.g1.num_free == 0, "nothing handed out"
+            assert m.num_free(Tier.G1) == 0, "nothing handed out"
         finally:
             go.set()
         assert len(m.allocate(3)) == 3

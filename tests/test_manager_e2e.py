@@ -60,11 +60,16 @@ def read(manager: BlockManager, slots: list[int]) -> list[torch.Tensor]:
     return [torch.cat([v.flatten() for v in layout.block(s)]).clone() for s in slots]
 
 
+def prefix_on(manager: BlockManager, tier: Tier, hashes: list[int]) -> int:
+    """How many leading blocks of ``hashes`` ``tier`` holds."""
+    n = 0
+    while n < len(hashes) and manager.slot_of(tier, hashes[n]) is not None:
+        n += 1
+    return n
+
+
 def live_state(manager: BlockManager) -> RegistryState:
-    worker = manager.settings.worker_id
-    return RegistryState.from_mapping(
-        {(worker, t): p.resident_blocks() for t, p in manager.registry.pools.items()}
-    )
+    return manager.state()
 
 
 def compute(manager: BlockManager, tokens: list[int], seed: int):
@@ -86,7 +91,7 @@ def test_offload_onboard_real_bytes_and_replay(tmp_path):
         assert m.match(seq) == (4, 0, 0)
         m.release(held)
         assert m.wait_idle(10)
-        assert m.registry.pools[Tier.G2].probe(seq.sequence_hashes) == 4
+        assert prefix_on(m, Tier.G2, seq.sequence_hashes) == 4
 
         # Push the prompt out of G1 with other prompts.
         for i in range(3):
@@ -114,7 +119,7 @@ def test_offload_onboard_real_bytes_and_replay(tmp_path):
 def test_corrupt_disk_copy_is_a_miss(tmp_path):
     m = BlockManager(settings(tmp_path, g2_blocks=0, g1_blocks=4))  # G1 -> G3 directly
     try:
-        assert m.registry.lower_tiers() == [Tier.G3]
+        assert m.lower_tiers() == [Tier.G3]
         seq, held, original = compute(m, list(range(2 * BLOCK)), seed=3)
         m.release(held)
         assert m.wait_idle(10)
@@ -125,8 +130,8 @@ def test_corrupt_disk_copy_is_a_miss(tmp_path):
         assert m.match(seq) == (0, 0, 2)
 
         # Flip bytes of the second block's G3 slot behind the manager's back.
-        g3 = m.tiers[Tier.G3]
-        slot = m.registry.pools[Tier.G3].lookup(seq.sequence_hashes[1])
+        g3 = m.tier(Tier.G3)
+        slot = m.slot_of(Tier.G3, seq.sequence_hashes[1])
         with open(g3.path, "r+b") as f:  # type: ignore[attr-defined]
             f.seek(g3.slot_offset(slot) + 5)  # type: ignore[attr-defined]
             f.write(b"\xff\xfe\xfd")
@@ -173,7 +178,7 @@ def test_register_validates_block_count(tmp_path):
         with pytest.raises(ValueError, match="full blocks"):
             m.register(slots, seq, start=0)
         m.release(slots)
-        assert m.registry.g1.num_free == 6
+        assert m.num_free(Tier.G1) == 6
     finally:
         m.close()
 

@@ -51,10 +51,9 @@ def engine(g1: int, g2: int = 0, **changes: object) -> tuple[MockEngine, list[An
 
 
 def assert_all_released(eng: MockEngine, events: list[AnyEvent]) -> None:
-    pools = eng.cache.registry.pools
-    for tier, pool in pools.items():
-        assert pool.num_active == 0, f"{tier.name} still holds {pool.num_active} active blocks"
-    live = RegistryState.from_mapping({(0, t): p.resident_blocks() for t, p in pools.items()})
+    for tier, active in eng.cache.registry.in_use().items():
+        assert active == 0, f"{tier.name} still holds {active} active blocks"
+    live = eng.cache.registry.state()
     assert RegistryState.from_events(events) == live
 
 

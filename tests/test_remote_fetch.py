@@ -111,13 +111,12 @@ def owner_main(argv: list[str]) -> int:
 
     publisher = RedisPublisher(shared, OWNER, log=log).start()
     manager = BlockManager(settings, event_log=log, sinks=[publisher])
-    g2 = manager.tiers[Tier.G2]
+    g2 = manager.tier(Tier.G2)
     agent = RemoteAgent(OWNER)
     agent.register(g2)  # type: ignore[arg-type]
     directory = RemoteDirectory(client, args.namespace, ttl_s=LEASE_S)
     exporter = BlockExporter(directory, agent.card(manager.shape), g2)  # type: ignore[arg-type]
-    exporter.bind(manager.registry.pools[Tier.G2].lookup).start()
-    manager.add_sink(exporter)
+    manager.export_g2(exporter)
     shared.heartbeat(OWNER)
     sequences: dict[int, Any] = {}
 
@@ -147,15 +146,12 @@ def owner_main(argv: list[str]) -> int:
             answer(ok=True, hashes=seq.sequence_hashes)
         elif cmd == "evict":  # drop blocks from G2 (the bytes stay in their slots)
             prompt, first = int(rest[0]), int(rest[1])
-            with manager._lock:
-                gone = manager.registry.pools[Tier.G2].remove(
-                    sequences[prompt].sequence_hashes[first:]
-                )
+            gone = manager.remove(Tier.G2, sequences[prompt].sequence_hashes[first:])
             settle()
             answer(ok=True, removed=len(gone))
         elif cmd == "overwrite":  # other bytes in a block's slot, as if it were reused
             prompt, index = int(rest[0]), int(rest[1])
-            slot = manager.registry.pools[Tier.G2].lookup(sequences[prompt].sequence_hashes[index])
+            slot = manager.slot_of(Tier.G2, sequences[prompt].sequence_hashes[index])
             g2.layout.tensor[slot].fill_(-1.0)  # type: ignore[attr-defined]
             answer(ok=True, slot=slot)
         elif cmd == "quit":
@@ -232,7 +228,7 @@ class Reader:
         self.manager = BlockManager(
             worker_settings(tmp, READER, **settings), sinks=[self.events.append]
         )
-        self.g2 = self.manager.tiers[Tier.G2]
+        self.g2 = self.manager.tier(Tier.G2)
         self.agent = RemoteAgent(READER)
         self.agent.register(self.g2)  # type: ignore[arg-type]
         self.metrics = CollectorRegistry()
@@ -339,9 +335,8 @@ def test_remote_memory_is_preferred_to_the_local_disk(namespace: str, tmp_path: 
                 view.copy_(block_bytes(block.sequence_hash, mgr)[layer])
         mgr.release(mgr.register(mine, seq, start=0))
         assert mgr.wait_idle(10)
-        with mgr._lock:  # ...and only its disk kept them
-            mgr.registry.pools[Tier.G1].remove(hashes[:2])
-            mgr.registry.pools[Tier.G2].remove(hashes[:2])
+        mgr.remove(Tier.G1, hashes[:2])  # ...and only its disk kept them
+        mgr.remove(Tier.G2, hashes[:2])
         assert mgr.match(seq) == (0, 0, 2)
 
         held = mgr.onboard_remote(seq, reader.fetcher)
@@ -381,15 +376,16 @@ def test_checksum_mismatch_is_a_clean_miss(pair: tuple[Owner, Reader]) -> None:
     hashes = owner.ask("prompt", 4, 4)["hashes"]
     owner.ask("overwrite", 4, 0)  # the first block's slot now holds other bytes
     mgr = reader.manager
-    g2 = mgr.registry.pools[Tier.G2]
-    free_before = g2.num_free
+    free_before = mgr.num_free(Tier.G2)
 
     held = mgr.onboard_remote(mgr.sequence(prompt_tokens(4, 4)), reader.fetcher)
 
     assert held == []
     assert reader.failures("checksum") == 1
     assert not reader.remote_onboards()
-    assert g2.num_free == free_before and all(h not in g2 for h in hashes)
+    assert mgr.num_free(Tier.G2) == free_before and all(
+        mgr.slot_of(Tier.G2, h) is None for h in hashes
+    )
 
     hashes = owner.ask("prompt", 6, 4)["hashes"]
     owner.ask("overwrite", 6, 2)  # a later block: the two before it still arrive
@@ -488,8 +484,7 @@ def test_stalled_owner_times_out_and_its_slots_wait_for_the_read(
     tcp_pair: tuple[Owner, Reader, list[int]],
 ) -> None:
     owner, reader, hashes = tcp_pair
-    g2 = reader.manager.registry.pools[Tier.G2]
-    free_before = g2.num_free
+    free_before = reader.manager.num_free(Tier.G2)
     os.kill(owner.proc.pid, signal.SIGSTOP)
 
     started = time.monotonic()
@@ -499,14 +494,16 @@ def test_stalled_owner_times_out_and_its_slots_wait_for_the_read(
     assert not thread.is_alive() and time.monotonic() - started < TIMEOUT_S + 3
     assert out["held"] == [] and reader.failures("timeout") == 1
     # The read may still land: its 8 slots stay allocated, unregistered.
-    assert g2.num_free == free_before - 8 and all(h not in g2 for h in hashes)
+    assert reader.manager.num_free(Tier.G2) == free_before - 8 and all(
+        reader.manager.slot_of(Tier.G2, h) is None for h in hashes
+    )
     assert reader.agent.stalled_workers() == {OWNER}
     # While that read hangs, the owner is not asked again.
     assert (
         reader.manager.onboard_remote(reader.manager.sequence(prompt_tokens(5, 8)), reader.fetcher)
         == []
     )
-    assert reader.failures("timeout") == 1 and g2.num_free == free_before - 8
+    assert reader.failures("timeout") == 1 and reader.manager.num_free(Tier.G2) == free_before - 8
 
     os.kill(owner.proc.pid, signal.SIGCONT)  # the owner resumes and the late bytes arrive
     deadline = time.monotonic() + 10
@@ -515,9 +512,8 @@ def test_stalled_owner_times_out_and_its_slots_wait_for_the_read(
         freed += reader.fetcher.reclaim()
         time.sleep(0.05)
     assert len(freed) == 8 and not reader.agent.stalled_workers()
-    with reader.manager._lock:
-        g2.release(freed)
-    assert g2.num_free == free_before and not reader.remote_onboards()
+    reader.manager.release_slots(Tier.G2, freed)
+    assert reader.manager.num_free(Tier.G2) == free_before and not reader.remote_onboards()
     # Healthy again: the next onboard reads the blocks.
     held = reader.manager.onboard_remote(
         reader.manager.sequence(prompt_tokens(5, 8)), reader.fetcher
@@ -531,8 +527,7 @@ def test_owner_killed_mid_transfer_is_a_clean_miss(
 ) -> None:
     owner, reader, hashes = tcp_pair
     mgr = reader.manager
-    g2 = mgr.registry.pools[Tier.G2]
-    free_before = g2.num_free
+    free_before = mgr.num_free(Tier.G2)
     os.kill(owner.proc.pid, signal.SIGSTOP)  # the read below cannot finish...
 
     started = time.monotonic()
@@ -545,16 +540,54 @@ def test_owner_killed_mid_transfer_is_a_clean_miss(
     assert time.monotonic() - started < TIMEOUT_S + 3
     assert out["held"] == []
     assert reader.failures("disconnected") + reader.failures("timeout") == 1
-    assert not reader.remote_onboards() and all(h not in g2 for h in hashes)
+    assert not reader.remote_onboards() and all(mgr.slot_of(Tier.G2, h) is None for h in hashes)
     # Whether UCX reported the death at once or the read hit its deadline first, a dead owner
     # writes nothing more: every slot comes back (a later onboard reclaims held-back ones).
     deadline = time.monotonic() + 10
-    while g2.num_free < free_before and time.monotonic() < deadline:
+    while mgr.num_free(Tier.G2) < free_before and time.monotonic() < deadline:
         assert mgr.onboard_remote(mgr.sequence(prompt_tokens(5, 8)), reader.fetcher) == []
         time.sleep(0.1)
-    assert g2.num_free == free_before
+    assert mgr.num_free(Tier.G2) == free_before
     assert mgr.wait_idle(5)
 
 
 if __name__ == "__main__" and len(sys.argv) > 1 and sys.argv[1] == "owner":
     sys.exit(owner_main(sys.argv[2:]))
+
+
+def test_g4_setting_wires_the_exporter_and_the_fetcher(tmp_path: Path) -> None:
+    """With ``g4`` on, two managers share G2 with no wiring by hand: the owner's blocks are
+    exported as they land and the reader's ``onboard_remote`` reads them with its own fetcher."""
+    ns = f"t-g4-{uuid.uuid4().hex[:10]}"
+    common: dict[str, Any] = {"g4": True, "redis_url": REDIS_URL, "redis_namespace": ns}
+    owner = BlockManager(worker_settings(tmp_path, OWNER, **common))
+    events: list[AnyEvent] = []
+    reader = BlockManager(worker_settings(tmp_path, READER, **common), sinks=[events.append])
+    try:
+        assert owner.g4 is not None and reader.g4 is not None
+        seq = owner.sequence(prompt_tokens(3, 4))
+        slots = owner.allocate(4)
+        for slot, block in zip(slots, seq.blocks, strict=True):
+            for layer, view in enumerate(owner.g1.layout.block(slot)):  # type: ignore[attr-defined]
+                view.copy_(block_bytes(block.sequence_hash, owner)[layer])
+        owner.release(owner.register(slots, seq, start=0))
+        assert owner.wait_idle(10)
+        assert owner.g4.exporter.flush(10)
+        assert owner.publisher is not None and owner.publisher.wait_applied(10)
+
+        held = reader.onboard_remote(reader.sequence(prompt_tokens(3, 4)))
+
+        assert len(held) == 4
+        for slot, block in zip(held, seq.blocks, strict=True):
+            assert torch.equal(g1_block(reader, slot), block_bytes(block.sequence_hash, owner))
+        remote = [e for e in events if isinstance(e, Onboarded) and e.src_tier is Tier.G4]
+        assert sum(len(e.blocks) for e in remote) == 4
+        reader.release(held)
+    finally:
+        reader.close()
+        owner.close()
+
+
+def test_g4_setting_needs_g2_and_redis(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="g4 needs a G2"):
+        worker_settings(tmp_path, OWNER, g4=True)

@@ -43,12 +43,11 @@ pytestmark = pytest.mark.skipif(
 
 
 def live_state(cache: SimulatedCache) -> RegistryState:
-    pools = cache.registry.pools
-    return RegistryState.from_mapping({(WORKER, t): p.resident_blocks() for t, p in pools.items()})
+    return cache.registry.state()
 
 
 def live_counts(cache: SimulatedCache) -> dict[Tier, int]:
-    return {t: p.num_registered for t, p in cache.registry.pools.items() if p.num_registered}
+    return {t: n for t, n in cache.registry.counts().items() if n}
 
 
 @pytest.mark.parametrize(
@@ -98,7 +97,7 @@ def test_replay_up_to_every_event_is_the_run_at_that_event(
     replayed, live = replay(url), live_state(cache)
     assert replayed == live, replayed.diff(live)
 
-    capacity = {t: p.capacity for t, p in cache.registry.pools.items()}
+    capacity = cache.registry.capacities()
     fold = RegistryState()
     with EventLog(url, read_only=True) as reader:
         for i, event in enumerate(reader.read()):

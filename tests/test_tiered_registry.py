@@ -7,7 +7,7 @@ import pytest
 from kvledger.events.types import AnyEvent, Offloaded, Onboarded, Tier
 from kvledger.registry.emitter import EventEmitter
 from kvledger.registry.state import RegistryState
-from kvledger.registry.tiered import MatchResult, TieredRegistry, Transfer
+from kvledger.registry.tiered import CopyPlan, MatchResult, TieredRegistry
 
 
 def build(g1=4, g2=0, g3=0, offload_filter="always"):
@@ -18,7 +18,7 @@ def build(g1=4, g2=0, g3=0, offload_filter="always"):
     return reg, events
 
 
-def run_all(reg: TieredRegistry, transfers: list[Transfer]) -> list[Transfer]:
+def run_all(reg: TieredRegistry, transfers: list[CopyPlan]) -> list[CopyPlan]:
     done = []
     while transfers:
         t = transfers.pop()
@@ -38,7 +38,7 @@ def store(reg: TieredRegistry, hashes: list[int]) -> list[int]:
 
 
 def state_of(reg: TieredRegistry) -> RegistryState:
-    return RegistryState.from_mapping({(0, t): p.resident_blocks() for t, p in reg.pools.items()})
+    return reg.state()
 
 
 def test_write_through_to_g2_then_filtered_to_g3():

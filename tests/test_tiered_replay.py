@@ -36,7 +36,7 @@ from kvledger.registry.emitter import EventEmitter
 from kvledger.registry.errors import PoolBusy
 from kvledger.registry.policies import POLICY_NAMES
 from kvledger.registry.state import RegistryState
-from kvledger.registry.tiered import OFFLOAD_FILTERS, TieredRegistry, Transfer
+from kvledger.registry.tiered import OFFLOAD_FILTERS, CopyPlan, TieredRegistry
 
 WORKER = 7
 PATHS = st.lists(st.integers(0, 1), min_size=1, max_size=4).map(tuple)
@@ -47,7 +47,6 @@ RARELY = st.integers(0, 7).map(lambda n: n == 3)
 OUTCOMES = st.tuples(
     st.sampled_from(["whole", "whole", "whole", "partial", "failed"]),
     st.integers(0, 7),
-    st.booleans(),
 )
 
 
@@ -69,7 +68,7 @@ class TieredReplayMachine(RuleBasedStateMachine):
         self.fold = RegistryState()
         self.restarting = False
         self.since_restart = 0  # events
-        self.pending: list[Transfer] = []  # copies started and not yet finished
+        self.pending: list[CopyPlan] = []  # copies started and not yet finished
         self.requests: list[list[int]] = []  # G1 slots each running request holds
         self.admissions: list[tuple[Admission, list[int]]] = []  # simulator requests, hashes
 
@@ -84,15 +83,13 @@ class TieredReplayMachine(RuleBasedStateMachine):
             self.check_fold(f"after event {event.event_id} ({type(event).__name__})")
 
     def check_fold(self, when: str) -> None:
-        capacity = {tier: pool.capacity for tier, pool in self.reg.pools.items()}
+        capacity = self.reg.capacities()
         for (_, tier), count in self.fold.counts().items():
             assert count <= capacity.get(tier, 0), (
                 f"{when}: the log holds {count} blocks on {tier.name}, "
                 f"which has {capacity.get(tier, 0)} slots"
             )
-        live = RegistryState.from_mapping(
-            {(WORKER, tier): pool.resident_blocks() for tier, pool in self.reg.pools.items()}
-        )
+        live = self.reg.state()
         assert self.fold == live, f"{when}: " + "; ".join(self.fold.diff(live))
 
     # -- starting and restarting ---------------------------------------------------------
@@ -127,47 +124,27 @@ class TieredReplayMachine(RuleBasedStateMachine):
         self.admissions.clear()
         self.restarting = True
         self.build(sizes, policy, offload_filter)
-        self.reg.forget_previous_run()
+        self.reg.resume(self.fold.last_event_id.get(WORKER, -1))
         self.restarting = False
         self.since_restart = 0
         self.check_fold("after a restart")
 
     # -- copies --------------------------------------------------------------------------
 
-    def finish_copy(self, plan: Transfer, outcome: tuple[str, int, bool]) -> list[int]:
+    def finish_copy(self, plan: CopyPlan, outcome: tuple[str, int]) -> list[int]:
         """Record a copy's end as ``BlockManager`` does; returns the destination slots landed."""
-        kind, cut, corrupt = outcome
+        kind, cut = outcome
         reg = self.reg
         if kind == "failed":
             reg.abort(plan)
             return []
         good = len(plan) if kind == "whole" else cut % len(plan)
-        if good < len(plan):
-            rest = Transfer(
-                plan.src_tier,
-                plan.dst_tier,
-                plan.src_slots[good:],
-                plan.dst_slots[good:],
-                plan.blocks[good:],
-            )
-            reg.abort(rest)
-            if corrupt and plan.src_tier is Tier.G3:  # the disk copy is bad: forget it
-                reg.pools[Tier.G3].remove([b.sequence_hash for b in rest.blocks])
-            plan = Transfer(
-                plan.src_tier,
-                plan.dst_tier,
-                plan.src_slots[:good],
-                plan.dst_slots[:good],
-                plan.blocks[:good],
-            )
-        if not len(plan):
-            return []
-        self.pending.extend(reg.complete(plan))
+        self.pending.extend(reg.complete(plan, arrived=good))
         return plan.landed
 
     @rule(data=st.data(), outcomes=st.lists(OUTCOMES, min_size=1, max_size=4))
     @precondition(lambda self: self.pending)
-    def copies_finish(self, data: st.DataObject, outcomes: list[tuple[str, int, bool]]) -> None:
+    def copies_finish(self, data: st.DataObject, outcomes: list[tuple[str, int]]) -> None:
         """Copies in flight end, in any order (follow-up copies they start join the queue)."""
         for outcome in outcomes:
             if not self.pending:
@@ -182,9 +159,7 @@ class TieredReplayMachine(RuleBasedStateMachine):
         return len(self.requests) + len(self.admissions)
 
     @rule(path=PATHS, outcomes=st.lists(OUTCOMES, min_size=2, max_size=2), keep=st.booleans())
-    def request(
-        self, path: tuple[int, ...], outcomes: list[tuple[str, int, bool]], keep: bool
-    ) -> None:
+    def request(self, path: tuple[int, ...], outcomes: list[tuple[str, int]], keep: bool) -> None:
         """A prompt: its cached prefix, onboarded from G2/G3 where G1 lacks it, and the rest
         computed; kept running (``keep``) or finished at once."""
         reg = self.reg

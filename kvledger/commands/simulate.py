@@ -210,12 +210,6 @@ def _open_log(url: str) -> EventLog:
         raise ValueError(f"cannot open the event log {url!r}: {exc}") from None
 
 
-def _live_state(cache: SimulatedCache, worker_id: int) -> RegistryState:
-    return RegistryState.from_mapping(
-        {(worker_id, tier): pool.resident_blocks() for tier, pool in cache.registry.pools.items()}
-    )
-
-
 def simulate(args: argparse.Namespace, note: Callable[[str], None]) -> Outcome:
     settings = settings_from_args(args)
     requests, workload = load_workload(args, settings)
@@ -242,9 +236,9 @@ def simulate(args: argparse.Namespace, note: Callable[[str], None]) -> Outcome:
             counter,
             worker_id=worker,
             dp_rank=settings.dp_rank,
-            first_event_id=previous + 1,
             clock=time.time if clock is None else clock,
         )
+        cache = build_cache(settings, emitter, metrics)
         if previous >= 0:
             note(
                 f"{shown_url(url)} already holds events of worker {worker} "
@@ -252,9 +246,7 @@ def simulate(args: argparse.Namespace, note: Callable[[str], None]) -> Outcome:
                 "this run continues it after a Cleared event per tier (a worker restart), "
                 "so replaying the log gives this run's final state. Use --log for a separate log."
             )
-            for tier in TIERS:
-                emitter.cleared(tier)
-        cache = build_cache(settings, emitter, metrics)
+        cache.registry.resume(previous)
         progress = Progress(len(requests), "simulate")
         if metrics is not None:
             pools = cache.registry.pools
@@ -281,7 +273,7 @@ def simulate(args: argparse.Namespace, note: Callable[[str], None]) -> Outcome:
 
     replayed = replay(url)
     mine = RegistryState.from_mapping({k: v for k, v in replayed.tiers.items() if k[0] == worker})
-    live = _live_state(cache, worker)
+    live = cache.registry.state()
     replay_ok = mine == live
     if args.dump_state:
         save_state(args.dump_state, live)

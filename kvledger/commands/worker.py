@@ -78,17 +78,15 @@ def run(args: argparse.Namespace) -> int:
         worker_id=args.worker_id,
         dp_rank=args.dp_rank,
     )
-    # A restarted worker continues its own event ids and says its old cache is gone.
     resumed_from = log.last_event_id(args.worker_id)
-    mgr.emitter.next_event_id = resumed_from + 1
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     publisher.start()
     drain_timeout = 10.0
     try:
-        if resumed_from >= 0:
-            mgr.emitter.cleared(Tier.G1)
+        # A restarted worker continues its own event ids and says its old cache is gone.
+        mgr.emitter.resume(resumed_from, clear=(Tier.G1,))
         _workload(mgr, args, stop)
         log.flush()
         drained = publisher.wait_applied(timeout=args.publish_timeout)

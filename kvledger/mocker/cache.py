@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from kvledger.events.types import Tier
 from kvledger.registry.emitter import EventEmitter
-from kvledger.registry.tiered import MatchResult, TieredRegistry, Transfer
+from kvledger.registry.tiered import CopyPlan, MatchResult, TieredRegistry
 
 
 @dataclass(slots=True)
@@ -61,7 +61,7 @@ class SimulatedCache:
             )
         )
 
-    def _run(self, transfers: list[Transfer]) -> None:
+    def _run(self, transfers: list[CopyPlan]) -> None:
         while transfers:
             transfer = transfers.pop()
             self.copied[(transfer.src_tier, transfer.dst_tier)] += len(transfer)
