@@ -47,3 +47,17 @@ def redis_or_skip(url: str = REDIS_URL, **kwargs: Any) -> redis.Redis:
     except redis.ConnectionError:
         pytest.skip(f"no Redis at {url} (run .ci/services)")
     return client
+
+
+def hold_write_lock(url: str) -> tuple[Any, Any]:
+    """Another connection that holds the events table's write lock until it rolls back: a
+    writer that cannot commit, for the tests of back-pressure and commit lag."""
+    import sqlalchemy as sa
+
+    engine = sa.create_engine(url)
+    conn = engine.connect()
+    if engine.dialect.name == "sqlite":
+        conn.exec_driver_sql("BEGIN IMMEDIATE")
+    else:
+        conn.exec_driver_sql("LOCK TABLE events IN EXCLUSIVE MODE")
+    return engine, conn

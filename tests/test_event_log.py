@@ -14,6 +14,7 @@ import time
 
 import pytest
 import sqlalchemy as sa
+from services import hold_write_lock
 
 from kvledger.events.codec import CodecError
 from kvledger.events.log import EventLog, EventLogError
@@ -164,23 +165,12 @@ def test_bad_settings_are_refused(log_url: str, tmp_path) -> None:  # type: igno
         EventLog(str(tmp_path / "missing.db"), read_only=True)
 
 
-def _hold_write_lock(url: str):  # type: ignore[no-untyped-def]
-    """Another connection that holds the events table's write lock until released."""
-    engine = sa.create_engine(url)
-    conn = engine.connect()
-    if engine.dialect.name == "sqlite":
-        conn.exec_driver_sql("BEGIN IMMEDIATE")
-    else:
-        conn.exec_driver_sql("LOCK TABLE events IN EXCLUSIVE MODE")
-    return engine, conn
-
-
 def test_full_queue_slows_the_caller_and_drops_nothing(log_url: str) -> None:
     with EventLog(log_url, batch_size=5, queue_size=20, max_delay=0.01) as log:
         emitter = EventEmitter(log.append)
         emitter.stored(Tier.G1, None, [(0, 0)])
         log.flush()
-        engine, blocker = _hold_write_lock(log_url)
+        engine, blocker = hold_write_lock(log_url)
         done = threading.Event()
 
         def produce() -> None:

@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 import pytest
+from services import hold_write_lock
 
 from kvledger.events.log import AsyncEventLog, EventLog
 from kvledger.events.types import Removed, Stored, Tier
@@ -178,18 +179,6 @@ def test_backlog_never_exceeds_its_bound_with_a_busy_producer(
     assert max(depths) <= queue_size, f"queue depth reached {max(depths)} > {queue_size}"
 
 
-def _hold_write_lock(url: str):  # type: ignore[no-untyped-def]
-    import sqlalchemy as sa
-
-    engine = sa.create_engine(url)
-    conn = engine.connect()
-    if engine.dialect.name == "sqlite":
-        conn.exec_driver_sql("BEGIN IMMEDIATE")
-    else:
-        conn.exec_driver_sql("LOCK TABLE events IN EXCLUSIVE MODE")
-    return engine, conn
-
-
 @pytest.mark.parametrize("durability", ["batch", "none"])
 def test_a_stalled_writer_holds_the_producer_by_age_not_only_by_count(
     log_url: str, durability: str
@@ -201,7 +190,7 @@ def test_a_stalled_writer_holds_the_producer_by_age_not_only_by_count(
         emitter = EventEmitter(log.append)
         emitter.stored(Tier.G1, None, [(0, 0)])
         log.flush()
-        engine, blocker = _hold_write_lock(log_url)
+        engine, blocker = hold_write_lock(log_url)
         done = threading.Event()
 
         def produce() -> None:
@@ -251,7 +240,7 @@ def test_async_log_holds_the_producer_for_a_stalled_writer(tmp_path: Path) -> No
             )
             await log.append(first)
             await log.flush()
-            engine, blocker = _hold_write_lock(sync_url)
+            engine, blocker = hold_write_lock(sync_url)
 
             async def produce() -> None:
                 for i in range(1, 20_000):
