@@ -237,7 +237,7 @@ class BlockManager:
         """Serve the slots the tier verified again; returns the report and the listed blocks
         that are gone (the caller emits their ``Removed``)."""
         kept = g3.recovered_blocks()
-        self._registry.pools[Tier.G3].adopt([slot for slot, _ in kept], [b for _, b in kept])
+        self._registry.adopt(Tier.G3, [slot for slot, _ in kept], [b for _, b in kept])
         held = {b.sequence_hash for _, b in kept}
         dropped = [seq for seq in known if seq not in held]
         found = g3.recovery
@@ -421,7 +421,7 @@ class BlockManager:
         """Drop cached blocks from ``tier`` (``Removed``); returns the hashes dropped. Blocks
         a request holds are not dropped."""
         with self._changing():
-            return self._registry.pools[tier].remove(sequence_hashes)
+            return self._registry.remove(tier, sequence_hashes)
 
     def release_slots(self, tier: Tier, slots: Iterable[int]) -> None:
         """Free slots of ``tier`` handed out outside ``allocate`` (a remote read's slots

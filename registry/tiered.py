@@ -317,6 +317,17 @@ class TieredRegistry:
         """Let go of slots on ``tier`` in the order given (last use last)."""
         self.pools[tier].release(slots)
 
+    def remove(self, tier: Tier, sequence_hashes: Iterable[int]) -> list[int]:
+        """Drop cached blocks from ``tier`` (``Removed``); blocks in use stay. Returns the
+        hashes dropped."""
+        return self.pools[tier].remove(sequence_hashes)
+
+    def adopt(self, tier: Tier, slots: Sequence[int], blocks: Sequence[BlockInfo]) -> None:
+        """Take blocks that a restart found already sitting in ``slots`` of ``tier`` (a disk
+        cache the earlier run's log lists) as cached, without events: call before ``resume``
+        with ``keep`` naming that tier."""
+        self.pools[tier].adopt(slots, blocks)
+
     def _g2_for_g4(self) -> BlockPool:
         pool = self.pools.get(Tier.G2)
         if pool is None:

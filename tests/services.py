@@ -7,10 +7,13 @@ Both are real servers (``.ci/services`` starts them); the PostgreSQL address can
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import Any
 
 import pytest
 import redis
+
+from kvledger.config import Settings
 
 PG_HOST = os.environ.get("KVLEDGER_TEST_PG_HOST", "127.0.0.1")
 PG_PORT = int(os.environ.get("KVLEDGER_TEST_PG_PORT", "5432"))
@@ -61,3 +64,19 @@ def hold_write_lock(url: str) -> tuple[Any, Any]:
     else:
         conn.exec_driver_sql("LOCK TABLE events IN EXCLUSIVE MODE")
     return engine, conn
+
+
+def manager_settings(tmp_path: Path, **kw: object) -> Settings:
+    """Settings for a small BlockManager in ``tmp_path``: 4-token blocks of 2 float32 layers,
+    its G3 file and SQLite event log there; ``kw`` sets the tiers and anything else."""
+    base: dict[str, object] = dict(
+        block_size=4,
+        num_layers=2,
+        outer_dim=2,
+        inner_dim=8,
+        dtype="float32",
+        data_dir=tmp_path / "data",
+        event_log_url=f"sqlite:///{tmp_path / 'events.db'}",
+    )
+    base.update(kw)
+    return Settings.load(**base)

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from services import manager_settings
 
 from kvledger import BlockManager
 from kvledger.config import Settings
@@ -31,17 +32,9 @@ GEOMETRY = dict(block_size=BLOCK, num_layers=2, outer_dim=2, inner_dim=8, dtype=
 
 def settings(tmp_path: Path, **kw: object) -> Settings:
     base: dict[str, object] = dict(
-        GEOMETRY,
-        g1_blocks=8,
-        g2_blocks=0,  # G1 -> G3 directly
-        g3_blocks=32,
-        eviction_policy="lru",
-        offload_filter="always",
-        data_dir=tmp_path / "data",
-        event_log_url=f"sqlite:///{tmp_path / 'events.db'}",
-    )
-    base.update(kw)
-    return Settings.load(**base)
+        g1_blocks=8, g2_blocks=0, g3_blocks=32, eviction_policy="lru", offload_filter="always"
+    )  # no G2: G1 -> G3 directly
+    return manager_settings(tmp_path, **(base | kw))
 
 
 def prompt(i: int, blocks: int = 2) -> list[int]:

@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 import pytest
+from services import manager_settings
 
 from kvledger import BlockManager, Settings
 from kvledger.events.types import Tier
@@ -34,18 +35,8 @@ def test_readme_loop_with_a_small_g1_runs_as_written(tmp_path: Path) -> None:
 
 
 def small(tmp_path: Path, **kw: object) -> BlockManager:
-    base: dict[str, object] = dict(
-        block_size=4,
-        num_layers=2,
-        inner_dim=8,
-        dtype="float32",
-        g1_blocks=8,
-        g2_blocks=16,
-        data_dir=tmp_path,
-        event_log_url=f"sqlite:///{tmp_path / 'events.db'}",
-    )
-    base.update(kw)
-    return BlockManager(Settings.load(**base))
+    base: dict[str, object] = dict(g1_blocks=8, g2_blocks=16)
+    return BlockManager(manager_settings(tmp_path, **(base | kw)))
 
 
 def test_a_really_full_pool_raises_at_once_saying_who_holds_it(tmp_path: Path) -> None:

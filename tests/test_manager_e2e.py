@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import asyncio
 import sqlite3
+from pathlib import Path
 
 import pytest
 import torch
-from services import REDIS_URL, redis_or_skip
+from services import REDIS_URL, manager_settings, redis_or_skip
 
 from kvledger import BlockManager
 from kvledger.config import Settings
@@ -23,23 +24,11 @@ from kvledger.registry.state import RegistryState
 BLOCK = 4
 
 
-def settings(tmp_path, **kw) -> Settings:
-    base = dict(
-        block_size=BLOCK,
-        num_layers=2,
-        outer_dim=2,
-        inner_dim=8,
-        dtype="float32",
-        g1_blocks=6,
-        g2_blocks=8,
-        g3_blocks=32,
-        eviction_policy="lru",
-        offload_filter="always",
-        data_dir=tmp_path / "data",
-        event_log_url=f"sqlite:///{tmp_path / 'events.db'}",
+def settings(tmp_path: Path, **kw: object) -> Settings:
+    base: dict[str, object] = dict(
+        g1_blocks=6, g2_blocks=8, g3_blocks=32, eviction_policy="lru", offload_filter="always"
     )
-    base.update(kw)
-    return Settings.load(**base)
+    return manager_settings(tmp_path, **(base | kw))
 
 
 def fill(manager: BlockManager, slots: list[int], seed: int) -> list[torch.Tensor]:

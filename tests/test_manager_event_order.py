@@ -11,6 +11,7 @@ import threading
 from pathlib import Path
 
 import pytest
+from services import manager_settings
 
 from kvledger import BlockManager, PoolExhausted
 from kvledger.config import Settings
@@ -23,21 +24,8 @@ BLOCK = 4
 
 
 def settings(tmp_path: Path, **kw: object) -> Settings:
-    base: dict[str, object] = dict(
-        block_size=BLOCK,
-        num_layers=2,
-        outer_dim=2,
-        inner_dim=8,
-        dtype="float32",
-        g1_blocks=6,
-        g2_blocks=8,
-        g3_blocks=12,
-        offload_filter="always",
-        data_dir=tmp_path / "data",
-        event_log_url=f"sqlite:///{tmp_path / 'events.db'}",
-    )
-    base.update(kw)
-    return Settings.load(**base)
+    base: dict[str, object] = dict(g1_blocks=6, g2_blocks=8, g3_blocks=12, offload_filter="always")
+    return manager_settings(tmp_path, **(base | kw))
 
 
 def live_state(manager: BlockManager) -> RegistryState:

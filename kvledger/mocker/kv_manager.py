@@ -22,11 +22,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple, TypeAlias
 
-from kvledger.events.types import Tier
 from kvledger.registry.emitter import EventEmitter, EventSink
 from kvledger.registry.hashing import TokenBlockSequence
-from kvledger.registry.pool import BlockPool
 from kvledger.registry.state import RegistryState
+from kvledger.registry.tiered import TieredRegistry
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,7 +96,8 @@ class KvManager:
         self.worker_id = worker_id
         self.dp_rank = dp_rank
         self.emitter = EventEmitter(sink, worker_id=worker_id, dp_rank=dp_rank)
-        self.pool = BlockPool(max_capacity, tier=Tier.G1, policy=eviction, emitter=self.emitter)
+        self.registry = TieredRegistry(max_capacity, policy=eviction, emitter=self.emitter)
+        self.pool = self.registry.g1
         self._partial: dict[uuidlib.UUID | int | str, int] = {}  # uuid -> mutable slot
         self._active_full: dict[int, int] = {}  # seq hash -> slot, while referenced
 
@@ -285,4 +285,4 @@ class KvManager:
 
     def registry_state(self) -> RegistryState:
         """The live state, comparable with a replay of this manager's events."""
-        return RegistryState.from_mapping({(self.worker_id, Tier.G1): self.pool.resident_blocks()})
+        return self.registry.state()
