@@ -314,7 +314,11 @@ def main() -> None:
                 times.setdefault(name, []).append(seconds)
         under_load = max(n, int(args.rate * (args.lag_seconds + 1)))
         load_events = events if under_load <= n else workload(under_load)
-        lag_line = lag_under_load(work / "lag.db", load_events, args.rate, args.lag_seconds)
+        lag_line = (
+            lag_under_load(work / "lag.db", load_events, args.rate, args.lag_seconds)
+            if args.lag_seconds > 0
+            else ""
+        )
         kill_line = kill_at_random(work, args.rate, args.kills, under_load) if args.kills else ""
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -339,7 +343,8 @@ def main() -> None:
     line("read    raw SELECT + msgpack.unpackb:", raw_r)
     line("replay  read + decode + fold (no checkpoint):", ours_r, raw_r, spread("ours_r", "raw_r"))
     line("replay  and then every block as a dict:", dicts_r, raw_r, spread("dicts_r", "raw_r"))
-    print(lag_line)
+    if lag_line:
+        print(lag_line)
     if kill_line:
         print(kill_line)
 
