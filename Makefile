@@ -39,8 +39,11 @@ lint: $(STAMP)
 
 # Run from inside the venv folder: from the repository root, the kvledger/ folder would shadow
 # the installed package and mypy would see only the face, not registry/, events/, tiers/.
+# The tests are checked against that installed package; their shared helpers (conftest,
+# services, event_streams) resolve because mypy searches the folder of the files it is given.
 typecheck: dev
 	cd $(VENV) && bin/mypy --config-file ../pyproject.toml -p kvledger
+	cd $(VENV) && bin/mypy --config-file ../pyproject.toml ../tests
 
 pytest: dev
 	$(BIN)/pytest -q

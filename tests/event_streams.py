@@ -8,12 +8,23 @@ leading blocks the worker already holds, copies carry each block's real parent.
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 
 from kvledger.events.types import AnyEvent, BlockInfo, Tier
 from kvledger.registry.emitter import EventEmitter
 from kvledger.registry.hashing import TokenBlockSequence
 
 BLOCK_SIZE = 4
+
+
+def tee(*sinks: Callable[[AnyEvent], object]) -> Callable[[AnyEvent], None]:
+    """One sink handing each event to ``sinks`` in order: an emitter takes a single sink."""
+
+    def sink(event: AnyEvent) -> None:
+        for each in sinks:
+            each(event)
+
+    return sink
 
 
 def prompt_pool(seed: int, prefixes: int = 4, prompts: int = 24) -> list[list[int]]:

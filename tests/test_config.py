@@ -10,7 +10,7 @@ from kvledger.events.types import Tier
 pytestmark = pytest.mark.usefixtures("clean_env")
 
 
-def test_defaults_need_nothing_installed():
+def test_defaults_need_nothing_installed() -> None:
     s = Settings.load()
     assert s.block_size == 16
     assert s.offload_path == (Tier.G1,)
@@ -18,7 +18,7 @@ def test_defaults_need_nothing_installed():
     assert s.bytes_per_block == 32 * 2 * 16 * 1024 * 2
 
 
-def test_prefix_and_keywords(monkeypatch: pytest.MonkeyPatch):
+def test_prefix_and_keywords(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("KVLEDGER_BLOCK_SIZE", "32")
     monkeypatch.setenv("KVLEDGER_EVICTION_POLICY", "multi_lru")
     s = Settings.load()
@@ -26,7 +26,7 @@ def test_prefix_and_keywords(monkeypatch: pytest.MonkeyPatch):
     assert Settings.load(block_size=64).block_size == 64
 
 
-def test_dynamo_aliases_and_override_wins(monkeypatch: pytest.MonkeyPatch):
+def test_dynamo_aliases_and_override_wins(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("DYN_KVBM_CPU_CACHE_GB", "2")
     s = Settings.load()
     assert s.g2_capacity == 2 * (1 << 30) // s.bytes_per_block
@@ -37,7 +37,9 @@ def test_dynamo_aliases_and_override_wins(monkeypatch: pytest.MonkeyPatch):
     assert s.offload_path == (Tier.G1, Tier.G2, Tier.G3)
 
 
-def test_disk_without_cpu_cache_offloads_straight_to_disk(monkeypatch: pytest.MonkeyPatch):
+def test_disk_without_cpu_cache_offloads_straight_to_disk(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     monkeypatch.setenv("DYN_KVBM_DISK_CACHE_GB", "1")
     monkeypatch.setenv("DYN_KVBM_CPU_CACHE_GB", "0")  # zero counts as unset, as in Dynamo
     assert Settings.load().offload_path == (Tier.G1, Tier.G3)
@@ -55,7 +57,9 @@ def test_disk_without_cpu_cache_offloads_straight_to_disk(monkeypatch: pytest.Mo
         ("KVLEDGER_OFFLOAD_FILTER", "sometimes", "'always', 'seen_twice' or 'never'"),
     ],
 )
-def test_bad_values_name_the_setting(monkeypatch: pytest.MonkeyPatch, env, value, named):
+def test_bad_values_name_the_setting(
+    monkeypatch: pytest.MonkeyPatch, env: str, value: str, named: str
+) -> None:
     monkeypatch.setenv(env, value)
     with pytest.raises(SettingsError) as info:
         Settings.load()
@@ -63,6 +67,6 @@ def test_bad_values_name_the_setting(monkeypatch: pytest.MonkeyPatch, env, value
     assert repr(value) in str(info.value) or "must be a URL" in str(info.value)
 
 
-def test_unknown_keyword_is_refused():
+def test_unknown_keyword_is_refused() -> None:
     with pytest.raises(SettingsError, match="blok_size"):
         Settings.load(blok_size=16)

@@ -6,22 +6,24 @@ import io
 import json
 import threading
 import time
+from pathlib import Path
 
 import pytest
+from event_streams import tee
 
 from kvledger.cli import main
 from kvledger.events.log import EventLog
 from kvledger.events.log.replay import replay_report, save_state
-from kvledger.events.types import BlockInfo, Tier
+from kvledger.events.types import AnyEvent, BlockInfo, Tier
 from kvledger.migrations import runner
 from kvledger.registry.emitter import EventEmitter
 from kvledger.registry.state import RegistryState
 
 
-def write_log(url: str, n: int = 30, worker: int = 0) -> list:
-    seen: list = []
+def write_log(url: str, n: int = 30, worker: int = 0) -> list[AnyEvent]:
+    seen: list[AnyEvent] = []
     with EventLog(url) as log:
-        emitter = EventEmitter(lambda e: (log.append(e), seen.append(e)), worker_id=worker)
+        emitter = EventEmitter(tee(log.append, seen.append), worker_id=worker)
         for i in range(n):
             emitter.stored(Tier.G1, None if i % 4 == 0 else i - 1, [(i, i * 3)])
             if i % 3 == 0:
@@ -44,7 +46,7 @@ def test_replay_json_counts_and_digest(log_url: str, capsys: pytest.CaptureFixtu
     assert out["last_event_id"] == {"0": 7}
 
 
-def test_replay_text_and_verify(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:  # type: ignore[no-untyped-def]
+def test_replay_text_and_verify(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     path = str(tmp_path / "run.db")
     seen = write_log(f"sqlite:///{path}")
     live = RegistryState.from_events(seen)
@@ -113,22 +115,22 @@ def test_db_commands(log_url: str, capsys: pytest.CaptureFixture[str]) -> None:
     assert "0001 -> 0002 (head)" in capsys.readouterr().out
 
 
-def test_missing_log_is_a_clear_error(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:  # type: ignore[no-untyped-def]
+def test_missing_log_is_a_clear_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     for command in ("replay", "inspect", "tail"):
         assert main([command, str(tmp_path / "nope.db")]) == 2
         assert "no event log at" in capsys.readouterr().err
 
 
 def test_replay_reports_progress_per_chunk_and_draws_it_on_a_terminal(
-    tmp_path,
+    tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
     capsys: pytest.CaptureFixture[str],
     terminal: io.StringIO,
-) -> None:  # type: ignore[no-untyped-def]
+) -> None:
     """A long replay calls back after every chunk with a growing position, and the command shows
     it as a bar on a terminal (and prints nothing extra when stderr is not one)."""
     path = str(tmp_path / "long.db")
-    events: list = []
+    events: list[AnyEvent] = []
     emitter = EventEmitter(events.append, worker_id=0)
     for i in range(25_000):
         emitter.stored(Tier.G1, None, [(i, i)])

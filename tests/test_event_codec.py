@@ -41,7 +41,7 @@ U64 = st.integers(0, 2**64 - 1)
 
 def seal(fields: Sequence[object]) -> bytes:
     """A version 3 record of ``fields`` in msgpack's smallest encoding, with its checksum."""
-    data = msgpack.packb([*fields, 0])[:-1] + b"\xce"  # the array counts the check field
+    data: bytes = msgpack.packb([*fields, 0])[:-1] + b"\xce"  # the array counts the check field
     return data + zlib.crc32(data).to_bytes(4, "little")
 
 
@@ -58,7 +58,7 @@ def unchecked(data: bytes) -> bytes:
 TIERS = st.sampled_from(list(Tier))
 
 
-def common(event_id: int = 0) -> st.SearchStrategy[dict[str, object]]:
+def common(event_id: int = 0) -> st.SearchStrategy[dict[str, Any]]:
     return st.fixed_dictionaries(
         {
             "event_id": st.just(event_id) if event_id >= 0 else st.integers(0, 2**63 - 1),
@@ -91,7 +91,7 @@ def events(draw: st.DrawFn, event_id: int = -1) -> AnyEvent:
         return Cleared(**base)
     src = draw(TIERS.filter(lambda t: t != base["tier"]))
     infos = draw(st.lists(st.builds(BlockInfo, U64, U64, st.none() | U64), min_size=1, max_size=6))
-    cls = Offloaded if src < base["tier"] else Onboarded  # type: ignore[operator]
+    cls = Offloaded if src < base["tier"] else Onboarded
     return cls(**base, src_tier=src, blocks=tuple(infos))
 
 
@@ -180,19 +180,19 @@ G1: dict[str, Any] = {"event_id": 0, "worker_id": 0, "dp_rank": 0, "tier": Tier.
     "event",
     [
         Stored(**G1, parent_hash=None, blocks=()),
-        Stored(**G1, parent_hash=None, blocks=((1.5, 2),)),
-        Stored(**G1, parent_hash=None, blocks=((1, 2, 3),)),
+        Stored(**G1, parent_hash=None, blocks=((1.5, 2),)),  # type: ignore[arg-type]
+        Stored(**G1, parent_hash=None, blocks=((1, 2, 3),)),  # type: ignore[arg-type]
         Stored(**G1, parent_hash=None, blocks=((2**64, 2),)),
         Stored(**G1, parent_hash=-1, blocks=((1, 2),)),
         Stored(**G1, parent_hash=None, blocks=((1, 2),), token_ids=((2**32,),)),
-        Stored(**G1, parent_hash=None, blocks=((1, 2),), token_ids=([1],)),
+        Stored(**G1, parent_hash=None, blocks=((1, 2),), token_ids=([1],)),  # type: ignore[arg-type]
         Removed(**{**G1, "event_id": -1}, sequence_hashes=(1,)),
         Removed(**G1, sequence_hashes=()),
         Removed(**{**G1, "worker_id": 2**63}, sequence_hashes=(1,)),
         Removed(**{**G1, "worker_id": True}, sequence_hashes=(1,)),
         Removed(**{**G1, "ts": "x"}, sequence_hashes=(1,)),
         Offloaded(**{**G1, "tier": Tier.G2}, src_tier=Tier.G2, blocks=(BlockInfo(1, 2, None),)),
-        Offloaded(**{**G1, "tier": Tier.G2}, src_tier=Tier.G1, blocks=(BlockInfo(None, 2, 3),)),
+        Offloaded(**{**G1, "tier": Tier.G2}, src_tier=Tier.G1, blocks=(BlockInfo(None, 2, 3),)),  # type: ignore[arg-type]
         Cleared(event_id=0, worker_id=0, dp_rank=0, tier=9, ts=0.0),  # type: ignore[arg-type]
     ],
 )
@@ -330,11 +330,11 @@ def log_rows(draw: st.DrawFn) -> list[tuple[int, float, bytes]]:
     return rows
 
 
-def _base(event: AnyEvent) -> dict[str, object]:
+def _base(event: AnyEvent) -> dict[str, Any]:
     return {f: getattr(event, f) for f in ("event_id", "worker_id", "dp_rank", "tier", "ts")}
 
 
-def _fields(event: AnyEvent, worker: int) -> dict[str, object]:
+def _fields(event: AnyEvent, worker: int) -> dict[str, Any]:
     names = [f for cls in type(event).__mro__ for f in getattr(cls, "__slots__", ())]
     out = {f: getattr(event, f) for f in names if not f.startswith("_")}
     out["worker_id"] = worker

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
 
 from kvledger.events.log import EventLog
 from kvledger.events.log.replay import replay
@@ -48,7 +49,9 @@ def committed_rows(url: str) -> int:
         return log.last_position()
 
 
-def test_sigkill_leaves_a_clean_prefix_that_replays_and_resumes(log_url: str, tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_sigkill_leaves_a_clean_prefix_that_replays_and_resumes(
+    log_url: str, tmp_path: Path
+) -> None:
     EventLog(log_url).close()  # create the schema before the race starts
     script = tmp_path / "writer.py"
     script.write_text(WRITER)

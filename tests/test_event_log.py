@@ -11,16 +11,20 @@ import re
 import sqlite3
 import threading
 import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import cast
 
 import pytest
 import sqlalchemy as sa
+from event_streams import tee
 from services import hold_write_lock
 
 from kvledger.events.codec import CodecError
 from kvledger.events.log import EventLog, EventLogError
 from kvledger.events.log.replay import replay, replay_report, verify
 from kvledger.events.log.schema import SchemaError
-from kvledger.events.types import BlockInfo, Removed, Stored, Tier
+from kvledger.events.types import AnyEvent, BlockInfo, Removed, Stored, Tier
 from kvledger.migrations import runner
 from kvledger.registry.emitter import EventEmitter
 from kvledger.registry.state import EventOrderError, RegistryState
@@ -48,10 +52,10 @@ class Clock:
 
 
 def test_append_read_flush_in_order(log_url: str) -> None:
-    seen: list = []
+    seen: list[AnyEvent] = []
     with EventLog(log_url, batch_size=7, queue_size=50) as log:
         for worker in (0, 1):
-            emitter = EventEmitter(lambda e: (log.append(e), seen.append(e)), worker_id=worker)
+            emitter = EventEmitter(tee(log.append, seen.append), worker_id=worker)
             emit_some(emitter, 40)
         log.flush()
         assert list(log.read()) == seen
@@ -71,7 +75,7 @@ def test_append_read_flush_in_order(log_url: str) -> None:
 
 
 def test_append_many_and_until_ts(log_url: str) -> None:
-    batch: list = []
+    batch: list[AnyEvent] = []
     emit_some(EventEmitter(batch.append, clock=Clock()), 30)
     with EventLog(log_url) as log:
         log.append_many(batch)
@@ -135,8 +139,8 @@ def test_bad_event_is_refused_at_append(log_url: str) -> None:
             tier=Tier.G1,
             ts=0.0,
             parent_hash=None,
-            blocks=((1.5, 1),),
-        )  # type: ignore[arg-type]
+            blocks=((1.5, 1),),  # type: ignore[arg-type]
+        )
         with pytest.raises(CodecError):
             log.append(bad)
         EventEmitter(log.append).removed(Tier.G1, [1])
@@ -145,14 +149,14 @@ def test_bad_event_is_refused_at_append(log_url: str) -> None:
 
 
 @pytest.mark.parametrize("durability", ["batch", "fsync", "none"])
-def test_durability_modes(new_log_url, durability: str) -> None:  # type: ignore[no-untyped-def]
+def test_durability_modes(new_log_url: Callable[[], str], durability: str) -> None:
     url = new_log_url()
     with EventLog(url, durability=durability) as log:  # type: ignore[arg-type]
         emit_some(EventEmitter(log.append), 5)
     assert replay(url).last_event_id == {0: log.last_event_id(0)}
 
 
-def test_bad_settings_are_refused(log_url: str, tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_bad_settings_are_refused(log_url: str, tmp_path: Path) -> None:
     with pytest.raises(
         ValueError, match="unknown durability 'sometimes'; expected one of batch, fsync, none"
     ):
@@ -254,7 +258,9 @@ def test_foreign_table_is_refused(log_url: str) -> None:
         EventLog(log_url)
 
 
-def test_blank_database_is_created_but_not_when_read_only(new_log_url) -> None:  # type: ignore[no-untyped-def]
+def test_blank_database_is_created_but_not_when_read_only(
+    new_log_url: Callable[[], str],
+) -> None:
     url = new_log_url()
     if url.startswith("postgresql"):
         with pytest.raises(SchemaError, match="holds no event log; run `kvledger db upgrade"):
@@ -279,9 +285,9 @@ def test_migrations_go_down_and_up(log_url: str) -> None:
 
 
 def test_replay_to_event_and_checkpoints(log_url: str) -> None:
-    seen: list = []
+    seen: list[AnyEvent] = []
     with EventLog(log_url) as log:
-        emit_some(EventEmitter(lambda e: (log.append(e), seen.append(e)), clock=Clock()), 200)
+        emit_some(EventEmitter(tee(log.append, seen.append), clock=Clock()), 200)
         log.flush()
         full = RegistryState.from_events(seen)
         first = replay_report(log, checkpoint_every=100)
@@ -309,9 +315,9 @@ def test_replay_to_event_and_checkpoints(log_url: str) -> None:
 def test_unreadable_checkpoint_is_skipped_and_rewritten(log_url: str) -> None:
     """A checkpoint in an older snapshot format (or damaged) costs a full fold, not a failure,
     and the fold writes a readable one in its place."""
-    seen: list = []
+    seen: list[AnyEvent] = []
     with EventLog(log_url) as log:
-        emit_some(EventEmitter(lambda e: (log.append(e), seen.append(e))), 60)
+        emit_some(EventEmitter(tee(log.append, seen.append)), 60)
         log.flush()
         written = replay_report(log, checkpoint_every=50).checkpoints_written
         assert written
@@ -359,10 +365,10 @@ def test_async_log_round_trip(log_url: str) -> None:
         async_url = log_url.replace("sqlite:", "sqlite+aiosqlite:", 1)
     else:
         async_url = log_url
-    batch: list = []
+    batch: list[AnyEvent] = []
     emit_some(EventEmitter(batch.append), 25)
 
-    async def run() -> list:
+    async def run() -> list[AnyEvent]:
         async with AsyncEventLog(async_url, batch_size=4, queue_size=8) as log:
             for event in batch[:10]:
                 await log.append(event)
@@ -431,11 +437,11 @@ def test_disk_full_is_one_clean_line(backend: str, log_url: str) -> None:
     if backend != "sqlite":
         pytest.skip("filling a PostgreSQL server's disk is not done in a unit test")
     EventLog(log_url).close()
-    path = sa.make_url(log_url).database
+    path = cast(str, sa.make_url(log_url).database)  # a SQLite URL names its file
     with sqlite3.connect(path) as conn:
         (pages,) = conn.execute("PRAGMA page_count").fetchone()
 
-    def limit_pages(dbapi_conn, _record) -> None:  # type: ignore[no-untyped-def]
+    def limit_pages(dbapi_conn: sqlite3.Connection, _record: object) -> None:
         dbapi_conn.execute(f"PRAGMA max_page_count = {pages + 4}")
 
     sa.event.listen(sa.pool.Pool, "connect", limit_pages)

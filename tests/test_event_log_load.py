@@ -18,6 +18,7 @@ import sys
 import textwrap
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -112,7 +113,9 @@ def _kill_at_random(url: str, tmp_path: Path, delay: float) -> tuple[int, mmap.m
     return appended, m, max_lag, queue_size
 
 
-def test_sigkill_loses_only_the_bounded_tail(new_log_url, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_sigkill_loses_only_the_bounded_tail(
+    new_log_url: Callable[[], str], tmp_path: Path
+) -> None:
     rng = random.Random(12)
     for attempt in range(3):
         url = new_log_url()

@@ -12,11 +12,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from event_streams import tee
 
 from kvledger.cli import main
 from kvledger.events.log import EventLog
 from kvledger.events.log.replay import replay
-from kvledger.events.types import BlockInfo, Tier
+from kvledger.events.types import AnyEvent, BlockInfo, Tier
 from kvledger.registry.emitter import EventEmitter
 from kvledger.registry.state import RegistryState
 
@@ -25,10 +26,10 @@ def _run(*cmd: str) -> bool:
     return subprocess.run(cmd, capture_output=True).returncode == 0
 
 
-def _write_log(path: Path) -> list:
-    seen: list = []
+def _write_log(path: Path) -> list[AnyEvent]:
+    seen: list[AnyEvent] = []
     with EventLog(str(path)) as log:
-        emitter = EventEmitter(lambda e: (log.append(e), seen.append(e)), worker_id=3)
+        emitter = EventEmitter(tee(log.append, seen.append), worker_id=3)
         for i in range(50):
             emitter.stored(Tier.G1, None, [(i, i)])
             if i % 3 == 0:
@@ -39,7 +40,9 @@ def _write_log(path: Path) -> list:
 
 
 @pytest.fixture(params=["read-only mount", "immutable folder"])
-def read_only_log(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[tuple[Path, list]]:
+def read_only_log(
+    request: pytest.FixtureRequest, tmp_path: Path
+) -> Iterator[tuple[Path, list[AnyEvent]]]:
     """(path of a closed log nobody may write next to, the events it holds)."""
     folder = tmp_path / "logs"
     folder.mkdir()
@@ -64,13 +67,13 @@ def read_only_log(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[tu
     assert not Path(f"{path}-shm").exists()
 
 
-def test_the_folder_really_refuses_writes(read_only_log: tuple[Path, list]) -> None:
+def test_the_folder_really_refuses_writes(read_only_log: tuple[Path, list[AnyEvent]]) -> None:
     path, _ = read_only_log
     with pytest.raises(OSError):
         Path(f"{path}-shm").touch()
 
 
-def test_read_only_log_reads_and_replays(read_only_log: tuple[Path, list]) -> None:
+def test_read_only_log_reads_and_replays(read_only_log: tuple[Path, list[AnyEvent]]) -> None:
     path, events = read_only_log
     with EventLog(str(path), read_only=True) as log:
         assert not log.writable
@@ -82,7 +85,7 @@ def test_read_only_log_reads_and_replays(read_only_log: tuple[Path, list]) -> No
 
 
 def test_replay_inspect_and_tail_commands_read_it(
-    read_only_log: tuple[Path, list], capsys: pytest.CaptureFixture[str]
+    read_only_log: tuple[Path, list[AnyEvent]], capsys: pytest.CaptureFixture[str]
 ) -> None:
     path, events = read_only_log
     assert main(["replay", str(path)]) == 0

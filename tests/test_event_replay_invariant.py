@@ -141,7 +141,7 @@ class ReplayMachine(RuleBasedStateMachine):
 
 
 @pytest.mark.slow
-def test_replay_equals_live_state(new_log_url) -> None:  # type: ignore[no-untyped-def]
+def test_replay_equals_live_state(new_log_url: Callable[[], str]) -> None:
     machine = type("Machine", (ReplayMachine,), {"new_url": staticmethod(new_log_url)})
     run_state_machine_as_test(
         machine,

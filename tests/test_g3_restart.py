@@ -14,6 +14,7 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from typing import cast
 
 import pytest
 import torch
@@ -151,7 +152,9 @@ def test_a_corrupt_or_unnamed_slot_is_dropped_with_a_removed_event(tmp_path: Pat
         original = [compute(m, prompt(i), seed=i) for i in range(2)]
         corrupt_hash = m.sequence(prompt(0)).sequence_hashes[1]
         lost_hash = m.sequence(prompt(1)).sequence_hashes[0]
-        corrupt_slot, lost_slot = m.slot_of(Tier.G3, corrupt_hash), m.slot_of(Tier.G3, lost_hash)
+        # both blocks are on G3: the slots are ints
+        corrupt_slot = cast(int, m.slot_of(Tier.G3, corrupt_hash))
+        lost_slot = cast(int, m.slot_of(Tier.G3, lost_hash))
         tier = m.tier(Tier.G3)
         path, index_path = tier.path, tier.index_path  # type: ignore[attr-defined]
         offset = tier.slot_offset(corrupt_slot)  # type: ignore[attr-defined]

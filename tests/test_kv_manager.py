@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import cast
+
 import pytest
 
 from kvledger.events.types import AnyEvent, Removed, Stored
@@ -16,7 +18,9 @@ from kvledger.mocker.kv_manager import (
 from kvledger.registry.hashing import TokenBlockSequence
 
 
-def capturing(capacity: int, block_size: int = 16, eviction: str = "lineage"):
+def capturing(
+    capacity: int, block_size: int = 16, eviction: str = "lineage"
+) -> tuple[KvManager, list[AnyEvent]]:
     events: list[AnyEvent] = []
     return KvManager(capacity, block_size, eviction=eviction, sink=events.append), events
 
@@ -31,13 +35,13 @@ def deref(mgr: KvManager, *ids: int) -> None:
     mgr.process(Deref([FullBlock(i) for i in ids]))
 
 
-def test_single_full_block_is_active():
+def test_single_full_block_is_active() -> None:
     mgr = KvManager(10, 16)
     assert use(mgr, 1) == 1
     assert mgr.num_active_blocks() == 1
 
 
-def test_bad_token_ids_change_nothing():
+def test_bad_token_ids_change_nothing() -> None:
     mgr, events = capturing(10, 4)
     with pytest.raises(ValueError, match="token lists"):
         mgr.process(
@@ -48,7 +52,7 @@ def test_bad_token_ids_change_nothing():
     assert events == []
 
 
-def test_reusing_an_active_block_adds_a_reference_not_a_slot():
+def test_reusing_an_active_block_adds_a_reference_not_a_slot() -> None:
     mgr = KvManager(10, 16)
     use(mgr, 1)
     use(mgr, 1)
@@ -57,7 +61,7 @@ def test_reusing_an_active_block_adds_a_reference_not_a_slot():
     assert mgr.active_blocks() == {FullBlock(1): 2}
 
 
-def test_full_pool_places_nothing_more():
+def test_full_pool_places_nothing_more() -> None:
     mgr = KvManager(4, 16)
     for i in range(4):
         assert use(mgr, i) == 1
@@ -65,20 +69,20 @@ def test_full_pool_places_nothing_more():
     assert mgr.num_active_blocks() == 4
 
 
-def test_batch_up_to_capacity_then_refuses():
+def test_batch_up_to_capacity_then_refuses() -> None:
     mgr = KvManager(10, 16)
     assert use(mgr, *range(10)) == 10
     assert use(mgr, 10) == 0
 
 
-def test_short_use_places_exactly_a_prefix():
+def test_short_use_places_exactly_a_prefix() -> None:
     mgr, events = capturing(3, 16, "lru")
     assert use(mgr, 1, 2, 3, 4, 5) == 3
     assert mgr.active_blocks() == {FullBlock(1): 1, FullBlock(2): 1, FullBlock(3): 1}
-    assert [e.sequence_hashes for e in events] == [(1, 2, 3)]
+    assert [e.sequence_hashes for e in cast(list[Stored], events)] == [(1, 2, 3)]
 
 
-def test_short_use_releases_reused_blocks_past_the_cut():
+def test_short_use_releases_reused_blocks_past_the_cut() -> None:
     mgr, _ = capturing(3, 16, "lru")
     use(mgr, 1, 2)
     use(mgr, 9)
@@ -88,7 +92,7 @@ def test_short_use_releases_reused_blocks_past_the_cut():
     assert mgr.active_blocks() == {FullBlock(1): 1, FullBlock(2): 1, FullBlock(9): 1}
 
 
-def test_deref_makes_block_inactive_and_reusable():
+def test_deref_makes_block_inactive_and_reusable() -> None:
     mgr, events = capturing(4)
     use(mgr, 1)
     deref(mgr, 1)
@@ -100,7 +104,7 @@ def test_deref_makes_block_inactive_and_reusable():
     assert not any(isinstance(e, Removed) for e in events), "Deref must not remove"
 
 
-def test_inactive_blocks_are_evicted_for_new_ones():
+def test_inactive_blocks_are_evicted_for_new_ones() -> None:
     for eviction in ("lru", "lineage", "multi_lru"):
         mgr = KvManager(4, 16, eviction=eviction)
         for i in range(4):
@@ -111,7 +115,7 @@ def test_inactive_blocks_are_evicted_for_new_ones():
         assert mgr.num_active_blocks() == 4
 
 
-def test_promote_turns_a_partial_into_a_full_block():
+def test_promote_turns_a_partial_into_a_full_block() -> None:
     mgr, events = capturing(10)
     mgr.process(Use([PartialBlock("req-1")]))
     assert mgr.num_active_blocks() == 1
@@ -120,13 +124,13 @@ def test_promote_turns_a_partial_into_a_full_block():
     assert isinstance(events[-1], Stored) and events[-1].blocks == ((42, 7),)
 
 
-def test_promote_of_unknown_partial_is_an_error():
+def test_promote_of_unknown_partial_is_an_error() -> None:
     mgr = KvManager(10, 16)
     with pytest.raises(ValueError, match=r"partial block .* not found"):
         mgr.process(Promote("nope", 42, None, 0))
 
 
-def test_promote_onto_cached_hash_deduplicates():
+def test_promote_onto_cached_hash_deduplicates() -> None:
     mgr, events = capturing(10)
     use(mgr, 42)
     deref(mgr, 42)
@@ -137,7 +141,7 @@ def test_promote_onto_cached_hash_deduplicates():
     assert sum(isinstance(e, Stored) for e in events) == 1
 
 
-def test_deref_of_partial_frees_its_slot():
+def test_deref_of_partial_frees_its_slot() -> None:
     mgr = KvManager(10, 16)
     mgr.process(Use([PartialBlock("u")]))
     mgr.process(Deref([PartialBlock("u")]))
@@ -146,7 +150,7 @@ def test_deref_of_partial_frees_its_slot():
     assert mgr.num_inactive_blocks() == 0
 
 
-def test_deref_of_unknown_block_changes_nothing():
+def test_deref_of_unknown_block_changes_nothing() -> None:
     mgr = KvManager(10, 16)
     use(mgr, 1)
     with pytest.raises(ValueError, match="not in use"):
@@ -154,7 +158,7 @@ def test_deref_of_unknown_block_changes_nothing():
     assert mgr.active_blocks() == {FullBlock(1): 1}
 
 
-def test_prefill_cost_without_overlap_counts_every_block():
+def test_prefill_cost_without_overlap_counts_every_block() -> None:
     mgr = KvManager(10, 16)
     cost = mgr.prefill_cost(list(range(35)))
     assert cost.new_blocks == 3  # two full blocks and a partial tail
@@ -162,7 +166,7 @@ def test_prefill_cost_without_overlap_counts_every_block():
     assert cost.cached_tokens == 0
 
 
-def test_prefill_cost_counts_cached_prefix():
+def test_prefill_cost_counts_cached_prefix() -> None:
     mgr = KvManager(10, 4)
     seq = TokenBlockSequence(list(range(10)), 4)
     mgr.process(Use([FullBlock(h) for h in seq.sequence_hashes]))
@@ -170,12 +174,12 @@ def test_prefill_cost_counts_cached_prefix():
     assert cost == (1, 2, 8)
 
 
-def test_lineage_lifecycle_and_event_stream():
+def test_lineage_lifecycle_and_event_stream() -> None:
     """A tree of prefixes under lineage eviction: suffixes go before the prefixes they extend."""
     # parents: 0-1-2-3-4, 1-5-6, 2-7-8-9, 10-11-12, 13
     mgr, events = capturing(10, eviction="lineage")
 
-    def stored(event, blocks, parent):
+    def stored(event: AnyEvent, blocks: list[int], parent: int | None) -> None:
         assert isinstance(event, Stored)
         assert list(event.sequence_hashes) == blocks
         assert event.parent_hash == parent
@@ -220,36 +224,36 @@ def test_lineage_lifecycle_and_event_stream():
 
     assert use(mgr, 13) == 1
     ev_removed, ev_stored = events
-    assert list(ev_removed.sequence_hashes) == [5]
+    assert list(cast(Removed, ev_removed).sequence_hashes) == [5]
     stored(ev_stored, [13], None)
     assert mgr.num_inactive_blocks() == 0
     assert mgr.num_active_blocks() == 10
 
 
-def test_chunked_prefill_anchors_second_chunk_to_first():
+def test_chunked_prefill_anchors_second_chunk_to_first() -> None:
     block = 64
     seq = TokenBlockSequence(list(range(512)), block)
     hashes = seq.sequence_hashes
     mgr, events = capturing(256, block)
     mgr.process(Use([FullBlock(h) for h in hashes[:4]]))
     mgr.process(Use([FullBlock(h) for h in hashes[4:8]], parent=FullBlock(hashes[3])))
-    first, second = events
+    first, second = cast(list[Stored], events)
     assert first.parent_hash is None
     assert second.parent_hash == hashes[3]
 
 
-def test_new_suffix_anchors_to_last_reused_block():
+def test_new_suffix_anchors_to_last_reused_block() -> None:
     mgr, events = capturing(8)
     use(mgr, 10, 11)
     deref(mgr, 10, 11)
     events.clear()
     use(mgr, 10, 11, 12)
-    (ev,) = events
+    (ev,) = cast(list[Stored], events)
     assert ev.blocks == ((12, 0),)
     assert ev.parent_hash == 11
 
 
-def test_shared_prefix_counts_slots_once_and_references_per_request():
+def test_shared_prefix_counts_slots_once_and_references_per_request() -> None:
     mgr = KvManager(8, 16)
     use(mgr, 10, 11, 12)
     use(mgr, 10, 11, 13)
@@ -257,7 +261,7 @@ def test_shared_prefix_counts_slots_once_and_references_per_request():
     assert mgr.num_active_block_refs() == 6
 
 
-def test_preempted_request_finds_its_own_blocks_again():
+def test_preempted_request_finds_its_own_blocks_again() -> None:
     mgr, events = capturing(8)
     blocks = [FullBlock(h) for h in TokenBlockSequence(list(range(64)), 16).sequence_hashes]
     assert mgr.process(Use(blocks)) == 4
@@ -268,7 +272,7 @@ def test_preempted_request_finds_its_own_blocks_again():
     assert sum(isinstance(e, Stored) for e in events) == 1
 
 
-def test_eviction_reports_exactly_the_evicted_block():
+def test_eviction_reports_exactly_the_evicted_block() -> None:
     mgr, events = capturing(2)
     use(mgr, 10, 11)
     deref(mgr, 10, 11)
@@ -279,7 +283,7 @@ def test_eviction_reports_exactly_the_evicted_block():
     assert sum(isinstance(e, Stored) for e in events) == 1
 
 
-def test_use_never_evicts_a_block_it_reuses():
+def test_use_never_evicts_a_block_it_reuses() -> None:
     """Room for the new block must come from elsewhere than the request's own cached prefix."""
     mgr, events = capturing(3, eviction="lru")
     use(mgr, 1, 2)
@@ -292,7 +296,7 @@ def test_use_never_evicts_a_block_it_reuses():
     assert removed == [7]
 
 
-def test_event_ids_increase_from_zero():
+def test_event_ids_increase_from_zero() -> None:
     mgr, events = capturing(4)
     use(mgr, 1, 2)
     deref(mgr, 1, 2)
@@ -301,7 +305,7 @@ def test_event_ids_increase_from_zero():
     assert all(e.worker_id == 0 and e.dp_rank == 0 for e in events)
 
 
-def test_probe_new_blocks():
+def test_probe_new_blocks() -> None:
     mgr = KvManager(8, 16)
     use(mgr, 1, 2)
     mgr.process(Use([PartialBlock("x")]))
@@ -309,6 +313,6 @@ def test_probe_new_blocks():
     assert mgr.probe_new_blocks([PartialBlock("x"), PartialBlock("y")]) == 1
 
 
-def test_unknown_eviction_policy_is_named():
+def test_unknown_eviction_policy_is_named() -> None:
     with pytest.raises(ValueError, match="unknown eviction policy 'fifo'"):
         KvManager(4, 16, eviction="fifo")

@@ -63,7 +63,7 @@ def test_allocate_waits_for_copies_in_flight_then_succeeds(tmp_path: Path) -> No
         seq = m.sequence(list(range(32)))
         slots = m.allocate(8)
         m.release(m.register(slots, seq, start=0))  # released, but G1 -> G2 copies hold them
-        got: list[object] = []
+        got: list[list[int]] = []
         waiter = threading.Thread(target=lambda: got.append(m.allocate(8, timeout=60)))
         try:
             waiter.start()
@@ -72,8 +72,8 @@ def test_allocate_waits_for_copies_in_flight_then_succeeds(tmp_path: Path) -> No
         finally:
             go.set()
         waiter.join(60)
-        assert len(got) == 1 and sorted(got[0]) == list(range(8))  # type: ignore[arg-type]
-        m.release(got[0])  # type: ignore[arg-type]
+        assert len(got) == 1 and sorted(got[0]) == list(range(8))
+        m.release(got[0])
 
 
 def test_allocate_gives_up_after_its_timeout_naming_the_copies(tmp_path: Path) -> None:

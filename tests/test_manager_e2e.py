@@ -15,7 +15,7 @@ import pytest
 import torch
 from services import REDIS_URL, manager_settings, redis_or_skip
 
-from kvledger import BlockManager
+from kvledger import BlockManager, TokenBlockSequence
 from kvledger.config import Settings
 from kvledger.events.log.replay import replay
 from kvledger.events.types import Tier
@@ -61,7 +61,9 @@ def live_state(manager: BlockManager) -> RegistryState:
     return manager.state()
 
 
-def compute(manager: BlockManager, tokens: list[int], seed: int):
+def compute(
+    manager: BlockManager, tokens: list[int], seed: int
+) -> tuple[TokenBlockSequence, list[int], list[torch.Tensor]]:
     """What an engine does for one prompt: reuse the cached prefix, compute the rest."""
     seq = manager.sequence(tokens)
     held = manager.onboard(seq)
@@ -72,7 +74,7 @@ def compute(manager: BlockManager, tokens: list[int], seed: int):
     return seq, held, data
 
 
-def test_offload_onboard_real_bytes_and_replay(tmp_path):
+def test_offload_onboard_real_bytes_and_replay(tmp_path: Path) -> None:
     m = BlockManager(settings(tmp_path))
     try:
         prompt = list(range(4 * BLOCK))
@@ -105,7 +107,7 @@ def test_offload_onboard_real_bytes_and_replay(tmp_path):
     assert replayed == live_state(m), replayed.diff(live_state(m))
 
 
-def test_corrupt_disk_copy_is_a_miss(tmp_path):
+def test_corrupt_disk_copy_is_a_miss(tmp_path: Path) -> None:
     m = BlockManager(settings(tmp_path, g2_blocks=0, g1_blocks=4))  # G1 -> G3 directly
     try:
         assert m.lower_tiers() == [Tier.G3]
@@ -137,7 +139,7 @@ def test_corrupt_disk_copy_is_a_miss(tmp_path):
     assert replay(f"sqlite:///{tmp_path / 'events.db'}") == live_state(m)
 
 
-def test_asyncio_onboard_and_restart_continues_the_log(tmp_path):
+def test_asyncio_onboard_and_restart_continues_the_log(tmp_path: Path) -> None:
     s = settings(tmp_path)
 
     async def run() -> list[int]:
@@ -159,7 +161,7 @@ def test_asyncio_onboard_and_restart_continues_the_log(tmp_path):
     assert state == live_state(m2)
 
 
-def test_register_validates_block_count(tmp_path):
+def test_register_validates_block_count(tmp_path: Path) -> None:
     m = BlockManager(settings(tmp_path))
     try:
         seq = m.sequence(list(range(2 * BLOCK + 1)))
@@ -172,7 +174,7 @@ def test_register_validates_block_count(tmp_path):
         m.close()
 
 
-def test_metrics_follow_a_managers_work(tmp_path):
+def test_metrics_follow_a_managers_work(tmp_path: Path) -> None:
     from prometheus_client import generate_latest
 
     from kvledger.metrics import Metrics
@@ -218,7 +220,7 @@ def test_metrics_follow_a_managers_work(tmp_path):
 
 
 @pytest.mark.redis
-def test_redis_url_publishes_to_the_shared_registry(tmp_path):
+def test_redis_url_publishes_to_the_shared_registry(tmp_path: Path) -> None:
     import uuid
 
     client = redis_or_skip()
@@ -240,7 +242,7 @@ def test_redis_url_publishes_to_the_shared_registry(tmp_path):
         shared.delete_namespace()
 
 
-def test_failed_start_closes_what_it_opened(tmp_path):
+def test_failed_start_closes_what_it_opened(tmp_path: Path) -> None:
     import threading
 
     blocker = tmp_path / "not-a-dir"

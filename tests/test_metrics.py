@@ -132,9 +132,12 @@ def test_a_stalled_log_writer_shows_as_backlog_lag_and_back_pressure(
         log.flush()
         blocker = sqlite3.connect(tmp_path / "events.db", isolation_level=None)
         blocker.execute("BEGIN IMMEDIATE")
-        producer = threading.Thread(
-            target=lambda: [emitter.stored(Tier.G1, None, [(i, i)]) for i in range(1, 2000)]
-        )
+
+        def produce() -> None:
+            for i in range(1, 2000):
+                emitter.stored(Tier.G1, None, [(i, i)])
+
+        producer = threading.Thread(target=produce)
         producer.start()
         try:
             deadline = time.monotonic() + 10

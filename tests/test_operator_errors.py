@@ -14,6 +14,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 from services import PG_SERVER_URL, skip_without_postgres
@@ -33,10 +34,10 @@ pytestmark = pytest.mark.usefixtures("clean_env")
 
 
 def kvledger(
-    *args: str, cwd: Path, env: dict[str, str] | None = None, **kwargs: object
+    *args: str, cwd: Path, env: dict[str, str] | None = None, **kwargs: Any
 ) -> subprocess.CompletedProcess[str]:
     base = {k: v for k, v in os.environ.items() if not k.startswith(("KVLEDGER_", "DYN_KVBM_"))}
-    return subprocess.run(  # type: ignore[call-overload, no-any-return]
+    return subprocess.run(
         [sys.executable, "-m", "kvledger.cli", *args],
         cwd=cwd,
         env={**base, **(env or {})},

@@ -10,7 +10,7 @@ from kvledger.registry.pool import BlockPool, PoolBusy, PoolExhausted
 from kvledger.registry.state import RegistryState
 
 
-def pool(capacity: int = 4, policy: str = "lru"):
+def pool(capacity: int = 4, policy: str = "lru") -> tuple[BlockPool, list[AnyEvent]]:
     events: list[AnyEvent] = []
     return BlockPool(capacity, policy=policy, emitter=EventEmitter(events.append)), events
 
@@ -19,7 +19,7 @@ def counts(p: BlockPool) -> tuple[int, int, int]:
     return p.num_free, p.num_active, p.num_inactive
 
 
-def test_allocate_beyond_capacity_hands_out_nothing():
+def test_allocate_beyond_capacity_hands_out_nothing() -> None:
     p, events = pool(4)
     held = p.allocate(3)
     with pytest.raises(PoolExhausted, match="2 blocks requested, 1 could be freed"):
@@ -30,7 +30,7 @@ def test_allocate_beyond_capacity_hands_out_nothing():
     p.release(held)
 
 
-def test_register_dedups_and_emits_one_stored_per_new_run():
+def test_register_dedups_and_emits_one_stored_per_new_run() -> None:
     p, events = pool(6)
     a = p.register(p.allocate(2), [(10, 1), (11, 2)], None)
     b = p.register(p.allocate(3), [(10, 1), (11, 2), (12, 3)], None)
@@ -44,7 +44,7 @@ def test_register_dedups_and_emits_one_stored_per_new_run():
     ]
 
 
-def test_release_too_often_changes_nothing():
+def test_release_too_often_changes_nothing() -> None:
     p, _ = pool(4)
     slots = p.register(p.allocate(2), [(1, 1), (2, 2)], None)
     before = (counts(p), [p.refcount(s) for s in range(4)])
@@ -55,7 +55,7 @@ def test_release_too_often_changes_nothing():
     assert counts(p) == (2, 0, 2)
 
 
-def test_register_refuses_slots_that_are_not_mutable():
+def test_register_refuses_slots_that_are_not_mutable() -> None:
     p, events = pool(4)
     slots = p.register(p.allocate(1), [(1, 1)], None)
     with pytest.raises(ValueError, match="not a mutable block"):
@@ -65,7 +65,7 @@ def test_register_refuses_slots_that_are_not_mutable():
     assert len([e for e in events if isinstance(e, Stored)]) == 1
 
 
-def test_each_event_is_emitted_before_the_next_change():
+def test_each_event_is_emitted_before_the_next_change() -> None:
     """A fold of the events up to any one of them is the pool right then: an eviction is
     reported before the blocks stored in the room it made, and each run of new blocks in a
     ``register`` with duplicates is reported before the next run is registered."""
@@ -89,7 +89,7 @@ def test_each_event_is_emitted_before_the_next_change():
     p.release(held + mixed)
 
 
-def test_match_takes_longest_prefix_and_revives_inactive():
+def test_match_takes_longest_prefix_and_revives_inactive() -> None:
     p, _ = pool(4)
     p.release(p.register(p.allocate(3), [(1, 1), (2, 2), (3, 3)], None))
     assert p.probe([1, 2, 9, 3]) == 2
@@ -98,7 +98,7 @@ def test_match_takes_longest_prefix_and_revives_inactive():
     assert counts(p) == (1, 2, 1)
 
 
-def test_clear_refuses_while_busy_then_empties():
+def test_clear_refuses_while_busy_then_empties() -> None:
     p, events = pool(3)
     slots = p.register(p.allocate(2), [(1, 1), (2, 2)], None)
     with pytest.raises(PoolBusy, match="2 blocks are in use"):
@@ -110,7 +110,7 @@ def test_clear_refuses_while_busy_then_empties():
     assert p.probe([1]) == 0
 
 
-def test_remove_drops_only_inactive_blocks():
+def test_remove_drops_only_inactive_blocks() -> None:
     p, events = pool(3)
     held = p.register(p.allocate(1), [(1, 1)], None)
     p.release(p.register(p.allocate(1), [(2, 2)], 1))
@@ -120,6 +120,6 @@ def test_remove_drops_only_inactive_blocks():
 
 
 @pytest.mark.parametrize("capacity", [0, -1, 2.5])
-def test_bad_capacity_is_named(capacity):
+def test_bad_capacity_is_named(capacity: float) -> None:
     with pytest.raises(ValueError, match="capacity must be a positive integer"):
         BlockPool(capacity)  # type: ignore[arg-type]

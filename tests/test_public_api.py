@@ -42,7 +42,7 @@ def test_every_public_name_is_the_object_of_its_home_module() -> None:
 
 def test_an_unknown_name_is_a_clear_attribute_error() -> None:
     try:
-        kvledger.NoSuchThing  # type: ignore[attr-defined]  # noqa: B018
+        kvledger.NoSuchThing  # noqa: B018
     except AttributeError as exc:
         assert "NoSuchThing" in str(exc)
     else:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Iterator
+from typing import Any
 
 import msgpack
 import pytest
@@ -18,7 +19,7 @@ from services import REDIS_URL
 
 from kvledger.events.shared.keys import KeySpace
 from kvledger.events.shared.registry import SharedRegistry
-from kvledger.events.types import BlockInfo, Cleared, Offloaded, Removed, Stored, Tier
+from kvledger.events.types import AnyEvent, BlockInfo, Cleared, Offloaded, Removed, Stored, Tier
 from kvledger.tiers.host.tier import HostTier
 from kvledger.tiers.layout import BlockShape
 from kvledger.tiers.remote.directory import (
@@ -173,8 +174,8 @@ def test_update_blocks_clears_then_deletes_then_puts(client: redis.Redis, namesp
     assert directory.lookup(WORKER, [1, 3, 4])[1] == [None, None, BlockEntry(Tier.G2, 4, 4)]
 
 
-def _event(kind: type, tier: Tier, hashes: list[int], eid: int):  # type: ignore[no-untyped-def]
-    common = dict(event_id=eid, worker_id=WORKER, dp_rank=0, tier=tier, ts=0.0)
+def _event(kind: type[AnyEvent], tier: Tier, hashes: list[int], eid: int) -> AnyEvent:
+    common: dict[str, Any] = dict(event_id=eid, worker_id=WORKER, dp_rank=0, tier=tier, ts=0.0)
     if kind is Offloaded:
         blocks = tuple(BlockInfo(h, h + 1000, None) for h in hashes)
         return Offloaded(src_tier=Tier.G1, blocks=blocks, **common)

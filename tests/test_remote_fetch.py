@@ -26,7 +26,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import redis
@@ -40,6 +40,7 @@ from kvledger.events.log import EventLog
 from kvledger.events.shared.registry import SharedRegistry
 from kvledger.events.types import AnyEvent, Onboarded, Stored, Tier
 from kvledger.manager import BlockManager
+from kvledger.tiers import HostTier
 from kvledger.tiers.remote import (
     BlockExporter,
     RemoteAgent,
@@ -111,11 +112,11 @@ def owner_main(argv: list[str]) -> int:
 
     publisher = RedisPublisher(shared, OWNER, log=log).start()
     manager = BlockManager(settings, event_log=log, sinks=[publisher])
-    g2 = manager.tier(Tier.G2)
+    g2 = cast(HostTier, manager.tier(Tier.G2))  # G2 is host memory
     agent = RemoteAgent(OWNER)
-    agent.register(g2)  # type: ignore[arg-type]
+    agent.register(g2)
     directory = RemoteDirectory(client, args.namespace, ttl_s=LEASE_S)
-    exporter = BlockExporter(directory, agent.card(manager.shape), g2)  # type: ignore[arg-type]
+    exporter = BlockExporter(directory, agent.card(manager.shape), g2)
     manager.export_g2(exporter)
     shared.heartbeat(OWNER)
     sequences: dict[int, Any] = {}
@@ -151,8 +152,8 @@ def owner_main(argv: list[str]) -> int:
             answer(ok=True, removed=len(gone))
         elif cmd == "overwrite":  # other bytes in a block's slot, as if it were reused
             prompt, index = int(rest[0]), int(rest[1])
-            slot = manager.slot_of(Tier.G2, sequences[prompt].sequence_hashes[index])
-            g2.layout.tensor[slot].fill_(-1.0)  # type: ignore[attr-defined]
+            slot = cast(int, manager.slot_of(Tier.G2, sequences[prompt].sequence_hashes[index]))
+            g2.layout.tensor[slot].fill_(-1.0)
             answer(ok=True, slot=slot)
         elif cmd == "quit":
             break
@@ -228,15 +229,15 @@ class Reader:
         self.manager = BlockManager(
             worker_settings(tmp, READER, **settings), sinks=[self.events.append]
         )
-        self.g2 = self.manager.tier(Tier.G2)
+        self.g2 = cast(HostTier, self.manager.tier(Tier.G2))  # G2 is host memory
         self.agent = RemoteAgent(READER)
-        self.agent.register(self.g2)  # type: ignore[arg-type]
+        self.agent.register(self.g2)
         self.metrics = CollectorRegistry()
         self.fetcher = RemoteFetcher(
             self.agent,
             RemoteDirectory(self.client, namespace, ttl_s=LEASE_S),
             self.shared,
-            self.g2,  # type: ignore[arg-type]
+            self.g2,
             worker_id=READER,
             timeout_s=TIMEOUT_S,
             metrics_registry=self.metrics,
@@ -438,7 +439,7 @@ def test_what_the_directory_says_can_end_a_fetch_before_any_read(
             RemoteDirectory(dead, namespace),
             SharedRegistry(dead, namespace),
             reader.g2,
-            worker_id=READER,  # type: ignore[arg-type]
+            worker_id=READER,
         )
         assert offline.plan(hashes) is None and offline.stats.failures == {"registry": 1}
         assert reader.manager.onboard_remote(seq, offline) == []
@@ -469,7 +470,9 @@ def tcp_pair(
         owner.close()
 
 
-def onboard_in_thread(reader: Reader, prompt: int, blocks: int) -> tuple[threading.Thread, dict]:
+def onboard_in_thread(
+    reader: Reader, prompt: int, blocks: int
+) -> tuple[threading.Thread, dict[str, Any]]:
     mgr = reader.manager
     out: dict[str, Any] = {}
     seq = mgr.sequence(prompt_tokens(prompt, blocks))

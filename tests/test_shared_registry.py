@@ -10,6 +10,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import cast
 
 import msgpack
 import pytest
@@ -44,7 +45,8 @@ def registry() -> Iterator[SharedRegistry]:
 
 def _stream_ids(reg: SharedRegistry) -> dict[int, list[int]]:
     out: dict[int, list[int]] = {}
-    for _id, fields in reg.client.xrange(reg.stream_key):
+    entries = cast(list[tuple[bytes, dict[bytes, bytes]]], reg.client.xrange(reg.stream_key))
+    for _id, fields in entries:
         if b"r" in fields:
             event = decode_record(fields[b"r"])
             out.setdefault(event.worker_id, []).append(event.event_id)
@@ -214,7 +216,7 @@ def test_subscriber_feeds_a_router_index_and_acks(registry: SharedRegistry) -> N
     index = RouterIndex()
     fails = {"left": 1}
 
-    def flaky(event):
+    def flaky(event: AnyEvent) -> None:
         if fails["left"]:
             fails["left"] -= 1
             raise RuntimeError("router crashed")

@@ -11,12 +11,14 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any, cast
 
 import pytest
 from services import redis_or_skip
 
 from kvledger.events.log import EventLog
 from kvledger.events.shared.registry import SharedRegistry
+from kvledger.events.types import AnyEvent
 from kvledger.events.wire import decode_record
 from kvledger.registry.index import holders_from_state
 from kvledger.registry.state import RegistryState
@@ -55,17 +57,17 @@ def _wait(condition: Callable[[], bool], timeout: float, what: str) -> None:
         time.sleep(0.05)
 
 
-def _done_line(proc: subprocess.Popen[str]) -> dict[str, object]:
+def _done_line(proc: subprocess.Popen[str]) -> dict[str, Any]:
     assert proc.stdout is not None
     line = proc.stdout.readline()
     assert line, f"worker exited early with {proc.wait()}"
-    report: dict[str, object] = json.loads(line)
+    report: dict[str, Any] = json.loads(line)
     assert report["done"] and report["drained"]
     return report
 
 
 def _replayed(logs: dict[int, Path]) -> RegistryState:
-    events = []
+    events: list[AnyEvent] = []
     for path in logs.values():
         with EventLog(str(path), read_only=True) as log:
             events.extend(log.read())
@@ -99,7 +101,8 @@ def test_three_workers_equal_their_logs_even_across_a_flush(
         assert reg.applied_count(w) == int(report["last_event_id"]) + 1  # none applied twice
     assert reg.snapshot() == holders_from_state(_replayed(logs))
     seen: dict[int, list[int]] = {}
-    for _id, fields in reg.client.xrange(reg.stream_key):
+    entries = cast(list[tuple[bytes, dict[bytes, bytes]]], reg.client.xrange(reg.stream_key))
+    for _id, fields in entries:
         event = decode_record(fields[b"r"])
         seen.setdefault(event.worker_id, []).append(event.event_id)
     for w, report in reports.items():  # the stream after the flush: each event exactly once

@@ -10,7 +10,9 @@ from kvledger.registry.state import RegistryState
 from kvledger.registry.tiered import CopyPlan, MatchResult, TieredRegistry
 
 
-def build(g1=4, g2=0, g3=0, offload_filter="always"):
+def build(
+    g1: int = 4, g2: int = 0, g3: int = 0, offload_filter: str = "always"
+) -> tuple[TieredRegistry, list[AnyEvent]]:
     events: list[AnyEvent] = []
     reg = TieredRegistry(
         g1, g2, g3, policy="lru", offload_filter=offload_filter, emitter=EventEmitter(events.append)
@@ -41,7 +43,7 @@ def state_of(reg: TieredRegistry) -> RegistryState:
     return reg.state()
 
 
-def test_write_through_to_g2_then_filtered_to_g3():
+def test_write_through_to_g2_then_filtered_to_g3() -> None:
     reg, events = build(g1=2, g2=8, g3=8, offload_filter="seen_twice")
     store(reg, [1, 2])
     assert reg.pools[Tier.G2].probe([1, 2]) == 2
@@ -60,14 +62,14 @@ def test_write_through_to_g2_then_filtered_to_g3():
     assert RegistryState.from_events(events) == state_of(reg)
 
 
-def test_filter_always_and_never():
+def test_filter_always_and_never() -> None:
     for name, expect in (("always", 2), ("never", 0)):
         reg, _ = build(g1=4, g2=8, g3=8, offload_filter=name)
         store(reg, [1, 2])
         assert reg.pools[Tier.G3].probe([1, 2]) == expect, name
 
 
-def test_no_g2_means_g1_straight_to_g3():
+def test_no_g2_means_g1_straight_to_g3() -> None:
     reg, events = build(g1=4, g3=8)
     store(reg, [5, 6, 7])
     assert reg.lower_tiers() == [Tier.G3]
@@ -76,7 +78,7 @@ def test_no_g2_means_g1_straight_to_g3():
     assert (off.src_tier, off.tier) == (Tier.G1, Tier.G3)
 
 
-def test_match_continues_prefix_across_tiers_and_onboard_brings_it_up():
+def test_match_continues_prefix_across_tiers_and_onboard_brings_it_up() -> None:
     reg, events = build(g1=3, g2=8, g3=0)
     store(reg, [1, 2, 3])
     store(reg, [7, 8, 9])  # evicts 1, 2, 3 from G1; they stay on G2
@@ -92,7 +94,7 @@ def test_match_continues_prefix_across_tiers_and_onboard_brings_it_up():
     assert RegistryState.from_events(events) == state_of(reg)
 
 
-def test_onboard_with_too_little_g1_takes_a_prefix():
+def test_onboard_with_too_little_g1_takes_a_prefix() -> None:
     reg, _ = build(g1=3, g2=8)
     store(reg, [1, 2, 3])
     store(reg, [7, 8, 9])
@@ -103,7 +105,7 @@ def test_onboard_with_too_little_g1_takes_a_prefix():
     reg.g1.release(held)
 
 
-def test_abort_frees_destination_and_unpins_source():
+def test_abort_frees_destination_and_unpins_source() -> None:
     reg, events = build(g1=4, g2=4)
     g1 = reg.g1
     slots = g1.register(g1.allocate(2), [(1, 1), (2, 2)], None)
@@ -116,6 +118,6 @@ def test_abort_frees_destination_and_unpins_source():
     assert not any(isinstance(e, Offloaded) for e in events)
 
 
-def test_unknown_filter_is_named():
+def test_unknown_filter_is_named() -> None:
     with pytest.raises(ValueError, match="unknown offload filter 'twice'"):
         TieredRegistry(4, offload_filter="twice")

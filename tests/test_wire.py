@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import random
+from typing import Any
 
 import msgpack
 import msgspec
@@ -12,7 +13,7 @@ from event_streams import prompt_pool, worker_events
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvledger.events.types import BlockInfo, Cleared, Offloaded, Removed, Stored, Tier
+from kvledger.events.types import AnyEvent, BlockInfo, Cleared, Offloaded, Removed, Stored, Tier
 from kvledger.events.wire import (
     WireFormatError,
     decode_record,
@@ -26,7 +27,7 @@ from kvledger.registry.hashing import TokenBlockSequence
 from kvledger.registry.index import RouterIndex, overlap_scores
 
 U64 = st.integers(0, 2**64 - 1)
-COMMON = {"worker_id": 7, "dp_rank": 1, "tier": Tier.G2, "ts": 12.5}
+COMMON: dict[str, Any] = {"worker_id": 7, "dp_rank": 1, "tier": Tier.G2, "ts": 12.5}
 
 
 # -- our stream record -------------------------------------------------------------------
@@ -45,7 +46,9 @@ def test_record_round_trip_of_streams(seed: int, ops: int) -> None:
     blocks=st.lists(st.tuples(U64, U64), min_size=1, max_size=8),
     with_tokens=st.booleans(),
 )
-def test_record_round_trip_of_extremes(eid, parent, blocks, with_tokens) -> None:
+def test_record_round_trip_of_extremes(
+    eid: int, parent: int | None, blocks: list[tuple[int, int]], with_tokens: bool
+) -> None:
     tokens = tuple((2**32 - 1, 0, 5) for _ in blocks) if with_tokens else None
     stored = Stored(
         event_id=eid, **COMMON, parent_hash=parent, blocks=tuple(blocks), token_ids=tokens
@@ -131,9 +134,10 @@ def test_dynamo_radix_tree_scores_match_our_index() -> None:
         for tokens in prompts[::3]:
             local = TokenBlockSequence(tokens, 16).local_hashes
             ours = overlap_scores(index.find_matches(local), Tier.G1)
-            assert tree.find_matches(local).scores == ours
+            # Dynamo's stub says Dict[int, int]; the keys are (worker_id, dp_rank) pairs
+            assert tree.find_matches(local).scores == ours  # type: ignore[comparison-overlap]
 
-    streams: list[list] = [[], [], []]
+    streams: list[list[AnyEvent]] = [[], [], []]
     managers = [
         KvManager(64, 16, eviction="lineage", sink=streams[w].append, worker_id=w, dp_rank=w % 2)
         for w in range(3)
@@ -182,7 +186,7 @@ class BlockStored(_KVCacheEvent):
     lora_id: int | None
     medium: str | None
     lora_name: str | None
-    extra_keys: list[tuple | None] | None = None
+    extra_keys: list[tuple[Any, ...] | None] | None = None
     group_idx: int | None = None
     kv_cache_spec_kind: str | None = None
     kv_cache_spec_sliding_window: int | None = None
@@ -210,10 +214,10 @@ class KVEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False
     data_parallel_rank: int | None = None
 
 
-def _vllm_classes():
+def _vllm_classes() -> tuple[type[Any], type[Any], type[Any], type[Any]]:
     """vLLM's own msgspec classes when vllm imports here, otherwise the schema above."""
     try:
-        from vllm.distributed.kv_events import (  # type: ignore[import-not-found]
+        from vllm.distributed.kv_events import (
             AllBlocksCleared as VAllBlocksCleared,
         )
         from vllm.distributed.kv_events import BlockRemoved as VBlockRemoved
@@ -227,7 +231,7 @@ def _vllm_classes():
 def test_vllm_batch_decodes_and_matches_msgspec_bytes() -> None:
     KVEventBatch, BlockStored, BlockRemoved, AllBlocksCleared = _vllm_classes()
     g1 = {**COMMON, "tier": Tier.G1}
-    events = [
+    events: list[AnyEvent] = [
         Stored(
             event_id=0,
             **g1,

@@ -256,7 +256,7 @@ class KvManager:
         out.update({PartialBlock(u): 1 for u in self._partial})
         return out
 
-    def inactive_blocks(self) -> list[Block]:
+    def inactive_blocks(self) -> list[FullBlock]:
         """Cached blocks nobody uses, in eviction order (first = next to go)."""
         info = self.pool.block_info
         return [FullBlock(info(slot).sequence_hash) for slot in self.pool.inactive_slots()]
