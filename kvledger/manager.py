@@ -185,9 +185,10 @@ class BlockManager:
                 raise ValueError(
                     f"the engine's G1 blocks are {g1_layout.shape}, settings say {self.shape}"
                 )
-            g1: StorageTier = DeviceTier.from_layout(g1_layout)
+            g1 = DeviceTier.from_layout(g1_layout)
         else:
             g1 = DeviceTier(self.shape, g1_blocks, device=device)
+        self._g1: DeviceTier = g1
         self._tiers[Tier.G1] = g1
         if s.g2_capacity:
             self._tiers[Tier.G2] = HostTier(self.shape, s.g2_capacity)
@@ -449,8 +450,9 @@ class BlockManager:
             return self._registry.match(sequence.sequence_hashes)
 
     @property
-    def g1(self) -> StorageTier:
-        return self._tiers[Tier.G1]
+    def g1(self) -> DeviceTier:
+        """The G1 tier: the engine's KV blocks (its ``layout`` says where each slot lives)."""
+        return self._g1
 
     # -- onboarding ----------------------------------------------------------------------
 

@@ -49,7 +49,7 @@ def compute(m: BlockManager, tokens: list[int], seed: int) -> list[torch.Tensor]
     held = m.onboard(seq)
     fresh = m.allocate(len(seq) - len(held))
     gen = torch.Generator().manual_seed(seed)
-    layout = m.g1.layout  # type: ignore[attr-defined]
+    layout = m.g1.layout
     for slot in fresh:
         for view in layout.block(slot):
             view.copy_(torch.rand(view.shape, generator=gen))
@@ -62,7 +62,7 @@ def compute(m: BlockManager, tokens: list[int], seed: int) -> list[torch.Tensor]
 
 def onboarded(m: BlockManager, tokens: list[int]) -> list[torch.Tensor]:
     held = m.onboard(m.sequence(tokens))
-    layout = m.g1.layout  # type: ignore[attr-defined]
+    layout = m.g1.layout
     data = [torch.cat([v.flatten() for v in layout.block(s)]).clone() for s in held]
     m.release(held)
     return data

@@ -34,7 +34,7 @@ def settings(tmp_path: Path, **kw: object) -> Settings:
 def fill(manager: BlockManager, slots: list[int], seed: int) -> list[torch.Tensor]:
     """Write random KV into G1 slots; returns each block's bytes (all layers, flattened)."""
     gen = torch.Generator().manual_seed(seed)
-    layout = manager.g1.layout  # type: ignore[attr-defined]
+    layout = manager.g1.layout
     out = []
     for slot in slots:
         views = layout.block(slot)
@@ -45,7 +45,7 @@ def fill(manager: BlockManager, slots: list[int], seed: int) -> list[torch.Tenso
 
 
 def read(manager: BlockManager, slots: list[int]) -> list[torch.Tensor]:
-    layout = manager.g1.layout  # type: ignore[attr-defined]
+    layout = manager.g1.layout
     return [torch.cat([v.flatten() for v in layout.block(s)]).clone() for s in slots]
 
 

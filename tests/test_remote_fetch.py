@@ -93,7 +93,7 @@ def block_bytes(sequence_hash: int, manager: BlockManager) -> torch.Tensor:
 
 
 def g1_block(manager: BlockManager, slot: int) -> torch.Tensor:
-    return torch.stack(manager.g1.layout.block(slot))  # type: ignore[attr-defined]
+    return torch.stack(manager.g1.layout.block(slot))
 
 
 # -- the owner process ---------------------------------------------------------------------
@@ -138,7 +138,7 @@ def owner_main(argv: list[str]) -> int:
             sequences[prompt] = seq
             slots = manager.allocate(blocks)
             for slot, block in zip(slots, seq.blocks, strict=True):
-                for layer, view in enumerate(manager.g1.layout.block(slot)):  # type: ignore[attr-defined]
+                for layer, view in enumerate(manager.g1.layout.block(slot)):
                     view.copy_(block_bytes(block.sequence_hash, manager)[layer])
             held = manager.register(slots, seq, start=0)
             manager.wait_idle(10)
@@ -307,7 +307,7 @@ def test_local_prefix_first_then_remote_rest(pair: tuple[Owner, Reader]) -> None
     seq = mgr.sequence(prompt_tokens(2, 5))
     mine = mgr.allocate(2)
     for slot, block in zip(mine, seq.blocks[:2], strict=True):
-        for layer, view in enumerate(mgr.g1.layout.block(slot)):  # type: ignore[attr-defined]
+        for layer, view in enumerate(mgr.g1.layout.block(slot)):
             view.copy_(block_bytes(block.sequence_hash, mgr)[layer])
     mgr.release(mgr.register(mine, seq, start=0))
     mgr.wait_idle(10)
@@ -332,7 +332,7 @@ def test_remote_memory_is_preferred_to_the_local_disk(namespace: str, tmp_path: 
         seq = mgr.sequence(prompt_tokens(8, 4))
         mine = mgr.allocate(2)  # the reader computed the first two blocks once...
         for slot, block in zip(mine, seq.blocks[:2], strict=True):
-            for layer, view in enumerate(mgr.g1.layout.block(slot)):  # type: ignore[attr-defined]
+            for layer, view in enumerate(mgr.g1.layout.block(slot)):
                 view.copy_(block_bytes(block.sequence_hash, mgr)[layer])
         mgr.release(mgr.register(mine, seq, start=0))
         assert mgr.wait_idle(10)
@@ -571,7 +571,7 @@ def test_g4_setting_wires_the_exporter_and_the_fetcher(tmp_path: Path) -> None:
         seq = owner.sequence(prompt_tokens(3, 4))
         slots = owner.allocate(4)
         for slot, block in zip(slots, seq.blocks, strict=True):
-            for layer, view in enumerate(owner.g1.layout.block(slot)):  # type: ignore[attr-defined]
+            for layer, view in enumerate(owner.g1.layout.block(slot)):
                 view.copy_(block_bytes(block.sequence_hash, owner)[layer])
         owner.release(owner.register(slots, seq, start=0))
         assert owner.wait_idle(10)
