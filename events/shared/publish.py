@@ -24,6 +24,17 @@ from kvledger.events.types import AnyEvent
 
 log = logging.getLogger(__name__)
 
+OUTAGES = (
+    redis.ConnectionError,
+    redis.TimeoutError,
+    redis.BusyLoadingError,
+    redis.exceptions.ClusterError,  # a cluster client out of retries (a slot on the move)
+    redis.exceptions.ClusterDownError,  # a fail-over in progress
+    redis.exceptions.TryAgainError,
+    redis.exceptions.SlotNotCoveredError,
+)
+"""Errors that mean Redis is (for now) out of reach: the publisher waits and catches up."""
+
 
 class LogReader(Protocol):
     """What catch-up needs of the durable log (``kvledger.events.log.EventLog`` has it)."""
@@ -149,6 +160,10 @@ class RedisPublisher:
                     self.registry.heartbeat(self.worker_id)
                     self.registry.purge_expired()
                     next_beat = now + self.heartbeat_s
+                    if self.registry.applied_event_id(self.worker_id) < self.applied_id:
+                        # Redis lost what it had confirmed (a fail-over to a replica that had
+                        # not received it yet, a restart): send it again from the log
+                        self._catch_up(self.applied_id)
                 if down_since is not None:
                     log.warning(
                         "worker %d: Redis reachable again after %.1f s; catching up from the log",
@@ -159,7 +174,7 @@ class RedisPublisher:
                 if not self._publish_some():
                     self._wake.wait(min(self.heartbeat_s, 0.05))
                     self._wake.clear()
-            except (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError) as exc:
+            except OUTAGES as exc:
                 self.outages += 1
                 if down_since is None:
                     down_since = time.monotonic()
