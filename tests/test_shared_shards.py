@@ -130,7 +130,7 @@ def test_the_shard_count_is_fixed_and_one_shard_is_the_unsharded_layout() -> Non
     finally:
         reg.delete_namespace()
     for bad in (0, 5000):
-        with pytest.raises(ValueError, match="shards must be 1..1024"):
+        with pytest.raises(ValueError, match=r"shards must be 1\.\.1024"):
             SharedRegistry(client, namespace, shards=bad)
 
 
