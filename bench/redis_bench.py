@@ -229,7 +229,7 @@ def run_cluster(args: argparse.Namespace, client: redis.RedisCluster) -> None:
 
     print(
         f"cluster: {len(masters)} masters; {CLUSTER_WORKERS} workers x {per_worker} events, "
-        f"batch {args.batch}, best of {args.repeats}"
+        f"batch {args.batch}; {args.repeats} repeats: events/s their median, us the lowest"
     )
     print(
         "Redis us/event: commandstats (XADD for raw, EVALSHA for apply) summed over the masters"
