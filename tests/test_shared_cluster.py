@@ -18,15 +18,19 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+import redis
 import redis_cluster
 from redis.crc import key_slot
 from redis_cluster import LocalCluster
+from services import REDIS_URL
 
 from kvledger.events.log import EventLog
-from kvledger.events.shared import SharedRegistry, connect
+from kvledger.events.shared import SharedRegistry, StreamSubscriber, connect
+from kvledger.events.types import Tier
 from kvledger.events.wire import decode_record
-from kvledger.registry.index import holders_from_state
+from kvledger.registry.index import RouterIndex, holders_from_state
 from kvledger.registry.state import RegistryState
+from kvledger.tiers.remote.directory import AgentCard, BlockEntry, Region, RemoteDirectory
 
 pytestmark = [pytest.mark.redis, pytest.mark.slow]
 WORKERS = (1, 2, 3)
@@ -101,19 +105,20 @@ def _run_workers(
     tmp_path: Path,
     procs: dict[int, subprocess.Popen[str]],
     mid_run: Callable[[SharedRegistry], None],
-) -> tuple[SharedRegistry, dict[int, dict[str, object]]]:
+    requests: int = 400,
+) -> tuple[SharedRegistry, dict[int, dict[str, object]], dict[int, int]]:
     """Start the workers, do ``mid_run`` once each applied some events, and check the end:
-    the index is the union of the replayed logs and every event was applied once."""
+    the index is the union of the replayed logs and every event was applied once. Returns the
+    registry, the workers' reports and each one's applied id right after ``mid_run``."""
     reg = SharedRegistry(connect(cluster.url), namespace, shards=SHARDS)
     logs = {w: tmp_path / f"w{w}.db" for w in WORKERS}
     for w in WORKERS:
-        procs[w] = _spawn(cluster.url, namespace, w, logs[w], requests=400)
+        procs[w] = _spawn(cluster.url, namespace, w, logs[w], requests=requests)
     _wait(lambda: all(reg.applied_event_id(w) >= 40 for w in WORKERS), 60, "first events")
     mid_run(reg)
     after = {w: reg.applied_event_id(w) for w in WORKERS}
     reports = {w: _done(procs[w]) for w in WORKERS}
     last = {w: int(str(reports[w]["last_event_id"])) for w in WORKERS}
-    assert any(after[w] < last[w] for w in WORKERS), "the workers ended before it was done"
     # A fail-over may lose writes the old master had confirmed; heartbeats find and re-send them
     _wait(lambda: all(reg.applied_event_id(w) == last[w] for w in WORKERS), 30, "re-sync")
     events = []
@@ -134,18 +139,45 @@ def _run_workers(
     for proc in procs.values():
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=20) == 0
-    return reg, reports
+    return reg, reports, after
 
 
 def test_three_workers_on_a_cluster_equal_their_logs(
     cluster: LocalCluster, tmp_path: Path, procs: dict[int, subprocess.Popen[str]]
 ) -> None:
     namespace = f"union-{uuid.uuid4().hex[:8]}"
-    reg, _reports = _run_workers(cluster, namespace, tmp_path, procs, mid_run=lambda _reg: None)
+    reg, _, _ = _run_workers(cluster, namespace, tmp_path, procs, mid_run=lambda _reg: None)
     masters = {cluster.master_of(key_slot(k.index.encode())) for k in reg.shard_keys}
     assert len(masters) == SHARDS  # the shards sit on three different masters
     hashes = list(reg.snapshot())
     assert dict(zip(hashes, reg.who_has(hashes), strict=True)) == reg.snapshot()
+    router = RouterIndex()
+    subscriber = StreamSubscriber(
+        reg, "routers", "r1", on_event=router.apply, on_purge=router.remove_worker
+    )
+    while subscriber.poll(block_ms=10):
+        pass
+    assert router.holders() == reg.snapshot()  # a router fed from the shards' streams
+    reg.delete_namespace()
+
+
+def test_connect_picks_the_client_and_the_directory_works_on_a_cluster(
+    cluster: LocalCluster,
+) -> None:
+    assert isinstance(connect(cluster.url), redis.RedisCluster)
+    assert type(connect(REDIS_URL)) is redis.Redis
+    assert type(connect("redis://127.0.0.1:1/0")) is redis.Redis  # unreachable: plain, retried
+    namespace = f"dir-{uuid.uuid4().hex[:8]}"
+    client = connect(cluster.url)
+    reg = SharedRegistry(client, namespace, shards=SHARDS)
+    directory = RemoteDirectory(client, namespace)
+    card = AgentCard(5, "agent", b"md", "shape", 10, (Region(Tier.G2, "DRAM", 0, 4096, 4, 10),))
+    reg.heartbeat(5)
+    directory.publish_card(card)
+    directory.update_blocks(5, [(11, BlockEntry(Tier.G2, 1, 111))], clear=True)
+    assert directory.lookup(5, [11, 12]) == (card, [BlockEntry(Tier.G2, 1, 111), None])
+    reg.release(5)  # the lease goes: the card is no longer trusted
+    assert directory.lookup(5, [11])[0] is None
     reg.delete_namespace()
 
 
@@ -167,7 +199,10 @@ def test_a_slot_moved_mid_run_loses_nothing(
         cluster.reshard(source, target)
         assert cluster.master_of(key_slot(reg.keys.index.encode())) == target
 
-    reg, _reports = _run_workers(cluster, namespace, tmp_path, procs, mid_run=move)
+    reg, reports, after = _run_workers(
+        cluster, namespace, tmp_path, procs, mid_run=move, requests=800
+    )
+    assert any(after[w] < int(str(reports[w]["last_event_id"])) for w in WORKERS)  # mid-run
     reg.delete_namespace()
 
 
@@ -182,5 +217,5 @@ def test_a_master_killed_mid_run_fails_over_and_workers_resync(
         own_cluster.kill_9(dead)
         assert own_cluster.wait_promoted(dead, slot) != dead
 
-    _reg, reports = _run_workers(own_cluster, namespace, tmp_path, procs, mid_run=kill)
+    _, reports, _ = _run_workers(own_cluster, namespace, tmp_path, procs, mid_run=kill)
     assert any(int(str(r["outages"])) > 0 for r in reports.values())  # they saw it go

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import time
 import uuid
 
 import pytest
@@ -12,6 +13,7 @@ from hypothesis import strategies as st
 from services import redis_or_skip
 
 from kvledger.events.shared.keys import KeySpace
+from kvledger.events.shared.publish import RedisPublisher
 from kvledger.events.shared.registry import SharedRegistry
 from kvledger.events.shared.subscribe import StreamSubscriber
 from kvledger.events.types import AnyEvent
@@ -147,3 +149,27 @@ def test_shard_tags_spread_over_the_slots() -> None:
             assert len({k.index for k in spaces}) == count
             masters = [slot * 3 // 16384 for slot in slots]  # three equal runs of slots
             assert sorted(masters.count(m) for m in range(3)) == [count // 3] * 3
+
+
+def test_a_lingering_publisher_sends_fuller_batches() -> None:
+    """With ``linger_s`` a few events wait for each other (nothing reaches Redis before the
+    linger ends) and then go out together; without it each goes at once."""
+    reg = SharedRegistry(redis_or_skip(), f"s-{uuid.uuid4().hex[:12]}", shards=3)
+    events = worker_events(3, 1, 30, prompt_pool(3))
+    publisher = RedisPublisher(reg, 1, log=None, linger_s=1.0).start()
+    try:
+        for event in events[:5]:
+            publisher(event)
+        time.sleep(0.3)
+        assert reg.applied_event_id(1) == -1  # still filling
+        assert publisher.wait_applied(timeout=5) and reg.applied_event_id(1) == 4
+        for event in events[5:]:  # stop() drains what is still lingering
+            publisher(event)
+    finally:
+        publisher.stop()
+    assert reg.applied_event_id(1) == len(events) - 1 and publisher.error is None
+    assert reg.snapshot() == _fold(events)
+    reg.delete_namespace()
+    for bad in (-0.1, 60.0):
+        with pytest.raises(ValueError, match="linger_s must be 0 or more and under 60"):
+            RedisPublisher(reg, 1, log=None, linger_s=bad)

@@ -10,9 +10,15 @@ the part that needs the stored values; a long batch goes out as several calls in
 The same script appends every applied event to one Redis stream (trimmed approximately), so
 routers reading it with a consumer group see each event exactly once, in order per worker.
 
-Keys, all under ``kvl:{<namespace>}:`` and named by ``keys.KeySpace`` (the braces are a hash
-tag: Redis Cluster keeps a whole namespace on one slot, which the scripts need because they
-touch keys they derive):
+The index may be split over N shards by sequence hash (``keys.KeySpace.shards``); every shard
+keeps all the keys below for its blocks (its own applied id per worker, generations, lease),
+every batch reaches every shard, and a worker's records go to its home shard's stream only.
+docs/shared-registry.md (Sharding and Redis Cluster) says how leases, purges, fail-overs and
+slot migrations work across them.
+
+Keys of a shard, all under its prefix (``kvl:{<namespace>}:`` for shard 0) and named by
+``keys.KeySpace`` (the braces are a hash tag: Redis Cluster keeps a whole shard on one slot,
+which the scripts need because they touch keys they derive):
 
 - ``idx``                       hash  8-byte sequence hash -> run of 21-byte entries: u32 worker
                                 id, u8 tier mask (G1=1, G2=2, G3=4, G4=8), and the worker's 16
@@ -269,12 +275,13 @@ class SharedRegistry:
         )
 
     def _cuts(self, parsed: Sequence[_Parsed], start: int) -> list[tuple[int, int]]:
-        """The calls of the run of consecutive ids from ``start``: the first one small, so
-        Redis starts on it early, the rest ``events_per_call`` long."""
+        """The calls of the run of consecutive ids from ``start``: ``events_per_call`` long, the
+        first one small on a single server, so Redis starts on it early."""
         end = start + 1
         while end < len(parsed) and parsed[end][0] == parsed[end - 1][0] + 1:
             end += 1
-        first = max(1, self.events_per_call // 8)
+        # With one server calls are sent as they are packed; to a cluster they go out together
+        first = self.events_per_call if self.cluster else max(1, self.events_per_call // 8)
         cuts = [start, start + first] if end - start > first else [start]
         cuts += range(cuts[-1] + self.events_per_call, end, self.events_per_call)
         cuts.append(end)

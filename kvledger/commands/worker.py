@@ -20,7 +20,7 @@ import threading
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
-from kvledger.commands.args import log_location, non_negative_int, positive_int
+from kvledger.commands.args import linger_seconds, log_location, non_negative_int, positive_int
 from kvledger.events.log import EventLog
 from kvledger.events.shared.client import connect
 from kvledger.events.shared.publish import FanOut, RedisPublisher
@@ -57,6 +57,13 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--interval", type=float, default=0.0, help="seconds between requests")
     p.add_argument("--lease-ttl", type=float, default=10.0, help="lease TTL in seconds")
     p.add_argument(
+        "--publish-linger",
+        type=linger_seconds,
+        default=0.0,
+        metavar="S",
+        help="let a batch wait up to S seconds to fill before it is sent (default 0)",
+    )
+    p.add_argument(
         "--publish-timeout",
         type=float,
         default=30.0,
@@ -76,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
         client, args.namespace, shards=args.shards, lease_ttl_s=args.lease_ttl
     )
     log = EventLog(args.log)
-    publisher = RedisPublisher(registry, args.worker_id, log=log)
+    publisher = RedisPublisher(registry, args.worker_id, log=log, linger_s=args.publish_linger)
     mgr = KvManager(
         args.blocks,
         args.block_size,
