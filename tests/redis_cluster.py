@@ -144,6 +144,24 @@ class LocalCluster:
                 return port
         raise LookupError(f"no live master serves slot {slot}")
 
+    def replica_of(self, master: int) -> int:
+        for port in self.alive():
+            info = self._node(port).info("replication")
+            if info["role"] == "slave" and int(info["master_port"]) == master:
+                return port
+        raise LookupError(f"no live replica of {master}")
+
+    def cut_replica(self, replica: int) -> None:
+        """Cut a replica's link to its master so that it cannot come back (it offers the master
+        a password the master does not take): the master goes on confirming writes that the
+        replica never receives, as with a replica that lags."""
+        node = self._node(replica)
+        node.config_set("masterauth", "not-the-masters")
+        node.client_kill_filter(_type="master")
+        self._wait(
+            lambda: node.info("replication")["master_link_status"] == "down", "the link to drop"
+        )
+
     def kill_9(self, port: int) -> None:
         """SIGKILL one node, as a crash would."""
         self.procs[port].send_signal(signal.SIGKILL)

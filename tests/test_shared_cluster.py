@@ -212,10 +212,23 @@ def test_a_master_killed_mid_run_fails_over_and_workers_resync(
     namespace = f"failover-{uuid.uuid4().hex[:8]}"
 
     def kill(reg: SharedRegistry) -> None:
+        """The replica's link is cut first, so the master dies with writes it confirmed that
+        the promoted replica never received."""
         slot = key_slot(reg.shard_keys[1].index.encode())
         dead = own_cluster.master_of(slot)
+        replica = own_cluster.replica_of(dead)
+        before = {w: reg.applied_event_id(w) for w in WORKERS}
+        own_cluster.cut_replica(replica)
+        _wait(
+            lambda: all(reg.applied_event_id(w) > before[w] + 20 for w in WORKERS),
+            30,
+            "writes the replica misses",
+        )
         own_cluster.kill_9(dead)
-        assert own_cluster.wait_promoted(dead, slot) != dead
+        assert own_cluster.wait_promoted(dead, slot) == replica
 
-    _, reports, _ = _run_workers(own_cluster, namespace, tmp_path, procs, mid_run=kill)
+    _, reports, _ = _run_workers(
+        own_cluster, namespace, tmp_path, procs, mid_run=kill, requests=800
+    )
     assert any(int(str(r["outages"])) > 0 for r in reports.values())  # they saw it go
+    assert any(int(str(r["caught_up"])) > 0 for r in reports.values())  # re-read from logs
