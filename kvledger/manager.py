@@ -313,7 +313,9 @@ class BlockManager:
         if self._event_log is None or s.redis_url is None:
             raise ValueError("redis_url needs the event log: the publisher catches up from it")
         shared = SharedRegistry(connect(s.redis_url), s.redis_namespace)
-        return RedisPublisher(shared, s.worker_id, log=self._event_log).start()
+        return RedisPublisher(
+            shared, s.worker_id, log=self._event_log, linger_s=s.redis_linger_s
+        ).start()
 
     # -- events ----------------------------------------------------------------------------
 
