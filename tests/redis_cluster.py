@@ -13,6 +13,7 @@ import socket
 import subprocess
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import redis
@@ -42,6 +43,7 @@ class LocalCluster:
 
     def __init__(self, masters: int = 3, replicas_per_master: int = 1) -> None:
         self.size = masters * (1 + replicas_per_master)
+        self.master_count = masters
         self.replicas_per_master = replicas_per_master
         self.dir = Path(tempfile.mkdtemp(prefix="kvledger-cluster-"))
         self.procs: dict[int, subprocess.Popen[bytes]] = {}
@@ -64,6 +66,14 @@ class LocalCluster:
         ports = [p for p in PORTS if _free(p)][: self.size]
         if len(ports) < self.size:
             raise RuntimeError(f"fewer than {self.size} free ports in {PORTS}")
+        try:
+            self._start(ports)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _start(self, ports: list[int]) -> None:
         for port in ports:
             self.procs[port] = subprocess.Popen(
                 [
@@ -85,7 +95,6 @@ class LocalCluster:
             check=True, capture_output=True, timeout=60,
         )  # fmt: skip
         self.wait_ok()
-        return self
 
     def stop(self) -> None:
         for proc in self.procs.values():
@@ -98,11 +107,11 @@ class LocalCluster:
     def _node(self, port: int) -> redis.Redis:
         return redis.Redis(port=port, socket_timeout=2, decode_responses=True)
 
-    def _wait(self, check: object, what: str, timeout: float = 30) -> None:
+    def _wait(self, check: Callable[[], object], what: str, timeout: float = 30) -> None:
         deadline = time.monotonic() + timeout
         while True:
             try:
-                if check():  # type: ignore[operator]
+                if check():
                     return
             except redis.RedisError:
                 pass
@@ -124,7 +133,7 @@ class LocalCluster:
                 info = node.info("replication")
                 if info["role"] == "slave" and info.get("master_link_status") != "up":
                     return False
-            return len(self.masters()) >= 3
+            return len(self.masters()) >= self.master_count
 
         self._wait(ok, "cluster_state:ok")
 

@@ -146,8 +146,9 @@ class SharedRegistry:
         self.sweep_slice = sweep_slice
         """Blocks of a running stale-entry sweep each apply cleans (0: only ``sweep`` does)."""
         self.events_per_call = events_per_call
-        """Events per apply script call; a longer batch is several calls in one pipeline, the
-        first of them an eighth of this (so Redis starts on it while the rest is packed).
+        """Events per apply script call; a longer batch is several calls in one pipeline (with
+        one server the first of them an eighth of this, so Redis starts on it while the rest
+        is packed).
         Longer calls touch fewer blocks: a block stored and removed within a call costs one
         read and no write."""
         self.stream_key = keys.stream
