@@ -367,54 +367,61 @@ class SharedRegistry:
     def _cluster_pipeline(self, calls: Iterable[Sequence[bytes | str | int]]) -> list[Any]:
         """Send script calls to a cluster, one pipeline per node, the nodes in parallel.
 
-        First straight to the nodes that redis-py's slot map names (its cluster pipeline
-        costs ~0.3 ms of Python per execute here, more than a who_has takes in Redis); on
-        any trouble (MOVED, ASK, TRYAGAIN, a node gone) all of them again through that
-        pipeline, which follows redirections and refreshes the map. Sending again is safe:
-        applies are idempotent and the other scripts read or purge what is already purged.
+        First straight to the nodes that redis-py's slot map names, each call sent as soon as
+        it is packed (redis-py's cluster pipeline packs everything first and costs ~0.3 ms of
+        Python per execute here, more than a who_has takes in Redis); on any trouble (MOVED,
+        ASK, TRYAGAIN, a node gone) all of them again through that pipeline, which follows
+        redirections and refreshes the map. Sending again is safe: applies are idempotent and
+        the other scripts read, or purge what is already purged.
         """
-        listed = list(calls)
+        listed: list[Sequence[bytes | str | int]] = []
+        pending = iter(calls)
         try:
-            return self._straight_to_nodes(listed)
+            return self._straight_to_nodes(pending, listed)
         except redis.exceptions.NoScriptError:
             raise
         except redis.RedisError:
+            listed += pending  # and what was not taken yet
             pipe = self.client.pipeline()
             for args in listed:
                 pipe.execute_command(*args)
             return list(pipe.execute())
 
-    def _straight_to_nodes(self, calls: Sequence[Sequence[bytes | str | int]]) -> list[Any]:
-        """Commands written to every node, then read: EVALSHA calls (routed by their first
-        key) and single-key commands."""
+    def _straight_to_nodes(
+        self, calls: Iterable[Sequence[bytes | str | int]], listed: list[Sequence[Any]]
+    ) -> list[Any]:
+        """Commands (EVALSHA calls, routed by their first key, and single-key commands), each
+        written to its node as soon as it is packed, then every reply read; ``listed`` gets
+        each command as it is taken from ``calls``."""
         assert isinstance(self.client, redis.RedisCluster)
-        by_node: dict[str, tuple[Any, list[int]]] = {}
-        for position, args in enumerate(calls):
-            node = self.client.get_node_from_key(args[3 if args[0] == "EVALSHA" else 1])  # type: ignore[no-untyped-call]
-            by_node.setdefault(node.name, (node, []))[1].append(position)
-        opened: list[tuple[Any, Any, bool]] = []  # (pool, connection, read to the end)
-        replies: list[Any] = [None] * len(calls)
+        opened: dict[str, tuple[Any, Any, list[int]]] = {}  # node -> pool, connection, calls
+        finished: set[str] = set()  # nodes whose replies were all read
         try:
-            for node, positions in by_node.values():
-                pool = self.client.get_redis_connection(node).connection_pool
-                conn = pool.get_connection()
-                opened.append((pool, conn, False))
-                packed = [b"*%d\r\n" % len(calls[p]) + _resp_args(calls[p]) for p in positions]
-                conn.send_packed_command(packed)  # type: ignore[no-untyped-call]
-            for i, (_node, positions) in enumerate(by_node.values()):
-                pool, conn, _ = opened[i]
+            for args in calls:
+                listed.append(args)
+                key = args[3 if args[0] == "EVALSHA" else 1]
+                node = self.client.get_node_from_key(key)  # type: ignore[no-untyped-call]
+                if node.name not in opened:
+                    pool = self.client.get_redis_connection(node).connection_pool
+                    opened[node.name] = (pool, pool.get_connection(), [])
+                _pool, conn, positions = opened[node.name]
+                positions.append(len(listed) - 1)
+                packed = b"*%d\r\n" % len(args) + _resp_args(args)
+                conn.send_packed_command([packed])
+            replies: list[Any] = [None] * len(listed)
+            for name, (_pool, conn, positions) in opened.items():
                 errors = []
                 for p in positions:
                     try:
                         replies[p] = conn.read_response()
                     except redis.ResponseError as exc:
                         errors.append(exc)
-                opened[i] = (pool, conn, True)
+                finished.add(name)
                 if errors:
                     raise errors[0]
         finally:
-            for pool, conn, clean in opened:
-                if not clean:
+            for name, (pool, conn, _positions) in opened.items():
+                if name not in finished:
                     conn.disconnect()  # replies left unread: never reuse it
                 pool.release(conn)
         return replies
