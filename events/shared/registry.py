@@ -247,9 +247,12 @@ class SharedRegistry:
         progress = [_ShardProgress() for _ in shards]
         while not all(p.done for p in progress):
             plan: list[tuple[int, int, int]] = []  # (shard, first, end) of each call
+            cuts: dict[int, list[tuple[int, int]]] = {}  # shards mostly stand at one place
             for shard, p in enumerate(progress):
                 if not p.done:
-                    plan += [(shard, a, b) for a, b in self._cuts(parsed, p.at)]
+                    if p.at not in cuts:
+                        cuts[p.at] = self._cuts(parsed, p.at)
+                    plan += [(shard, a, b) for a, b in cuts[p.at]]
             replies = self._send_applies(worker_id, records, parsed, plan)
             stopped: set[int] = set()
             for (shard, a, b), (done, again, last, gap) in zip(plan, replies, strict=True):
