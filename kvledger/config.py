@@ -96,6 +96,14 @@ class Settings(BaseSettings):
         None, description="shared registry; every event is also published there when set"
     )
     redis_namespace: str = Field("kvledger", min_length=1, description="key namespace in Redis")
+    redis_linger_s: float = Field(
+        0.0,
+        ge=0,
+        lt=60,
+        allow_inf_nan=False,
+        description="how long a batch of events may wait to fill before it is published to the "
+        "shared registry, seconds (each batch costs every shard a script call)",
+    )
     g4: bool = Field(
         False,
         description="share G2 with the workers of redis_namespace and read theirs over NIXL "

@@ -36,6 +36,7 @@ import torch
 from kvledger.config import Settings, ensure_log_folder
 from kvledger.events.log import EventLog
 from kvledger.events.log.replay import replay
+from kvledger.events.shared.client import connect
 from kvledger.events.shared.publish import RedisPublisher
 from kvledger.events.shared.registry import SharedRegistry
 from kvledger.events.types import AnyEvent, BlockInfo, Tier
@@ -271,8 +272,6 @@ class BlockManager:
 
     def _link_g4(self, s: Settings, metrics: Metrics | None) -> G4Link:
         """Export G2 to the remote directory and read other workers' G2 (``g4`` setting)."""
-        import redis
-
         from kvledger.tiers.remote import BlockExporter, RemoteAgent, RemoteDirectory, RemoteFetcher
 
         assert s.redis_url is not None and self._publisher is not None  # checked by Settings
@@ -280,7 +279,7 @@ class BlockManager:
         agent = RemoteAgent(s.worker_id)
         try:
             agent.register(g2)  # type: ignore[arg-type]
-            directory = RemoteDirectory(redis.Redis.from_url(s.redis_url), s.redis_namespace)
+            directory = RemoteDirectory(connect(s.redis_url), s.redis_namespace)
             exporter = BlockExporter(directory, agent.card(self.shape), g2)  # type: ignore[arg-type]
             fetcher = RemoteFetcher(
                 agent,
@@ -314,10 +313,10 @@ class BlockManager:
         """Publish to the shared registry at ``redis_url``, catching up from the event log."""
         if self._event_log is None or s.redis_url is None:
             raise ValueError("redis_url needs the event log: the publisher catches up from it")
-        import redis
-
-        shared = SharedRegistry(redis.Redis.from_url(s.redis_url), s.redis_namespace)
-        return RedisPublisher(shared, s.worker_id, log=self._event_log).start()
+        shared = SharedRegistry(connect(s.redis_url), s.redis_namespace)
+        return RedisPublisher(
+            shared, s.worker_id, log=self._event_log, linger_s=s.redis_linger_s
+        ).start()
 
     # -- events ----------------------------------------------------------------------------
 

@@ -170,6 +170,11 @@ def test_db_upgrade_refuses_a_revision_newer_than_it_knows(
         (["tail", "LOG", "-n", "-3"], "argument -n/--lines: must be 0 or more, got -3"),
         (["simulate", "--requests", "-3"], "argument --requests: must be 1 or more, got -3"),
         (["worker", "--worker-id", "-1", "--log", "LOG"], "argument --worker-id: must be 0 or"),
+        (["worker", "--worker-id", "1", "--log", "LOG", "--shards", "0"], "--shards: must be 1"),
+        (
+            ["worker", "--worker-id", "1", "--log", "LOG", "--publish-linger", "nan"],
+            "argument --publish-linger: must be 0 or more and under 60, got nan",
+        ),
         (["simulate", "--metrics-port", "70000"], "a TCP port is 0..65535, got 70000"),
         (["replay", "LOG", "--until-ts", "nan"], "argument --until-ts: must be a finite number"),
         (["replay", "LOG", "--until-ts", "yesterday"], "or an ISO time such as"),

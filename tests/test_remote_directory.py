@@ -146,6 +146,7 @@ def test_one_key_space_names_every_key_of_a_namespace(client: redis.Redis, names
         keys.workers,
         keys.stream,
         keys.sweep,
+        keys.shard_count,
         keys.lease(WORKER),
         keys.agent_card(WORKER),
         keys.block_table(WORKER),

@@ -3,9 +3,11 @@ also used by the G4 directory), ``registry`` (``SharedRegistry``, atomic applies
 scripts that ``scripts`` loads from ``lua/``), ``publish`` (sinks that carry a worker's events
 there, and ``FanOut``) and ``subscribe`` (routers reading its event stream).
 
-The names users need are importable from here.
+``client.connect`` gives the right redis-py client for a URL (a cluster client for Redis
+Cluster). The names users need are importable from here.
 """
 
+from kvledger.events.shared.client import connect
 from kvledger.events.shared.keys import KeySpace
 from kvledger.events.shared.publish import FanOut, RedisPublisher
 from kvledger.events.shared.registry import ApplyResult, SharedRegistry
@@ -18,4 +20,5 @@ __all__ = [
     "RedisPublisher",
     "SharedRegistry",
     "StreamSubscriber",
+    "connect",
 ]

@@ -24,6 +24,17 @@ from kvledger.events.types import AnyEvent
 
 log = logging.getLogger(__name__)
 
+OUTAGES = (
+    redis.ConnectionError,
+    redis.TimeoutError,
+    redis.BusyLoadingError,
+    redis.exceptions.ClusterError,  # a cluster client out of retries (a slot on the move)
+    redis.exceptions.ClusterDownError,  # a fail-over in progress
+    redis.exceptions.TryAgainError,
+    redis.exceptions.SlotNotCoveredError,
+)
+"""Errors that mean Redis is (for now) out of reach: the publisher waits and catches up."""
+
 
 class LogReader(Protocol):
     """What catch-up needs of the durable log (``kvledger.events.log.EventLog`` has it)."""
@@ -69,11 +80,14 @@ class RedisPublisher:
         max_pending: int = 100_000,
         heartbeat_s: float | None = None,
         retry_s: float = 0.2,
+        linger_s: float = 0.0,
     ) -> None:
         if batch_size < 1 or max_pending < batch_size:
             raise ValueError(
                 f"need 1 <= batch_size <= max_pending, got {batch_size} and {max_pending}"
             )
+        if not 0 <= linger_s < 60:
+            raise ValueError(f"linger_s must be 0 or more and under 60 s, got {linger_s}")
         self.registry = registry
         self.worker_id = worker_id
         self.log = log
@@ -81,6 +95,12 @@ class RedisPublisher:
         self.max_pending = max_pending
         self.heartbeat_s = registry.lease_ttl_ms / 3000 if heartbeat_s is None else heartbeat_s
         self.retry_s = retry_s
+        self.linger_s = linger_s
+        """How long a batch may wait to fill up to ``batch_size`` before it is sent (0: at
+        once). Every batch costs each shard a script call besides its per-block work, so a
+        worker publishing a few hundred events a second mostly pays per call unless its
+        events wait for each other; a few tens of ms turn batches of 1-2 events into dozens."""
+        self._oldest_pending_at = 0.0
         self._pending: deque[AnyEvent] = deque()
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -101,6 +121,8 @@ class RedisPublisher:
                 f"publisher of worker {self.worker_id} got an event of worker {event.worker_id}"
             )
         self.last_seen_id = event.event_id
+        if not self._pending:
+            self._oldest_pending_at = time.monotonic()
         if len(self._pending) < self.max_pending:
             self._pending.append(event)
         else:
@@ -149,6 +171,10 @@ class RedisPublisher:
                     self.registry.heartbeat(self.worker_id)
                     self.registry.purge_expired()
                     next_beat = now + self.heartbeat_s
+                    if self.registry.applied_event_id(self.worker_id) < self.applied_id:
+                        # Redis lost what it had confirmed (a fail-over to a replica that had
+                        # not received it yet, a restart): send it again from the log
+                        self._catch_up(self.applied_id)
                 if down_since is not None:
                     log.warning(
                         "worker %d: Redis reachable again after %.1f s; catching up from the log",
@@ -157,9 +183,9 @@ class RedisPublisher:
                     )
                     down_since = None
                 if not self._publish_some():
-                    self._wake.wait(min(self.heartbeat_s, 0.05))
+                    self._wake.wait(min(self.heartbeat_s, 0.05, self.linger_s or 0.05))
                     self._wake.clear()
-            except (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError) as exc:
+            except OUTAGES as exc:
                 self.outages += 1
                 if down_since is None:
                     down_since = time.monotonic()
@@ -188,7 +214,13 @@ class RedisPublisher:
                 self._catch_up(self.last_seen_id)
                 return True
             return False
+        if (
+            len(pending) < self.batch_size
+            and time.monotonic() - self._oldest_pending_at < self.linger_s
+        ):
+            return False  # let the batch fill up a little longer
         batch = [pending[i] for i in range(min(self.batch_size, len(pending)))]
+        self._oldest_pending_at = 0.0  # what is left waited already: next round sends it
         result = self.registry.apply(self.worker_id, batch)
         self.applied_id = result.last_event_id
         if result.gap_at is not None:

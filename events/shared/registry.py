@@ -10,9 +10,15 @@ the part that needs the stored values; a long batch goes out as several calls in
 The same script appends every applied event to one Redis stream (trimmed approximately), so
 routers reading it with a consumer group see each event exactly once, in order per worker.
 
-Keys, all under ``kvl:{<namespace>}:`` and named by ``keys.KeySpace`` (the braces are a hash
-tag: Redis Cluster keeps a whole namespace on one slot, which the scripts need because they
-touch keys they derive):
+The index may be split over N shards by sequence hash (``keys.KeySpace.shards``); every shard
+keeps all the keys below for its blocks (its own applied id per worker, generations, lease),
+every batch reaches every shard, and a worker's records go to its home shard's stream only.
+docs/shared-registry.md (Sharding and Redis Cluster) says how leases, purges, fail-overs and
+slot migrations work across them.
+
+Keys of a shard, all under its prefix (``kvl:{<namespace>}:`` for shard 0) and named by
+``keys.KeySpace`` (the braces are a hash tag: Redis Cluster keeps a whole shard on one slot,
+which the scripts need because they touch keys they derive):
 
 - ``idx``                       hash  8-byte sequence hash -> run of 21-byte entries: u32 worker
                                 id, u8 tier mask (G1=1, G2=2, G3=4, G4=8), and the worker's 16
@@ -43,10 +49,13 @@ no-op Cleared skip the sweep.
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import itertools
 import struct
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import msgpack
 import numpy as np
@@ -54,7 +63,8 @@ import redis
 
 from kvledger.events.codec import KIND_CODES
 from kvledger.events.shared import scripts as lua
-from kvledger.events.shared.keys import KeySpace
+from kvledger.events.shared.client import Client
+from kvledger.events.shared.keys import MAX_SHARDS, KeySpace
 from kvledger.events.types import AnyEvent, Cleared, Removed, Tier
 from kvledger.events.wire import (
     KIND_OF_CODE,
@@ -78,14 +88,35 @@ class ApplyResult:
     """The first event id of the batch that did not follow ``last_event_id`` (None: no gap)."""
 
 
+_APPLY_KEYS = 9
+
+
+@dataclass
+class _ShardProgress:
+    """Where one shard's apply of a batch stands (``_apply_parsed``)."""
+
+    at: int = 0  # position in the batch of the next call to send
+    applied: int = 0
+    repeated: int = 0
+    last: int = -1
+    gap: int | None = None
+    done: bool = False
+
+
 class SharedRegistry:
-    """One namespace of the shared registry, over a redis-py client (hiredis parses replies)."""
+    """One namespace of the shared registry, over a redis-py client (hiredis parses replies).
+
+    ``shards`` splits the block index by sequence hash over that many shards (one hash tag
+    each, so Redis Cluster can put them on different masters); it is fixed when the namespace
+    is first opened and recorded in it, and None opens it as recorded (1 when nothing is).
+    """
 
     def __init__(
         self,
-        client: redis.Redis,
+        client: Client,
         namespace: str,
         *,
+        shards: int | None = None,
         lease_ttl_s: float = 10.0,
         stream_maxlen: int = 1_000_000,
         sweep_slice: int = 256,
@@ -100,28 +131,77 @@ class SharedRegistry:
             raise ValueError(f"sweep_slice must be 0 or more, got {sweep_slice}")
         if events_per_call < 1:
             raise ValueError(f"events_per_call must be at least 1, got {events_per_call}")
+        if shards is not None and not 1 <= shards <= MAX_SHARDS:
+            raise ValueError(f"shards must be 1..{MAX_SHARDS}, got {shards}")
         if client.get_connection_kwargs().get("decode_responses"):
             raise ValueError("the shared registry needs a Redis client with decode_responses=False")
         self.client = client
+        self.cluster = isinstance(client, redis.RedisCluster)
         self.namespace = namespace
         self.keys = keys
+        """Shard 0's keys: the namespace's own, as ``KeySpace(namespace)`` names them."""
         self.prefix = keys.prefix
         self.lease_ttl_ms = int(lease_ttl_s * 1000)
         self.stream_maxlen = stream_maxlen
         self.sweep_slice = sweep_slice
         """Blocks of a running stale-entry sweep each apply cleans (0: only ``sweep`` does)."""
         self.events_per_call = events_per_call
-        """Events per apply script call; a longer batch is several calls in one pipeline, the
-        first of them an eighth of this (so Redis starts on it while the rest is packed).
+        """Events per apply script call; a longer batch is several calls in one pipeline (with
+        one server the first of them an eighth of this, so Redis starts on it while the rest
+        is packed).
         Longer calls touch fewer blocks: a block stored and removed within a call costs one
         read and no write."""
         self.stream_key = keys.stream
         self.workers_key = keys.workers
         self.index_key = keys.index
-        self._apply = client.register_script(lua.APPLY)
-        self._purge = client.register_script(lua.PURGE)
-        self._who_has = client.register_script(lua.WHO_HAS)
-        self._sweep = client.register_script(lua.SWEEP)
+        self._sha = {src: hashlib.sha1(src.encode()).hexdigest() for src in _SCRIPTS}
+        self._wanted_shards = shards
+        self._shard_keys: list[KeySpace] | None = None
+        # read on first use when Redis is down: a publisher started then retries it
+        with contextlib.suppress(redis.ConnectionError, redis.TimeoutError):
+            self._shard_keys = keys.shards(self._recorded_shards(shards))
+
+    @property
+    def shard_keys(self) -> list[KeySpace]:
+        """Each shard's keys; the first are the namespace's own (``keys``)."""
+        if self._shard_keys is None:
+            self._shard_keys = self.keys.shards(self._recorded_shards(self._wanted_shards))
+        return self._shard_keys
+
+    @property
+    def shard_count(self) -> int:
+        return len(self.shard_keys)
+
+    @property
+    def stream_keys(self) -> list[str]:
+        """One stream per shard: a worker's events go to its home shard's (``home_shard``)."""
+        return [k.stream for k in self.shard_keys]
+
+    def _recorded_shards(self, wanted: int | None) -> int:
+        recorded = self.client.get(self.keys.shard_count)
+        if recorded is None:
+            if wanted is not None and wanted > 1 and self.client.exists(self.keys.applied):
+                raise ValueError(
+                    f"namespace {self.namespace!r} holds an unsharded registry; it cannot be "
+                    f"split over {wanted} shards in place (rebuild it from the workers' logs "
+                    "into a new namespace: docs/shared-registry.md, Sharding)"
+                )
+            self.client.set(self.keys.shard_count, wanted or 1, nx=True)
+            recorded = self.client.get(self.keys.shard_count)
+        count = int(recorded or 0)
+        if wanted is not None and wanted != count:
+            raise ValueError(
+                f"namespace {self.namespace!r} is split over {count} shards, not {wanted}: the "
+                "shard count is fixed when a namespace is created"
+            )
+        return count
+
+    def home_shard(self, worker_id: int) -> int:
+        """The shard whose stream carries the worker's events (and its purge notices)."""
+        return int(worker_id) % self.shard_count
+
+    def shard_of(self, sequence_hash: int) -> int:
+        return int(sequence_hash) % self.shard_count
 
     # -- writing -------------------------------------------------------------------------
 
@@ -140,9 +220,13 @@ class SharedRegistry:
         Every record is checked here before anything is sent, so a malformed one
         (``WireFormatError``) or one of another worker (``ValueError``) leaves Redis as it was.
         A run of consecutive event ids goes out as script calls of up to ``events_per_call``
-        events, all in one pipeline: the next call is packed while Redis runs the one before.
-        Each call is atomic, and one that does not follow the last applied id changes nothing,
-        so a call after a gap is refused like the gap itself.
+        events, each cut by shard and sent to every shard (a shard none of whose blocks the
+        call touches still moves its applied id), all in one pipeline per node: with one
+        server, the next call is packed while Redis runs the one before. Each call is atomic
+        in its shard, and one that does not follow the shard's last applied id changes
+        nothing, so a call after a gap is refused like the gap itself. Shards move on their
+        own: after a failover one may be behind the others, and the result reports the
+        shard furthest behind, which is where the caller's log must be read from.
         """
         if not 0 <= worker_id < 1 << 32:
             raise ValueError(f"worker ids must fit in 32 bits, got {worker_id}")
@@ -150,93 +234,125 @@ class SharedRegistry:
         try:
             return self._apply_parsed(worker_id, records, parsed)
         except redis.exceptions.NoScriptError:  # a restarted or flushed Redis: load, send again
-            self.client.script_load(lua.APPLY)
+            self._load_scripts()
             return self._apply_parsed(worker_id, records, parsed)
 
     def _apply_parsed(
         self, worker_id: int, records: Sequence[bytes], parsed: Sequence[_Parsed]
     ) -> ApplyResult:
-        if not parsed:  # refreshes the lease and sweeps, like any apply
-            ((_, _, last, _),) = self._call(worker_id, [([], [])])
-            return ApplyResult(0, 0, last, None)
-        applied = repeated = 0
-        last, start = -1, 0
-        while start < len(parsed):
-            end = start + 1
-            while end < len(parsed) and parsed[end][0] == parsed[end - 1][0] + 1:
-                end += 1
-            first = max(1, self.events_per_call // 8)  # small, so Redis starts on it early
-            cuts = [start, start + first] if end - start > first else [start]
-            cuts += range(cuts[-1] + self.events_per_call, end, self.events_per_call)
-            cuts.append(end)
-            calls = [(records[a:b], parsed[a:b]) for a, b in itertools.pairwise(cuts)]
-            at = start
-            for (done, again, last, gap), (call_records, _) in zip(
-                self._call(worker_id, calls), calls, strict=True
-            ):
-                applied, repeated = applied + done, repeated + again
+        shards = range(self.shard_count)
+        if not parsed:  # refreshes the leases and sweeps, like any apply
+            replies = self._send_applies(worker_id, records, parsed, [(s, 0, 0) for s in shards])
+            return ApplyResult(0, 0, min(last for _, _, last, _ in replies), None)
+        progress = [_ShardProgress() for _ in shards]
+        while not all(p.done for p in progress):
+            plan: list[tuple[int, int, int]] = []  # (shard, first, end) of each call
+            cuts: dict[int, list[tuple[int, int]]] = {}  # shards mostly stand at one place
+            for shard, p in enumerate(progress):
+                if not p.done:
+                    if p.at not in cuts:
+                        cuts[p.at] = self._cuts(parsed, p.at)
+                    plan += [(shard, a, b) for a, b in cuts[p.at]]
+            replies = self._send_applies(worker_id, records, parsed, plan)
+            stopped: set[int] = set()
+            for (shard, a, b), (done, again, last, gap) in zip(plan, replies, strict=True):
+                p = progress[shard]
+                if shard in stopped:
+                    continue  # calls after a refused one changed nothing
+                p.applied, p.repeated, p.last = p.applied + done, p.repeated + again, last
                 if gap == -2:  # started inside what was applied: send the rest of the run again
-                    end = at + again
-                    break
-                if gap != -1:
-                    return ApplyResult(applied, repeated, last, gap)
-                at += len(call_records)
-            start = end
-        return ApplyResult(applied, repeated, last, None)
+                    p.at = a + again
+                    stopped.add(shard)
+                elif gap != -1:
+                    p.gap, p.done = gap, True
+                    stopped.add(shard)
+                else:
+                    p.at = b
+            for p in progress:
+                p.done = p.done or p.at >= len(parsed)
+        gaps = [p.gap for p in progress if p.gap is not None]
+        return ApplyResult(
+            max(p.applied for p in progress),
+            min(p.repeated for p in progress),
+            min(p.last for p in progress),
+            min(gaps) if gaps else None,
+        )
 
-    def _call(
-        self, worker_id: int, calls: Sequence[tuple[Sequence[bytes], Sequence[_Parsed]]]
+    def _cuts(self, parsed: Sequence[_Parsed], start: int) -> list[tuple[int, int]]:
+        """The calls of the run of consecutive ids from ``start``: ``events_per_call`` long, the
+        first one small on a single server, so Redis starts on it early."""
+        end = start + 1
+        while end < len(parsed) and parsed[end][0] == parsed[end - 1][0] + 1:
+            end += 1
+        # With one server calls are sent as they are packed; to a cluster they go out together
+        first = self.events_per_call if self.cluster else max(1, self.events_per_call // 8)
+        cuts = [start, start + first] if end - start > first else [start]
+        cuts += range(cuts[-1] + self.events_per_call, end, self.events_per_call)
+        cuts.append(end)
+        return list(itertools.pairwise(cuts))
+
+    def _send_applies(
+        self,
+        worker_id: int,
+        records: Sequence[bytes],
+        parsed: Sequence[_Parsed],
+        plan: Sequence[tuple[int, int, int]],
     ) -> list[tuple[int, int, int, int]]:
-        """Send one apply script call per (records, parsed) in one pipeline; their replies.
+        """One apply script call per (shard, first, end) of the plan, in one pipeline per node;
+        their replies in plan order."""
+        wid = str(int(worker_id))
+        home = self.home_shard(worker_id)
+        sha = self._sha[lua.APPLY]
+        reduced: dict[tuple[int, int], list[_Changes]] = {}
+
+        def call(shard: int, a: int, b: int) -> list[bytes | str | int]:
+            if (a, b) not in reduced:
+                clears, groups = _net_changes(parsed[a:b])
+                reduced[a, b] = [(clears, g) for g in _split_groups(groups, self.shard_count)]
+            clears, groups = reduced[a, b][shard]
+            k = self.shard_keys[shard]
+            args: list[bytes | str | int] = [
+                "EVALSHA", sha, _APPLY_KEYS,
+                k.applied, k.count, k.stream, k.workers, k.lease(wid), k.held, k.index,
+                k.generations, k.sweep,
+                k.prefix, wid, self.stream_maxlen, self.lease_ttl_ms, self.sweep_slice,
+                parsed[a][0] if b > a else 0, b - a, *clears, len(groups),
+            ]  # fmt: skip
+            for set_mask, clear_mask, count, _blob in groups:
+                args += (set_mask, clear_mask, count)
+            if shard == home:
+                args += records[a:b]
+            args += [blob for _set, _clear, _count, blob in groups]
+            return args
+
+        calls = (call(*item) for item in plan)
+        replies = self._cluster_pipeline(calls) if self.cluster else self._stream_calls(calls)
+        return [(int(n), int(again), int(last), int(gap)) for n, again, last, gap in replies]
+
+    def _stream_calls(self, calls: Iterable[Sequence[bytes | str | int]]) -> list[Any]:
+        """Send commands to the one server in one pipeline; their replies.
 
         Packed and sent here rather than through a redis-py pipeline, which packs every call
         before sending any: sending each call as soon as it is packed lets Redis run it while
-        the next one is packed.
+        the next one is packed. ``calls`` may be a generator: it is read once.
         """
-        wid = str(int(worker_id))
-        head = _resp_args(
-            [
-                b"EVALSHA",
-                self._apply.sha,
-                7,
-                self.keys.applied,
-                self.keys.count,
-                self.stream_key,
-                self.workers_key,
-                self.keys.lease(wid),
-                self.keys.held,
-                self.index_key,
-                self.prefix,
-                wid,
-                self.stream_maxlen,
-                self.lease_ttl_ms,
-                self.sweep_slice,
-            ]
-        )
+        assert isinstance(self.client, redis.Redis)
+        packed = iter(calls)
         pool = self.client.connection_pool
         conn = pool.get_connection()
+        sent: list[bytes] = []  # what went out, for a retry on a fresh connection
 
-        def send_and_read() -> list[tuple[int, int, int, int]]:
-            for records, parsed in calls:
-                clears, groups = _net_changes(parsed)
-                small: list[bytes | str | int] = [
-                    parsed[0][0] if parsed else 0,
-                    len(records),
-                    *clears,
-                    len(groups),
-                ]
-                for set_mask, clear_mask, count, _blob in groups:
-                    small += (set_mask, clear_mask, count)
-                parts = [b"*%d\r\n" % (15 + len(small) + len(records) + len(groups)), head]
-                parts.append(_resp_args(small))
-                parts.append(_resp_args(records))
-                parts.append(_resp_args([blob for _set, _clear, _count, blob in groups]))
-                conn.send_packed_command(parts)  # type: ignore[no-untyped-call]
+        def send_and_read() -> list[Any]:
+            for part in sent:
+                conn.send_packed_command([part])  # type: ignore[no-untyped-call]
+            for args in packed:
+                data = b"*%d\r\n" % len(args) + _resp_args(args)
+                sent.append(data)
+                conn.send_packed_command([data])  # type: ignore[no-untyped-call]
             replies, error = [], None
-            for _ in calls:  # read every reply, so the connection stays in step
+            for _ in sent:  # read every reply, so the connection stays in step
                 try:
-                    applied, repeated, last, gap = conn.read_response()
-                    replies.append((int(applied), int(repeated), int(last), int(gap)))
+                    replies.append(conn.read_response())
                 except redis.ResponseError as exc:
                     error = error or exc
             if error is not None:
@@ -251,52 +367,175 @@ class SharedRegistry:
         finally:
             pool.release(conn)
 
+    def _cluster_pipeline(self, calls: Iterable[Sequence[bytes | str | int]]) -> list[Any]:
+        """Send script calls to a cluster, one pipeline per node, the nodes in parallel.
+
+        First straight to the nodes that redis-py's slot map names, each call sent as soon as
+        it is packed (redis-py's cluster pipeline packs everything first and costs ~0.3 ms of
+        Python per execute here, more than a who_has takes in Redis); on any trouble (MOVED,
+        ASK, TRYAGAIN, a node gone) all of them again through that pipeline, which follows
+        redirections and refreshes the map. Sending again is safe: applies are idempotent and
+        the other scripts read, or purge what is already purged.
+        """
+        listed: list[Sequence[bytes | str | int]] = []
+        pending = iter(calls)
+        try:
+            return self._straight_to_nodes(pending, listed)
+        except redis.exceptions.NoScriptError:
+            raise
+        except redis.RedisError:
+            listed += pending  # and what was not taken yet
+            pipe = self.client.pipeline()
+            for args in listed:
+                pipe.execute_command(*args)
+            return list(pipe.execute())
+
+    def _straight_to_nodes(
+        self, calls: Iterable[Sequence[bytes | str | int]], listed: list[Sequence[Any]]
+    ) -> list[Any]:
+        """Commands (EVALSHA calls, routed by their first key, and single-key commands), each
+        written to its node as soon as it is packed, then every reply read; ``listed`` gets
+        each command as it is taken from ``calls``."""
+        assert isinstance(self.client, redis.RedisCluster)
+        opened: dict[str, tuple[Any, Any, list[int]]] = {}  # node -> pool, connection, calls
+        finished: set[str] = set()  # nodes whose replies were all read
+        try:
+            for args in calls:
+                listed.append(args)
+                key = args[3 if args[0] == "EVALSHA" else 1]
+                node = self.client.get_node_from_key(key)  # type: ignore[no-untyped-call]
+                if node.name not in opened:
+                    pool = self.client.get_redis_connection(node).connection_pool
+                    opened[node.name] = (pool, pool.get_connection(), [])
+                _pool, conn, positions = opened[node.name]
+                positions.append(len(listed) - 1)
+                packed = b"*%d\r\n" % len(args) + _resp_args(args)
+                conn.send_packed_command([packed])
+            replies: list[Any] = [None] * len(listed)
+            for name, (_pool, conn, positions) in opened.items():
+                errors = []
+                for p in positions:
+                    try:
+                        replies[p] = conn.read_response()
+                    except redis.ResponseError as exc:
+                        errors.append(exc)
+                finished.add(name)
+                if errors:
+                    raise errors[0]
+        finally:
+            for name, (pool, conn, _positions) in opened.items():
+                if name not in finished:
+                    conn.disconnect()  # replies left unread: never reuse it
+                pool.release(conn)
+        return replies
+
+    def _pipeline(self, calls: Iterable[Sequence[bytes | str | int]]) -> list[Any]:
+        if self.cluster:
+            return self._cluster_pipeline(calls)
+        pipe = self.client.pipeline(transaction=False)
+        for args in calls:
+            pipe.execute_command(*args)
+        return list(pipe.execute())
+
+    def _scripted(self, calls: Sequence[Sequence[bytes | str | int]]) -> list[Any]:
+        """``_pipeline`` for script calls: loads the scripts where a server lacks them."""
+        try:
+            return self._pipeline(calls)
+        except redis.exceptions.NoScriptError:
+            self._load_scripts()
+            return self._pipeline(calls)
+
+    def _load_scripts(self) -> None:
+        for src in _SCRIPTS:  # a cluster client sends SCRIPT LOAD to every master
+            self.client.script_load(src)
+
     def heartbeat(self, worker_id: int) -> None:
-        """Refresh the worker's lease (and list it, so its entries are purged when it lapses)."""
+        """Refresh the worker's lease (and list it, so its entries are purged when it lapses),
+        in every shard."""
         wid = str(int(worker_id))
-        pipe = self.client.pipeline(transaction=True)
-        pipe.set(self.keys.lease(wid), "1", px=self.lease_ttl_ms)
-        pipe.sadd(self.workers_key, wid)
+        pipe = self.client.pipeline(transaction=not self.cluster)
+        for k in self.shard_keys:
+            pipe.set(k.lease(wid), "1", px=self.lease_ttl_ms)
+            pipe.sadd(k.workers, wid)
         pipe.execute()
 
     def purge_expired(self) -> dict[int, int]:
         """Drop the entries of every worker whose lease lapsed: {worker: entries dropped}."""
-        return self._purge_call("")
+        listed = self._pipeline([("SMEMBERS", k.workers) for k in self.shard_keys])
+        candidates = [sorted(int(w) for w in members) for members in listed]
+        return self._purge_calls(candidates, force=False)
 
     def release(self, worker_id: int) -> int:
         """Drop a worker's entries now (clean shutdown); returns how many were dropped."""
-        return self._purge_call(str(int(worker_id))).get(int(worker_id), 0)
+        candidates = [[int(worker_id)] for _ in self.shard_keys]
+        return self._purge_calls(candidates, force=True).get(int(worker_id), 0)
 
-    def _purge_call(self, target: str) -> dict[int, int]:
-        flat = self._purge(keys=[self.workers_key], args=[self.prefix, target, self.stream_maxlen])
-        return {int(flat[i]): int(flat[i + 1]) for i in range(0, len(flat), 2)}
+    def _purge_calls(self, candidates: Sequence[list[int]], *, force: bool) -> dict[int, int]:
+        """Purge each shard's candidates (all of them with ``force``, else those whose lease
+        in that shard is gone); a purge reaches every shard, one atomic call each."""
+        sha = self._sha[lua.PURGE]
+        calls: list[list[bytes | str | int]] = []
+        for shard, (k, workers) in enumerate(zip(self.shard_keys, candidates, strict=True)):
+            if not workers:
+                continue
+            keys = [k.workers, k.generations, k.held, k.applied, k.count, k.stream, k.sweep]
+            keys += [k.lease(w) for w in workers]
+            flags = ["1" if force else "", self.stream_maxlen, self.shard_count, shard]
+            calls.append(["EVALSHA", sha, len(keys), *keys, k.prefix, *flags, *workers])
+        out: dict[int, int] = {}
+        for flat in self._scripted(calls):
+            for i in range(0, len(flat), 2):
+                worker = int(flat[i])
+                out[worker] = out.get(worker, 0) + int(flat[i + 1])
+        return out
 
     def sweep(self, slice_blocks: int = 4096) -> bool:
-        """Clean stale entries (left by Cleared and purges) from about ``slice_blocks`` blocks;
-        True while a sweep pass is still running. Applies do this a slice at a time already."""
+        """Clean stale entries (left by Cleared and purges) from about ``slice_blocks`` blocks
+        of every shard; True while a sweep pass is still running in any. Applies do this a
+        slice at a time already."""
         if slice_blocks < 1:
             raise ValueError(f"slice_blocks must be at least 1, got {slice_blocks}")
-        _seen, running = self._sweep(keys=[self.index_key], args=[self.prefix, slice_blocks])
-        return bool(running)
+        sha = self._sha[lua.SWEEP]
+        calls: list[list[bytes | str | int]] = [
+            ["EVALSHA", sha, 3, k.index, k.generations, k.sweep, k.prefix, slice_blocks]
+            for k in self.shard_keys
+        ]
+        return any(bool(running) for _seen, running in self._scripted(calls))
 
     # -- reading -------------------------------------------------------------------------
 
     def who_has(
         self, sequence_hashes: Sequence[int], *, stop_at_miss: bool = False
     ) -> list[dict[int, int]]:
-        """Per hash, ``{worker: tier mask}``, in one round trip.
+        """Per hash, ``{worker: tier mask}``: one script call per shard that owns one of the
+        hashes, in one round trip per node, the nodes asked in parallel.
 
         With ``stop_at_miss`` the answer ends at the first block nobody holds (a prefix lookup).
         """
         if not sequence_hashes:
             return []
-        args: list[bytes | str] = [self.index_key, self.prefix, *map(hash_key, sequence_hashes)]
-        try:  # EVALSHA itself: redis-py's Script wrapper costs ~30 us a call here
-            values = self.client.evalsha(self._who_has.sha, 1, *args)
-        except redis.exceptions.NoScriptError:
-            self.client.script_load(lua.WHO_HAS)
-            values = self.client.evalsha(self._who_has.sha, 1, *args)
-        out = [_holders(v) for v in values]
+        sha = self._sha[lua.WHO_HAS]
+        positions: dict[int, list[int]] = {}
+        for position, h in enumerate(sequence_hashes):
+            positions.setdefault(self.shard_of(h), []).append(position)
+        calls: list[list[bytes | str | int]] = []
+        for shard, at in positions.items():
+            k = self.shard_keys[shard]
+            keys = [hash_key(sequence_hashes[i]) for i in at]
+            calls.append(["EVALSHA", sha, 3, k.index, k.generations, k.sweep, k.prefix, *keys])
+        if len(calls) == 1 and not self.cluster:
+            # one server, one shard: EVALSHA itself (a pipeline costs ~30 us a call here)
+            try:
+                replies = [self.client.execute_command(*calls[0])]  # type: ignore[no-untyped-call]
+            except redis.exceptions.NoScriptError:
+                self._load_scripts()
+                replies = [self.client.execute_command(*calls[0])]  # type: ignore[no-untyped-call]
+        else:
+            replies = self._scripted(calls)
+        out: list[dict[int, int]] = [{}] * len(sequence_hashes)
+        for at, values in zip(positions.values(), replies, strict=True):
+            for position, value in zip(at, values, strict=True):
+                out[position] = _holders(value)
         if stop_at_miss:
             for position, holders in enumerate(out):
                 if not holders:
@@ -307,45 +546,78 @@ class SharedRegistry:
         """Per worker and tier, how many leading blocks of the prefix it holds."""
         return prefix_depths(self.who_has(sequence_hashes, stop_at_miss=True))
 
+    def _per_shard(self, *command: str) -> list[Any]:
+        """``command`` with each shard's key named by its first word (an attribute of
+        ``KeySpace``) run in every shard; the replies in shard order."""
+        attribute, *rest = command[1:]
+        return self._pipeline([(command[0], getattr(k, attribute), *rest) for k in self.shard_keys])
+
     def applied_event_id(self, worker_id: int) -> int:
-        """The last event id applied for a worker, -1 when Redis knows nothing of it."""
-        raw = self.client.hget(self.keys.applied, str(int(worker_id)))
-        return -1 if raw is None else int(raw)
+        """The last event id applied for a worker in every shard (the shard furthest behind),
+        -1 when a shard knows nothing of it."""
+        raw = self._per_shard("HGET", "applied", str(int(worker_id)))
+        return min(-1 if r is None else int(r) for r in raw)
 
     def applied_count(self, worker_id: int) -> int:
-        """Events applied for a worker since it was last purged (equals last id + 1 when no
-        event was ever applied twice)."""
-        raw = self.client.hget(self.keys.count, str(int(worker_id)))
-        return 0 if raw is None else int(raw)
+        """Events applied for a worker since it was last purged, in the shard that applied
+        most: every shard takes every event, so this equals last id + 1 when no shard ever
+        applied an event twice."""
+        raw = self._per_shard("HGET", "count", str(int(worker_id)))
+        return max(0 if r is None else int(r) for r in raw)
 
     def held_count(self, worker_id: int, tier: Tier) -> int:
         """How many blocks a worker holds on ``tier`` (kept by the apply; what a purge drops)."""
-        raw = self.client.hget(self.keys.held, f"{int(worker_id)}:{int(tier)}")
-        return 0 if raw is None else int(raw)
+        raw = self._per_shard("HGET", "held", f"{int(worker_id)}:{int(tier)}")
+        return sum(0 if r is None else int(r) for r in raw)
 
     def workers(self) -> set[int]:
-        return {int(w) for w in self.client.smembers(self.workers_key)}
+        return {int(w) for members in self._per_shard("SMEMBERS", "workers") for w in members}
 
     def snapshot(self) -> dict[int, dict[int, int]]:
         """``sequence_hash -> {worker: tier mask}`` for the whole namespace (HSCAN; for checks)."""
-        generations: dict[bytes, bytes] = {}
-        for worker, stamp in self.client.hgetall(self.keys.generations).items():
-            if not isinstance(worker, bytes) or not isinstance(stamp, bytes):
-                raise TypeError("generations must be bytes")  # refused in __init__, as above
-            generations[worker] = stamp
         out: dict[int, dict[int, int]] = {}
-        for field, value in self.client.hscan_iter(self.index_key, count=1000):
-            holders = _live_holders(value, generations)
-            if holders:
-                out[int.from_bytes(field, "big")] = holders
+        for k in self.shard_keys:
+            generations: dict[bytes, bytes] = {}
+            for worker, stamp in self.client.hgetall(k.generations).items():
+                if not isinstance(worker, bytes) or not isinstance(stamp, bytes):
+                    raise TypeError("generations must be bytes")  # refused in __init__, as above
+                generations[worker] = stamp
+            for field, value in self.client.hscan_iter(k.index, count=1000):
+                holders = _live_holders(value, generations)
+                if holders:
+                    out[int.from_bytes(field, "big")] = holders
         return out
 
     def delete_namespace(self) -> int:
         """Remove every key of this namespace (tests and tear-down); returns keys deleted."""
-        keys = list(self.client.scan_iter(match=self.keys.all_keys(), count=1000))
-        for chunk in _chunks(keys, 1000):
-            self.client.delete(*chunk)
-        return len(keys)
+        deleted = 0
+        for k in self.shard_keys:
+            keys = list(self.client.scan_iter(match=k.all_keys(), count=1000))
+            for chunk in _chunks(keys, 1000):
+                self.client.delete(*chunk)
+            deleted += len(keys)
+        return deleted
+
+
+_SCRIPTS = (lua.APPLY, lua.PURGE, lua.WHO_HAS, lua.SWEEP)
+_Group = tuple[int, int, int, bytes]
+"""Blocks a run of events leaves alike: (bits set, bits cleared, how many, their hashes)."""
+_Changes = tuple[list[int], list[_Group]]
+"""What a run of events leaves behind (``_net_changes``): Cleared count per tier, groups."""
+
+
+def _split_groups(groups: list[_Group], shards: int) -> list[list[_Group]]:
+    """Each shard's part of the groups: the blocks whose sequence hash it owns (hash % shards)."""
+    if shards == 1:
+        return [groups]
+    out: list[list[_Group]] = [[] for _ in range(shards)]
+    for set_mask, clear_mask, _count, blob in groups:
+        hashes = np.frombuffer(blob, ">u8")
+        owner = hashes % np.uint64(shards)
+        for shard in np.unique(owner).tolist():
+            part = hashes[owner == shard]
+            out[shard].append((set_mask, clear_mask, len(part), part.tobytes()))
+    return out
 
 
 def _holders(value: bytes | str | None) -> dict[int, int]:
@@ -411,7 +683,7 @@ def _parse_record(worker_id: int, record: bytes) -> _Parsed:
     return event_id, kind, tier, seqs
 
 
-def _net_changes(parsed: Sequence[_Parsed]) -> tuple[list[int], list[tuple[int, int, int, bytes]]]:
+def _net_changes(parsed: Sequence[_Parsed]) -> _Changes:
     """What a run of events leaves behind: Cleared events per tier, and every block it touches
     once, grouped as (bits set, bits cleared, how many blocks, their hashes in one string).
 
@@ -434,7 +706,7 @@ def _net_changes(parsed: Sequence[_Parsed]) -> tuple[list[int], list[tuple[int, 
             blobs.append(seqs)
             sets.append(kind != _REMOVED)
             sizes.append(len(seqs) >> 3)
-    groups: list[tuple[int, int, int, bytes]] = []
+    groups: list[_Group] = []
     touched, codes = [], []
     for tier, (blobs, sets, sizes) in runs.items():
         ids = np.frombuffer(b"".join(blobs), np.uint64)  # native order: only compared

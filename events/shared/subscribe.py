@@ -4,6 +4,10 @@ Several router replicas can share one group (each entry goes to one of them) or 
 each (each sees every entry). An entry is acknowledged only after its event was applied, so a
 router that dies mid-batch gets the unacknowledged entries again (``claim_pending``); applying an
 event twice is harmless because consumers skip ids they have already applied.
+
+A namespace split over several shards has one stream per shard, and each worker's events (and
+its purge notice) go to its home shard's stream, so order per worker holds; a subscriber reads
+every shard's stream, each with its own group of the same name.
 """
 
 from __future__ import annotations
@@ -32,44 +36,59 @@ class StreamSubscriber:
         start_id: str = "0",
     ) -> None:
         self.client = registry.client
-        self.stream = registry.keys.stream
+        self.streams = list(registry.stream_keys)
         self.group = group
         self.consumer = consumer
         self.on_event = on_event
         self.on_purge = on_purge
         self.start_id = start_id
-        self._ensure_group()
+        self._next_blocking = 0
+        for stream in self.streams:
+            self._ensure_group(stream)
 
-    def _ensure_group(self) -> None:
+    def _ensure_group(self, stream: str) -> None:
         try:
-            self.client.xgroup_create(self.stream, self.group, id=self.start_id, mkstream=True)
+            self.client.xgroup_create(stream, self.group, id=self.start_id, mkstream=True)
         except redis.ResponseError as exc:
             if "BUSYGROUP" not in str(exc):
                 raise
 
     def poll(self, count: int = 1000, block_ms: int | None = None) -> int:
-        """Apply and acknowledge up to ``count`` new entries; returns how many were handled."""
+        """Apply and acknowledge up to ``count`` new entries per stream; returns how many were
+        handled. With several streams, ``block_ms`` waits on one of them (in turn) only when
+        none had anything."""
+        handled = sum(self._read(stream, count, None) for stream in self.streams)
+        if handled or block_ms is None:
+            return handled
+        stream = self.streams[self._next_blocking % len(self.streams)]
+        self._next_blocking += 1
+        return self._read(stream, count, block_ms)
+
+    def _read(self, stream: str, count: int, block_ms: int | None) -> int:
         try:
             reply = self.client.xreadgroup(
-                self.group, self.consumer, {self.stream: ">"}, count=count, block=block_ms
+                self.group, self.consumer, {stream: ">"}, count=count, block=block_ms
             )
         except redis.ResponseError as exc:
             if "NOGROUP" not in str(exc):
                 raise
-            self._ensure_group()  # the stream was flushed away; start over on the new one
+            self._ensure_group(stream)  # the stream was flushed away; start over on the new one
             return 0
         return self._handle(reply)
 
     def claim_pending(self, min_idle_ms: int = 0, count: int = 1000) -> int:
         """Take over entries another consumer of the group read but never acknowledged."""
-        _next, entries, *_ = self.client.xautoclaim(
-            self.stream, self.group, self.consumer, min_idle_ms, start_id="0-0", count=count
-        )
-        return self._handle([[self.stream, entries]])
+        handled = 0
+        for stream in self.streams:
+            _next, entries, *_ = self.client.xautoclaim(
+                stream, self.group, self.consumer, min_idle_ms, start_id="0-0", count=count
+            )
+            handled += self._handle([[stream, entries]])
+        return handled
 
     def _handle(self, reply: Any) -> int:
         handled = 0
-        for _stream, entries in reply or ():
+        for stream, entries in reply or ():
             ids: list[bytes] = []
             for entry_id, fields in entries:
                 record = fields.get(b"r")
@@ -79,6 +98,6 @@ class StreamSubscriber:
                     self.on_purge(int(fields[b"w"]))
                 ids.append(entry_id)
             if ids:
-                self.client.xack(self.stream, self.group, *ids)
+                self.client.xack(stream, self.group, *ids)
                 handled += len(ids)
         return handled

@@ -31,6 +31,17 @@ def positive_int(text: str) -> int:
     return value
 
 
+def linger_seconds(text: str) -> float:
+    """A wait of 0 to under 60 seconds (what ``RedisPublisher(linger_s=...)`` takes)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number of seconds, got {text!r}") from None
+    if not 0 <= value < 60:
+        raise argparse.ArgumentTypeError(f"must be 0 or more and under 60, got {text}")
+    return value
+
+
 def port(text: str) -> int:
     value = _int(text)
     if not 0 <= value <= 65535:

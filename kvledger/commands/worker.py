@@ -20,10 +20,9 @@ import threading
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
-import redis
-
-from kvledger.commands.args import log_location, non_negative_int, positive_int
+from kvledger.commands.args import linger_seconds, log_location, non_negative_int, positive_int
 from kvledger.events.log import EventLog
+from kvledger.events.shared.client import connect
 from kvledger.events.shared.publish import FanOut, RedisPublisher
 from kvledger.events.shared.registry import SharedRegistry
 from kvledger.events.types import Tier
@@ -37,6 +36,12 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--dp-rank", type=non_negative_int, default=0)
     p.add_argument("--redis-url", default="redis://127.0.0.1:6379/0")
     p.add_argument("--namespace", default="kvledger")
+    p.add_argument(
+        "--shards",
+        type=positive_int,
+        default=None,
+        help="split a new namespace's index over N shards (default: as recorded, else 1)",
+    )
     p.add_argument(
         "--log",
         type=log_location,
@@ -52,6 +57,13 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--interval", type=float, default=0.0, help="seconds between requests")
     p.add_argument("--lease-ttl", type=float, default=10.0, help="lease TTL in seconds")
     p.add_argument(
+        "--publish-linger",
+        type=linger_seconds,
+        default=0.0,
+        metavar="S",
+        help="let a batch wait up to S seconds to fill before it is sent (default 0)",
+    )
+    p.add_argument(
         "--publish-timeout",
         type=float,
         default=30.0,
@@ -66,10 +78,12 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
 def run(args: argparse.Namespace) -> int:
     _report_publisher_warnings()
-    client = redis.Redis.from_url(args.redis_url)
-    registry = SharedRegistry(client, args.namespace, lease_ttl_s=args.lease_ttl)
+    client = connect(args.redis_url)  # a cluster client when the server is a cluster node
+    registry = SharedRegistry(
+        client, args.namespace, shards=args.shards, lease_ttl_s=args.lease_ttl
+    )
     log = EventLog(args.log)
-    publisher = RedisPublisher(registry, args.worker_id, log=log)
+    publisher = RedisPublisher(registry, args.worker_id, log=log, linger_s=args.publish_linger)
     mgr = KvManager(
         args.blocks,
         args.block_size,

@@ -23,8 +23,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import msgpack
-import redis
 
+from kvledger.events.shared.client import Client
 from kvledger.events.shared.keys import KeySpace
 from kvledger.events.types import Tier
 from kvledger.tiers.layout import BlockShape
@@ -140,7 +140,7 @@ class RemoteDirectory:
     as long as the worker lives, and they expire soon after it stops.
     """
 
-    def __init__(self, client: redis.Redis, namespace: str, *, ttl_s: float = 10.0) -> None:
+    def __init__(self, client: Client, namespace: str, *, ttl_s: float = 10.0) -> None:
         keys = KeySpace(namespace)
         if ttl_s <= 0:
             raise ValueError(f"ttl_s must be positive, got {ttl_s}")

@@ -4,9 +4,12 @@
 -- needs the stored value: one HMGET slot, a mask edit, one HSET/HDEL slot. Cutting hashes out
 -- of records and finding each block's last change cost more in Lua than the whole index
 -- update does.
--- KEYS: applied, count, events, workers, lease, held, idx
--- ARGV: prefix, worker id, stream maxlen, lease ttl ms, sweep slice, first event id, records n,
---       Cleared count per tier (4), groups g, g x (set mask, clear mask, blocks), records, and
+-- KEYS: applied, count, events, workers, lease, held, idx, gens, sweep (gens and sweep are
+--       named from the prefix below; declaring them lets Redis Cluster hold the call back while
+--       the shard's slot is half migrated, instead of running it on half the keys)
+-- ARGV: prefix, worker id, stream maxlen, lease ttl ms, sweep slice, first event id, events n,
+--       Cleared count per tier (4), groups g, g x (set mask, clear mask, blocks), the records
+--       to append to the stream (all n in the worker's home shard, none in the others), and
 --       per group its blocks' 8-byte hashes in one string
 -- Returns {applied, repeated, last applied id, gap}: gap is the first event id when it does not
 -- follow the last applied one, -2 when the batch starts inside what was applied (the caller
@@ -30,6 +33,7 @@ local stale = false
 if applied > 0 then
   local ng = tonumber(ARGV[12])
   local rec0 = 12 + 3 * ng
+  local carried = #ARGV - rec0 - ng
   -- The worker's generations before and after the batch's Cleared events.
   local wpre = gens_of(wk)
   local wg, clears, anyclear = wpre, {}, false
@@ -59,7 +63,7 @@ if applied > 0 then
   for grp = 0, ng - 1 do
     local set = tonumber(argv[13 + 3 * grp])
     local keep = bnot(tonumber(argv[14 + 3 * grp]))
-    local left, blob, pos = tonumber(argv[15 + 3 * grp]), argv[rec0 + nrec + 1 + grp], 1
+    local left, blob, pos = tonumber(argv[15 + 3 * grp]), argv[rec0 + carried + 1 + grp], 1
     -- nm[old]: the mask this group leaves; moved[old]: blocks that went from old to nm[old]
     -- (for the common cases: no value yet, or only this worker's current entry).
     local nm, moved = {}, {}
@@ -176,8 +180,10 @@ if applied > 0 then
       call('HINCRBY', KEYS[6], field, delta[t])
     end
   end
-  for i = rec0 + 1, rec0 + nrec do call('XADD', KEYS[3], '*', 'w', wid, 'r', ARGV[i]) end
-  call('XTRIM', KEYS[3], 'MAXLEN', '~', maxlen)
+  if carried > 0 then
+    for i = rec0 + 1, rec0 + carried do call('XADD', KEYS[3], '*', 'w', wid, 'r', ARGV[i]) end
+    call('XTRIM', KEYS[3], 'MAXLEN', '~', maxlen)
+  end
   last = first + nrec - 1
   call('HSET', KEYS[1], wid, last)
   call('HINCRBY', KEYS[2], wid, nrec)

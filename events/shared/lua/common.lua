@@ -42,7 +42,9 @@ local function sweep(count)
   end
   return #items / 2
 end
-local function purge(wid, maxlen)
+-- Drop a worker's entries of this shard; the home shard of the worker (``announce``) also
+-- tells the stream's readers.
+local function purge(wid, maxlen, announce)
   local wk = struct.pack('>I4', tonumber(wid))
   local hk = prefix .. 'held'
   local f1, f2, f3, f4 = wid .. ':1', wid .. ':2', wid .. ':3', wid .. ':4'
@@ -56,6 +58,8 @@ local function purge(wid, maxlen)
   call('HDEL', prefix .. 'count', wid)
   call('SREM', prefix .. 'workers', wid)
   call('DEL', prefix .. 'lease:' .. wid)
-  call('XADD', prefix .. 'events', 'MAXLEN', '~', maxlen, '*', 'w', wid, 'purged', n)
+  if announce then
+    call('XADD', prefix .. 'events', 'MAXLEN', '~', maxlen, '*', 'w', wid, 'purged', n)
+  end
   return n
 end

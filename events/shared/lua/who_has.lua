@@ -1,4 +1,4 @@
--- ARGV: prefix, sequence hash keys... Returns each block's value (21-byte entries) or nil,
+-- KEYS: idx, gens, sweep. ARGV: prefix, sequence hash keys... Returns each block's value (21-byte entries) or nil,
 -- stale bits left out: the generations are read in the same script, so one round trip. With no
 -- sweep pass pending there is no stale entry anywhere (every Cleared or purge that made one asked
 -- for a pass, and a pass visits every block), so the values go back as read.

@@ -1,0 +1,33 @@
+"""The Redis client for a URL: a cluster client when the server runs in cluster mode.
+
+A Redis Cluster node answers a plain client too, but only for the slots it serves: the shared
+registry must follow MOVED replies and fail-overs, which redis-py's ``RedisCluster`` does.
+Asking the server (``INFO cluster``) keeps one URL setting for both kinds of deployment.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import redis
+
+Client = redis.Redis | redis.RedisCluster
+"""A single Redis server, or a Redis Cluster."""
+
+
+def connect(url: str, *, cluster: bool | None = None, **kwargs: Any) -> Client:
+    """A client of the Redis at ``url``; ``cluster`` None asks the server which kind it is
+    (a server that cannot be reached is taken for a single one: the caller's retries then
+    report it unreachable)."""
+    if cluster is None:
+        plain = redis.Redis.from_url(url, **kwargs)
+        try:
+            cluster = bool(plain.info("cluster").get("cluster_enabled"))
+        except (redis.ConnectionError, redis.TimeoutError):
+            return plain
+        if not cluster:
+            return plain
+        plain.close()
+    if cluster:
+        return redis.RedisCluster.from_url(url, **kwargs)
+    return redis.Redis.from_url(url, **kwargs)
