@@ -88,7 +88,8 @@ class LocalCluster:
                 stderr=subprocess.DEVNULL,
             )  # fmt: skip
         for port in ports:
-            self._wait(lambda port=port: self._node(port).ping(), f"node {port} to start")
+            node = self._node(port)
+            self._wait(node.ping, f"node {port} to start")
         subprocess.run(
             ["redis-cli", "--cluster", "create", *(f"127.0.0.1:{p}" for p in ports),
              "--cluster-replicas", str(self.replicas_per_master), "--cluster-yes"],
@@ -143,7 +144,7 @@ class LocalCluster:
         for port in self.alive():
             node = self._node(port)
             if node.info("replication")["role"] == "master":
-                slots = node.execute_command("CLUSTER", "SLOTS")
+                slots = node.execute_command("CLUSTER", "SLOTS")  # type: ignore[no-untyped-call]
                 out[port] = [(int(s[0]), int(s[1])) for s in slots if int(s[2][1]) == port]
         return out
 
@@ -196,7 +197,10 @@ class LocalCluster:
     def reshard(self, from_port: int, to_port: int) -> None:
         """Move the lowest slot of one master to another with ``redis-cli --cluster reshard``,
         one key per MIGRATE (``--cluster-pipeline 1``), so the slot is half moved for a while."""
-        ids = {p: self._node(p).execute_command("CLUSTER", "MYID") for p in (from_port, to_port)}
+        ids = {
+            p: self._node(p).execute_command("CLUSTER", "MYID")  # type: ignore[no-untyped-call]
+            for p in (from_port, to_port)
+        }
         subprocess.run(
             ["redis-cli", "--cluster", "reshard", f"127.0.0.1:{from_port}",
              "--cluster-from", ids[from_port], "--cluster-to", ids[to_port],

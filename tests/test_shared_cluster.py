@@ -16,6 +16,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import cast
 
 import pytest
 import redis
@@ -26,7 +27,7 @@ from services import REDIS_URL
 
 from kvledger.events.log import EventLog
 from kvledger.events.shared import SharedRegistry, StreamSubscriber, connect
-from kvledger.events.types import Tier
+from kvledger.events.types import AnyEvent, Tier
 from kvledger.events.wire import decode_record
 from kvledger.registry.index import RouterIndex, holders_from_state
 from kvledger.registry.state import RegistryState
@@ -121,7 +122,7 @@ def _run_workers(
     last = {w: int(str(reports[w]["last_event_id"])) for w in WORKERS}
     # A fail-over may lose writes the old master had confirmed; heartbeats find and re-send them
     _wait(lambda: all(reg.applied_event_id(w) == last[w] for w in WORKERS), 30, "re-sync")
-    events = []
+    events: list[AnyEvent] = []
     for path in logs.values():
         with EventLog(str(path), read_only=True) as log:
             events.extend(log.read())
@@ -131,7 +132,8 @@ def _run_workers(
         assert reg.applied_count(w) == last[w] + 1  # no shard applied an event twice
     seen: dict[int, list[int]] = {}
     for stream in reg.stream_keys:
-        for _id, fields in reg.client.xrange(stream):
+        entries = cast(list[tuple[bytes, dict[bytes, bytes]]], reg.client.xrange(stream))
+        for _id, fields in entries:
             if b"r" in fields:
                 event = decode_record(fields[b"r"])
                 seen.setdefault(event.worker_id, []).append(event.event_id)
