@@ -141,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     matched = 0
     for local in queries:
         ours = overlap_scores(index.find_matches(local), Tier.G1)
-        theirs = tree.find_matches(local).scores
+        theirs: object = tree.find_matches(local).scores
         if ours != theirs:
             print(f"DISAGREE on {local[:4]}...: ours {ours}, dynamo {theirs}")
             return 1

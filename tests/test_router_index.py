@@ -7,10 +7,26 @@ from event_streams import prompt_pool, worker_events
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvledger.events.types import BlockInfo, Tier
+from kvledger.events.types import (
+    AnyEvent,
+    BlockInfo,
+    Cleared,
+    Offloaded,
+    Onboarded,
+    Removed,
+    Stored,
+    Tier,
+)
 from kvledger.registry.emitter import EventEmitter
 from kvledger.registry.hashing import TokenBlockSequence
-from kvledger.registry.index import RouterIndex, holders_from_state, prefix_depths
+from kvledger.registry.index import (
+    Depths,
+    RouterIndex,
+    WorkerKey,
+    holders_from_state,
+    prefix_depths,
+    tier_bit,
+)
 from kvledger.registry.state import EventOrderError, RegistryState
 
 
@@ -99,3 +115,94 @@ def test_prefix_depths_is_lazy() -> None:
 
     assert prefix_depths(masks()) == {1: {Tier.G1: 2, Tier.G2: 1}}
     assert len(consumed) == 3  # stopped at the first block nobody held
+
+
+class PlainIndex:
+    """The router index written as plainly as possible, to check the fast one against: a set
+    of held sequence hashes per (worker, dp rank, tier), and depths found by testing each
+    prompt block against every set."""
+
+    def __init__(self) -> None:
+        self.held: dict[tuple[WorkerKey, Tier], set[int]] = {}
+
+    def apply(self, event: AnyEvent) -> None:
+        blocks = self.held.setdefault(((event.worker_id, event.dp_rank), event.tier), set())
+        if isinstance(event, Stored):
+            blocks.update(seq for seq, _local in event.blocks)
+        elif isinstance(event, Offloaded | Onboarded):
+            blocks.update(info.sequence_hash for info in event.blocks)
+        elif isinstance(event, Removed):
+            blocks.difference_update(event.sequence_hashes)
+        elif isinstance(event, Cleared):
+            blocks.clear()
+
+    def remove_worker(self, worker_id: int) -> int:
+        gone = [k for k in self.held if k[0][0] == worker_id]
+        return sum(len(self.held.pop(k)) for k in gone)
+
+    def depths(self, sequence_hashes: list[int]) -> Depths:
+        out: Depths = {}
+        for (key, tier), blocks in self.held.items():
+            depth = 0
+            while depth < len(sequence_hashes) and sequence_hashes[depth] in blocks:
+                depth += 1
+            if depth:
+                out.setdefault(key, {})[tier] = depth
+        return out
+
+    def holders(self) -> dict[int, dict[int, int]]:
+        out: dict[int, dict[int, int]] = {}
+        for ((worker, _dp), tier), blocks in self.held.items():
+            for seq in blocks:
+                per_worker = out.setdefault(seq, {})
+                per_worker[worker] = per_worker.get(worker, 0) | tier_bit(tier)
+        return out
+
+    def workers(self) -> set[WorkerKey]:
+        return {key for (key, _tier), blocks in self.held.items() if blocks}
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    seed=st.integers(0, 10_000),
+    ops=st.integers(1, 80),
+    workers=st.integers(1, 4),
+    departures=st.lists(st.tuples(st.integers(0, 400), st.integers(0, 3)), max_size=4),
+)
+def test_index_answers_as_the_plain_model_does(
+    seed: int, ops: int, workers: int, departures: list[tuple[int, int]]
+) -> None:
+    """At every point of interleaved streams, with workers leaving and coming back (a freed
+    slot taken over), the index's depths for every prompt, by local or sequence hashes, its
+    holders and its workers are exactly those of the plain model."""
+    prompts = prompt_pool(seed)
+    streams = [worker_events(seed, w, ops, prompts) for w in range(workers)]
+    merged = [e for group in zip(*streams, strict=False) for e in group]
+    merged += [e for s in streams for e in s[min(map(len, streams)) :]]
+    leaving: dict[int, list[int]] = {}
+    for position, worker in departures:
+        leaving.setdefault(position % (len(merged) + 1), []).append(worker)
+    index, plain = RouterIndex(), PlainIndex()
+    chains = [_chain(tokens) for tokens in prompts]
+
+    def check() -> None:
+        assert index.holders() == plain.holders()
+        assert len(index) == len(plain.holders())
+        assert index.workers() == plain.workers()
+        for seq in chains:
+            expected = plain.depths(seq.sequence_hashes)
+            assert index.find_matches(seq.local_hashes) == expected
+            assert index.find_matches(seq.sequence_hashes, kind="sequence") == expected
+
+    for position, event in enumerate([*merged, None]):
+        for worker in leaving.get(position, ()):
+            assert index.remove_worker(worker) == plain.remove_worker(worker)
+            check()
+        if event is None:
+            break
+        # a worker that left comes back mid-stream: its later ids follow a gap
+        index.apply(event, strict=False)
+        plain.apply(event)
+        if position % 7 == 0:
+            check()
+    check()
