@@ -80,7 +80,7 @@ class RouterIndex:
         "_held",
         "_links",
         "_link_of",
-        "_resident",
+        "_places",
         "_slot_of",
         "_owners",
         "_free_slots",
@@ -88,13 +88,16 @@ class RouterIndex:
     )
 
     def __init__(self) -> None:
-        # sequence_hash -> bits of the (worker, dp_rank, tier) slots holding it; never 0
+        # sequence_hash -> bits of the (worker, dp_rank, tier) slots holding it; never 0. Plain
+        # ints (and tuples of ints below): a cell object per block would cost more in the
+        # garbage collector's passes than it saves a query
         self._held: dict[int, int] = {}
         # (parent sequence hash or None, local hash) -> sequence hash, while anyone holds it
         self._links: dict[tuple[int | None, int], int] = {}
         self._link_of: dict[int, tuple[int | None, int]] = {}
-        # (worker, dp_rank) -> tier -> resident sequence hashes (for Cleared and worker removal)
-        self._resident: dict[WorkerKey, dict[Tier, set[int]]] = {}
+        # (worker, dp_rank, tier) -> (its bit, the sequence hashes it holds: for Cleared and
+        # worker removal)
+        self._places: dict[tuple[int, int, Tier], tuple[int, set[int]]] = {}
         # (worker, dp_rank) -> its slot; its tier t has bit ``slot * _TIERS + t - 1``
         self._slot_of: dict[WorkerKey, int] = {}
         # bit position -> (worker key, tier) it stands for (stale for a free slot: no bit set)
@@ -117,21 +120,25 @@ class RouterIndex:
 
     def apply(self, event: AnyEvent, *, strict: bool = True) -> bool:
         """Fold one event in; False (and no change) for a repeat."""
-        if not take_next(self.last_event_id, event, strict=strict):
+        last = self.last_event_id
+        if event.event_id == last.get(event.worker_id, -1) + 1:  # the usual case
+            last[event.worker_id] = event.event_id
+        elif not take_next(last, event, strict=strict):
             return False
-        key = (event.worker_id, event.dp_rank)
-        tier = event.tier
+        place = self._places.get((event.worker_id, event.dp_rank, event.tier))
+        if place is None:
+            place = self._place(event.worker_id, event.dp_rank, event.tier)
+        bit, resident = place
         if isinstance(event, Stored):
-            self._add(key, tier, event.parent_hash, event.blocks)
+            self._add(bit, resident, event.parent_hash, event.blocks)
         elif isinstance(event, Offloaded | Onboarded):
             for info in event.blocks:
-                self._add(key, tier, info.parent_hash, ((info.sequence_hash, info.local_hash),))
+                self._add(bit, resident, info.parent_hash, ((info.sequence_hash, info.local_hash),))
         elif isinstance(event, Removed):
-            self._drop(key, tier, event.sequence_hashes)
+            self._drop(bit, resident, event.sequence_hashes)
         elif isinstance(event, Cleared):
-            cleared = self._resident.get(key, {}).pop(tier, None)
-            if cleared:
-                self._clear_bits(self._bit(key, tier), cleared)
+            self._clear_bits(bit, resident)
+            resident.clear()
         else:  # pragma: no cover - the union above is exhaustive
             raise TypeError(f"not an event: {event!r}")
         return True
@@ -139,36 +146,38 @@ class RouterIndex:
     def remove_worker(self, worker_id: int) -> int:
         """Forget all a worker holds (it left, or its lease lapsed); returns blocks dropped."""
         dropped = 0
-        for key in [k for k in self._resident if k[0] == worker_id]:
-            for tier, seqs in self._resident.pop(key).items():
-                dropped += len(seqs)
-                self._clear_bits(self._bit(key, tier), seqs)
+        for where in [where for where in self._places if where[0] == worker_id]:
+            bit, resident = self._places.pop(where)
+            dropped += len(resident)
+            self._clear_bits(bit, resident)
+        for key in [key for key in self._slot_of if key[0] == worker_id]:
             # no bit of its slot is set any more, so a new worker can take it over
             self._free_slots.append(self._slot_of.pop(key))
         self.last_event_id.pop(worker_id, None)
         return dropped
 
-    def _bit(self, key: WorkerKey, tier: Tier) -> int:
+    def _place(self, worker_id: int, dp_rank: int, tier: Tier) -> tuple[int, set[int]]:
+        """The bit and resident set of a (worker, dp_rank, tier), made on first use."""
+        key = (worker_id, dp_rank)
         slot = self._slot_of.get(key)
         if slot is None:
             slot = self._free_slots.pop() if self._free_slots else len(self._owners) // _TIERS
             self._slot_of[key] = slot
             self._owners[slot * _TIERS : (slot + 1) * _TIERS] = [(key, t) for t in _TIER_ORDER]
-            self._resident[key] = {}
-        return 1 << (slot * _TIERS + int(tier) - 1)
+        place = self._places[(worker_id, dp_rank, tier)] = (
+            1 << (slot * _TIERS + int(tier) - 1),
+            set(),
+        )
+        return place
 
     def _add(
         self,
-        key: WorkerKey,
-        tier: Tier,
+        bit: int,
+        resident: set[int],
         parent: int | None,
         blocks: Iterable[tuple[int, int]],
     ) -> None:
         """Hold a chain of (sequence hash, local hash) blocks, the first one under ``parent``."""
-        bit = self._bit(key, tier)
-        resident = self._resident[key].get(tier)
-        if resident is None:
-            resident = self._resident[key][tier] = set()
         held, links, link_of = self._held, self._links, self._link_of
         for seq, local in blocks:
             bits = held.get(seq, 0)
@@ -180,27 +189,23 @@ class RouterIndex:
             resident.add(seq)
             parent = seq
 
-    def _drop(self, key: WorkerKey, tier: Tier, seqs: Iterable[int]) -> None:
-        resident = self._resident.get(key, {}).get(tier)
-        if resident is None:
-            return  # removing what was never stored changes nothing
-        gone = []
-        for seq in seqs:
-            if seq in resident:  # once each, however often a stream repeats it
-                resident.remove(seq)
-                gone.append(seq)
-        self._clear_bits(self._bit(key, tier), gone)
+    def _drop(self, bit: int, resident: set[int], seqs: Iterable[int]) -> None:
+        # once each, however often a stream repeats it; removing what was never stored
+        # changes nothing
+        self._clear_bits(bit, [seq for seq in dict.fromkeys(seqs) if seq in resident])
+        resident.difference_update(seqs)
 
     def _clear_bits(self, bit: int, seqs: Iterable[int]) -> None:
         held, links, link_of = self._held, self._links, self._link_of
+        keep = ~bit
         for seq in seqs:
-            bits = held[seq] & ~bit
+            bits = held[seq] & keep
             if bits:
                 held[seq] = bits
                 continue
             del held[seq]
             link = link_of.pop(seq)
-            if links.get(link) == seq:
+            if links.get(link) == seq:  # (another block may have taken the link over)
                 del links[link]
 
     # -- queries -------------------------------------------------------------------------
@@ -301,7 +306,7 @@ class RouterIndex:
         return out
 
     def workers(self) -> set[WorkerKey]:
-        return {key for key, tiers in self._resident.items() if any(tiers.values())}
+        return {(worker, dp) for (worker, dp, _tier), (_bit, held) in self._places.items() if held}
 
 
 def prefix_depths(masks: Iterable[Mapping[K, int]]) -> dict[K, dict[Tier, int]]:
