@@ -89,8 +89,9 @@ class RouterIndex:
 
     def __init__(self) -> None:
         # sequence_hash -> bits of the (worker, dp_rank, tier) slots holding it; never 0. Plain
-        # ints (and tuples of ints below): a cell object per block would cost more in the
-        # garbage collector's passes than it saves a query
+        # ints and tuples of ints, which the garbage collector stops tracking: a mutable cell
+        # per block, giving a link's bits in one lookup, measured no faster per query and
+        # slower to apply
         self._held: dict[int, int] = {}
         # (parent sequence hash or None, local hash) -> sequence hash, while anyone holds it
         self._links: dict[tuple[int | None, int], int] = {}
@@ -189,7 +190,7 @@ class RouterIndex:
             resident.add(seq)
             parent = seq
 
-    def _drop(self, bit: int, resident: set[int], seqs: Iterable[int]) -> None:
+    def _drop(self, bit: int, resident: set[int], seqs: Sequence[int]) -> None:
         # once each, however often a stream repeats it; removing what was never stored
         # changes nothing
         self._clear_bits(bit, [seq for seq in dict.fromkeys(seqs) if seq in resident])
