@@ -104,7 +104,7 @@ def rate_line(what: str, n: int, ours: list[Timing], theirs: list[Timing]) -> fl
     """Print median rates and ratios (wall clock and CPU time); return the wall ratio."""
 
     def median(xs: list[Timing], field: str) -> float:
-        return statistics.median(getattr(x, field) for x in xs)
+        return statistics.median(x.cpu if field == "cpu" else x.wall for x in xs)
 
     def spread(xs: list[Timing]) -> str:
         return f"{n / max(x.wall for x in xs):,.0f}-{n / min(x.wall for x in xs):,.0f}"
@@ -133,6 +133,9 @@ def main(argv: list[str] | None = None) -> int:
         print("ai-dynamo-runtime is not installed: pip install ai-dynamo-runtime==1.6.1")
         return 1
 
+    if not args.trace.is_file():
+        print(f"no trace at {args.trace}: set KVLEDGER_SHARED_DATA to the shared data folder")
+        return 1
     events, queries = worker_streams(
         args.trace, args.requests, args.workers, args.block_size, args.g1_blocks
     )
