@@ -70,6 +70,16 @@ def test_cleared_and_worker_removal() -> None:
     assert len(index) == 0 and index.workers() == set()
 
 
+def test_a_block_named_twice_is_removed_once() -> None:
+    events: list[AnyEvent] = []
+    emit = EventEmitter(events.append, worker_id=1)
+    emit.stored(Tier.G1, None, [(10, 1), (11, 2)])
+    emit.removed(Tier.G1, [11, 11, 99])  # 99 was never stored
+    index = RouterIndex.from_events(events)
+    assert index.holders() == {10: {1: 1}}
+    assert index.find_matches([1, 2]) == {(1, 0): {Tier.G1: 1}}
+
+
 def test_repeats_are_ignored_and_gaps_refused() -> None:
     events = worker_events(1, worker_id=3, ops=30, prompts=prompt_pool(1))
     index = RouterIndex.from_events(events)
@@ -206,3 +216,51 @@ def test_index_answers_as_the_plain_model_does(
         if position % 7 == 0:
             check()
     check()
+
+
+SMALL = st.integers(0, 4)  # few hash values: links collide, blocks repeat, parents go missing
+
+
+@st.composite
+def any_events(draw: st.DrawFn) -> list[AnyEvent]:
+    """Well-numbered events with arbitrary contents: repeated and unknown blocks, a link
+    claimed by two blocks, a block stored under two different links."""
+    events: list[AnyEvent] = []
+    emitters = [EventEmitter(events.append, worker_id=w, dp_rank=w % 2) for w in range(2)]
+    for _ in range(draw(st.integers(1, 40))):
+        emit = draw(st.sampled_from(emitters))
+        tier = draw(st.sampled_from([Tier.G1, Tier.G2]))
+        kind = draw(st.sampled_from(["stored", "stored", "copied", "removed", "cleared"]))
+        if kind == "stored":
+            blocks = draw(st.lists(st.tuples(SMALL, SMALL), min_size=1, max_size=5))
+            emit.stored(tier, draw(st.none() | SMALL), blocks)
+        elif kind == "copied":
+            infos = draw(
+                st.lists(st.builds(BlockInfo, SMALL, SMALL, st.none() | SMALL), min_size=1)
+            )
+            emit.copied(Tier.G2 if tier == Tier.G1 else Tier.G1, tier, infos)
+        elif kind == "removed":
+            emit.removed(tier, draw(st.lists(SMALL, min_size=1, max_size=6)))
+        else:
+            emit.cleared(tier)
+    return events
+
+
+@settings(max_examples=150, deadline=None)
+@given(events=any_events(), queries=st.lists(st.lists(SMALL, max_size=6), min_size=1, max_size=6))
+def test_any_stream_answers_as_the_plain_model_and_the_link_walk(
+    events: list[AnyEvent], queries: list[list[int]]
+) -> None:
+    """On any stream, however inconsistent its hashes, a sequence-hash query gives the plain
+    model's depths, and a local-hash query gives what the sequence hashes found by walking the
+    links one block at a time give."""
+    index, plain = RouterIndex(), PlainIndex()
+    for event in events:
+        assert index.apply(event)
+        plain.apply(event)
+        assert index.holders() == plain.holders()
+        for hashes in queries:
+            assert index.find_matches(hashes, kind="sequence") == plain.depths(hashes)
+            walked = index.sequence_hashes_of(hashes)
+            assert index.find_matches(hashes) == plain.depths(walked)
+    assert index.workers() == plain.workers()
