@@ -190,24 +190,39 @@ class RouterIndex:
             resident.add(seq)
             parent = seq
 
-    def _drop(self, bit: int, resident: set[int], seqs: Sequence[int]) -> None:
-        # once each, however often a stream repeats it; removing what was never stored
-        # changes nothing
-        self._clear_bits(bit, [seq for seq in dict.fromkeys(seqs) if seq in resident])
-        resident.difference_update(seqs)
+    def _drop(self, bit: int, resident: set[int], seqs: Iterable[int]) -> None:
+        """Clear ``bit`` on each of ``seqs`` that has it (once each, however often a stream
+        repeats one; what was never stored changes nothing)."""
+        held = self._held
+        keep = ~bit
+        for seq in seqs:
+            bits = held.get(seq, 0)
+            if not bits & bit:
+                continue
+            resident.remove(seq)
+            if bits & keep:
+                held[seq] = bits & keep
+            else:
+                self._forget(seq)
 
     def _clear_bits(self, bit: int, seqs: Iterable[int]) -> None:
-        held, links, link_of = self._held, self._links, self._link_of
+        """Clear ``bit`` on each of ``seqs``, all of which have it."""
+        held = self._held
         keep = ~bit
         for seq in seqs:
             bits = held[seq] & keep
             if bits:
                 held[seq] = bits
-                continue
-            del held[seq]
-            link = link_of.pop(seq)
-            if links.get(link) == seq:  # (another block may have taken the link over)
-                del links[link]
+            else:
+                self._forget(seq)
+
+    def _forget(self, seq: int) -> None:
+        """A block no one holds any more: drop it and its link."""
+        del self._held[seq]
+        link = self._link_of.pop(seq)
+        taken = self._links.pop(link, seq)
+        if taken != seq:  # another block took the link over: it stays
+            self._links[link] = taken
 
     # -- queries -------------------------------------------------------------------------
 
