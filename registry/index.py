@@ -11,9 +11,9 @@ local-hash lookup walks the ``(parent sequence hash, local hash) -> sequence has
 Stored events reveal.
 
 A router asks once per request, so the query is the hot path. Each block's holders are one int
-with a bit per (worker, tier) "slot"; a query ANDs these along the prompt, so it costs one dict
-lookup and one int operation per block however many workers there are, records a depth only
-when a slot drops out, and stops at the first block no slot still matching holds.
+with a bit per (worker, dp_rank, tier); a query ANDs these along the prompt, so it costs two dict
+lookups (the link, the holders) and an AND per block however many workers there are, writes a
+depth only where a holder drops out, and stops at the first block no one still matching holds.
 """
 
 from __future__ import annotations
