@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 from event_streams import prompt_pool, worker_events
 from hypothesis import given, settings
@@ -37,7 +39,7 @@ def _chain(tokens: list[int]) -> TokenBlockSequence:
 def test_depths_per_tier_stop_at_holes() -> None:
     seq = _chain(list(range(16)))  # 4 blocks
     s, loc = seq.sequence_hashes, seq.local_hashes
-    events: list = []
+    events: list[AnyEvent] = []
     emit = EventEmitter(events.append, worker_id=1, dp_rank=0)
     emit.stored(Tier.G1, None, list(zip(s, loc, strict=True)))
     emit.copied(Tier.G1, Tier.G2, [BlockInfo(s[0], loc[0], None), BlockInfo(s[1], loc[1], s[0])])
@@ -55,7 +57,7 @@ def test_depths_per_tier_stop_at_holes() -> None:
 def test_cleared_and_worker_removal() -> None:
     seq = _chain(list(range(8)))
     blocks = list(zip(seq.sequence_hashes, seq.local_hashes, strict=True))
-    events: list = []
+    events: list[AnyEvent] = []
     a = EventEmitter(events.append, worker_id=1)
     b = EventEmitter(events.append, worker_id=2, dp_rank=1)
     a.stored(Tier.G1, None, blocks)
@@ -116,9 +118,9 @@ def test_index_agrees_with_registry_fold(seed: int, ops: int, workers: int) -> N
 
 
 def test_prefix_depths_is_lazy() -> None:
-    consumed = []
+    consumed: list[dict[int, int]] = []
 
-    def masks():
+    def masks() -> Iterator[dict[int, int]]:
         for m in ({1: 0b11}, {1: 0b01}, {}, {1: 1}):
             consumed.append(m)
             yield m
