@@ -9,6 +9,11 @@ A prompt can be looked up by sequence hashes (each names a whole prefix, so a fl
 enough) or by local hashes, which is what a router computes from tokens without chaining them; a
 local-hash lookup walks the ``(parent sequence hash, local hash) -> sequence hash`` links that
 Stored events reveal.
+
+A router asks once per request, so the query is the hot path. Each block's holders are one int
+with a bit per (worker, dp_rank, tier); a query ANDs these along the prompt, so it costs two dict
+lookups (the link, the holders) and an AND per block however many workers there are, writes a
+depth only where a holder drops out, and stops at the first block no one still matching holds.
 """
 
 from __future__ import annotations
@@ -33,6 +38,9 @@ WorkerKey: TypeAlias = tuple[int, int]
 Depths: TypeAlias = dict[WorkerKey, dict[Tier, int]]
 HashKind: TypeAlias = Literal["local", "sequence"]
 K = TypeVar("K")
+
+_TIER_ORDER = tuple(Tier)
+_TIERS = len(_TIER_ORDER)
 
 
 def tier_bit(tier: Tier) -> int:
@@ -68,16 +76,34 @@ class RouterIndex:
     event silently disagrees with the worker.
     """
 
-    __slots__ = ("_holders", "_links", "_link_of", "_resident", "last_event_id")
+    __slots__ = (
+        "_held",
+        "_links",
+        "_link_of",
+        "_places",
+        "_slot_of",
+        "_owners",
+        "_free_slots",
+        "last_event_id",
+    )
 
     def __init__(self) -> None:
-        # sequence_hash -> {(worker, dp_rank): tier mask}
-        self._holders: dict[int, dict[WorkerKey, int]] = {}
+        # sequence_hash -> bits of the (worker, dp_rank, tier) slots holding it; never 0. Plain
+        # ints and tuples of ints, which the garbage collector stops tracking: a mutable cell
+        # per block, giving a link's bits in one lookup, measured no faster per query and
+        # slower to apply
+        self._held: dict[int, int] = {}
         # (parent sequence hash or None, local hash) -> sequence hash, while anyone holds it
         self._links: dict[tuple[int | None, int], int] = {}
         self._link_of: dict[int, tuple[int | None, int]] = {}
-        # (worker, dp_rank) -> tier -> resident sequence hashes (for Cleared and worker removal)
-        self._resident: dict[WorkerKey, dict[Tier, set[int]]] = {}
+        # (worker, dp_rank, tier) -> (its bit, the sequence hashes it holds: for Cleared and
+        # worker removal)
+        self._places: dict[tuple[int, int, Tier], tuple[int, set[int]]] = {}
+        # (worker, dp_rank) -> its slot; its tier t has bit ``slot * _TIERS + t - 1``
+        self._slot_of: dict[WorkerKey, int] = {}
+        # bit position -> (worker key, tier) it stands for (stale for a free slot: no bit set)
+        self._owners: list[tuple[WorkerKey, Tier]] = []
+        self._free_slots: list[int] = []
         self.last_event_id: dict[int, int] = {}
 
     @classmethod
@@ -89,29 +115,31 @@ class RouterIndex:
 
     def __len__(self) -> int:
         """Number of distinct blocks held by anyone on any tier."""
-        return len(self._holders)
+        return len(self._held)
 
     # -- folding -------------------------------------------------------------------------
 
     def apply(self, event: AnyEvent, *, strict: bool = True) -> bool:
         """Fold one event in; False (and no change) for a repeat."""
-        if not take_next(self.last_event_id, event, strict=strict):
+        last = self.last_event_id
+        if event.event_id == last.get(event.worker_id, -1) + 1:  # the usual case
+            last[event.worker_id] = event.event_id
+        elif not take_next(last, event, strict=strict):
             return False
-        key = (event.worker_id, event.dp_rank)
+        place = self._places.get((event.worker_id, event.dp_rank, event.tier))
+        if place is None:
+            place = self._place(event.worker_id, event.dp_rank, event.tier)
+        bit, resident = place
         if isinstance(event, Stored):
-            parent = event.parent_hash
-            for seq, local in event.blocks:
-                self._add(key, event.tier, seq, parent, local)
-                parent = seq
+            self._add(bit, resident, event.parent_hash, event.blocks)
         elif isinstance(event, Offloaded | Onboarded):
             for info in event.blocks:
-                self._add(key, event.tier, info.sequence_hash, info.parent_hash, info.local_hash)
+                self._add(bit, resident, info.parent_hash, ((info.sequence_hash, info.local_hash),))
         elif isinstance(event, Removed):
-            for seq in event.sequence_hashes:
-                self._drop(key, event.tier, seq)
+            self._drop(bit, resident, event.sequence_hashes)
         elif isinstance(event, Cleared):
-            for seq in list(self._resident.get(key, {}).get(event.tier, ())):
-                self._drop(key, event.tier, seq)
+            self._clear_bits(bit, resident)
+            resident.clear()
         else:  # pragma: no cover - the union above is exhaustive
             raise TypeError(f"not an event: {event!r}")
         return True
@@ -119,42 +147,82 @@ class RouterIndex:
     def remove_worker(self, worker_id: int) -> int:
         """Forget all a worker holds (it left, or its lease lapsed); returns blocks dropped."""
         dropped = 0
-        for key in [k for k in self._resident if k[0] == worker_id]:
-            for tier, seqs in list(self._resident[key].items()):
-                for seq in list(seqs):
-                    self._drop(key, tier, seq)
-                    dropped += 1
+        for where in [where for where in self._places if where[0] == worker_id]:
+            bit, resident = self._places.pop(where)
+            dropped += len(resident)
+            self._clear_bits(bit, resident)
+        for key in [key for key in self._slot_of if key[0] == worker_id]:
+            # no bit of its slot is set any more, so a new worker can take it over
+            self._free_slots.append(self._slot_of.pop(key))
         self.last_event_id.pop(worker_id, None)
         return dropped
 
-    def _add(self, key: WorkerKey, tier: Tier, seq: int, parent: int | None, local: int) -> None:
-        holders = self._holders.get(seq)
-        if holders is None:
-            holders = self._holders[seq] = {}
-        holders[key] = holders.get(key, 0) | tier_bit(tier)
-        if seq not in self._link_of:
-            link = (parent, local)
-            self._links[link] = seq
-            self._link_of[seq] = link
-        self._resident.setdefault(key, {}).setdefault(tier, set()).add(seq)
+    def _place(self, worker_id: int, dp_rank: int, tier: Tier) -> tuple[int, set[int]]:
+        """The bit and resident set of a (worker, dp_rank, tier), made on first use."""
+        key = (worker_id, dp_rank)
+        slot = self._slot_of.get(key)
+        if slot is None:
+            slot = self._free_slots.pop() if self._free_slots else len(self._owners) // _TIERS
+            self._slot_of[key] = slot
+            self._owners[slot * _TIERS : (slot + 1) * _TIERS] = [(key, t) for t in _TIER_ORDER]
+        place = self._places[(worker_id, dp_rank, tier)] = (
+            1 << (slot * _TIERS + int(tier) - 1),
+            set(),
+        )
+        return place
 
-    def _drop(self, key: WorkerKey, tier: Tier, seq: int) -> None:
-        resident = self._resident.get(key)
-        if resident is None or seq not in resident.get(tier, ()):
-            return  # removing what was never stored changes nothing
-        resident[tier].discard(seq)
-        holders = self._holders[seq]
-        mask = holders[key] & ~tier_bit(tier)
-        if mask:
-            holders[key] = mask
-            return
-        del holders[key]
-        if holders:
-            return
-        del self._holders[seq]
+    def _add(
+        self,
+        bit: int,
+        resident: set[int],
+        parent: int | None,
+        blocks: Iterable[tuple[int, int]],
+    ) -> None:
+        """Hold a chain of (sequence hash, local hash) blocks, the first one under ``parent``."""
+        held, links, link_of = self._held, self._links, self._link_of
+        for seq, local in blocks:
+            bits = held.get(seq, 0)
+            if not bits:  # new to everyone: its link is what local-hash lookups walk
+                link = (parent, local)
+                links[link] = seq
+                link_of[seq] = link
+            held[seq] = bits | bit
+            resident.add(seq)
+            parent = seq
+
+    def _drop(self, bit: int, resident: set[int], seqs: Iterable[int]) -> None:
+        """Clear ``bit`` on each of ``seqs`` that has it (once each, however often a stream
+        repeats one; what was never stored changes nothing)."""
+        held = self._held
+        keep = ~bit
+        for seq in seqs:
+            bits = held.get(seq, 0)
+            if not bits & bit:
+                continue
+            resident.remove(seq)
+            if bits & keep:
+                held[seq] = bits & keep
+            else:
+                self._forget(seq)
+
+    def _clear_bits(self, bit: int, seqs: Iterable[int]) -> None:
+        """Clear ``bit`` on each of ``seqs``, all of which have it."""
+        held = self._held
+        keep = ~bit
+        for seq in seqs:
+            bits = held[seq] & keep
+            if bits:
+                held[seq] = bits
+            else:
+                self._forget(seq)
+
+    def _forget(self, seq: int) -> None:
+        """A block no one holds any more: drop it and its link."""
+        del self._held[seq]
         link = self._link_of.pop(seq)
-        if self._links.get(link) == seq:
-            del self._links[link]
+        taken = self._links.pop(link, seq)
+        if taken != seq:  # another block took the link over: it stays
+            self._links[link] = taken
 
     # -- queries -------------------------------------------------------------------------
 
@@ -162,8 +230,9 @@ class RouterIndex:
         """The longest known chain of sequence hashes for a prompt's local hashes."""
         out: list[int] = []
         parent: int | None = None
+        links = self._links
         for local in local_hashes:
-            seq = self._links.get((parent, local))
+            seq = links.get((parent, local))
             if seq is None:
                 break
             out.append(seq)
@@ -177,25 +246,83 @@ class RouterIndex:
         a missing one cannot be reused without recomputing the missing one.
         """
         if kind == "local":
-            seqs = self.sequence_hashes_of(hashes)
-        elif kind == "sequence":
-            seqs = list(hashes)
-        else:
-            raise ValueError(f"kind must be 'local' or 'sequence', got {kind!r}")
-        return prefix_depths(self._holders.get(seq, {}) for seq in seqs)
+            return self._local_depths(hashes)
+        if kind == "sequence":
+            return self._sequence_depths(hashes)
+        raise ValueError(f"kind must be 'local' or 'sequence', got {kind!r}")
+
+    def _local_depths(self, local_hashes: Sequence[int]) -> Depths:
+        links, held = self._links, self._held
+        depths: Depths = {}
+        alive = depth = 0
+        parent: int | None = None
+        for local in local_hashes:
+            seq = links.get((parent, local))
+            if seq is None:
+                break
+            if depth:
+                still = alive & held[seq]
+                if still != alive:
+                    self._record(depths, alive ^ still, depth)
+                    alive = still
+                    if not alive:
+                        return depths
+            else:
+                alive = held[seq]
+            depth += 1
+            parent = seq
+        if alive:
+            self._record(depths, alive, depth)
+        return depths
+
+    def _sequence_depths(self, sequence_hashes: Sequence[int]) -> Depths:
+        held = self._held
+        depths: Depths = {}
+        alive = depth = 0
+        for seq in sequence_hashes:
+            bits = held.get(seq, 0)
+            if depth:
+                still = alive & bits
+                if still != alive:
+                    self._record(depths, alive ^ still, depth)
+                    alive = still
+            else:
+                alive = bits
+            if not alive:
+                return depths
+            depth += 1
+        if alive:
+            self._record(depths, alive, depth)
+        return depths
+
+    def _record(self, depths: Depths, ended: int, depth: int) -> None:
+        """``depth`` for every slot whose bit is set in ``ended``."""
+        owners = self._owners
+        while ended:
+            low = ended & -ended
+            key, tier = owners[low.bit_length() - 1]
+            per_tier = depths.get(key)
+            if per_tier is None:
+                per_tier = depths[key] = {}
+            per_tier[tier] = depth
+            ended ^= low
 
     def holders(self) -> dict[int, dict[int, int]]:
         """``sequence_hash -> {worker_id: tier mask}``, dp ranks folded together."""
+        owners = self._owners
         out: dict[int, dict[int, int]] = {}
-        for seq, per_key in self._holders.items():
+        for seq, bits in self._held.items():
             merged: dict[int, int] = {}
-            for (worker, _dp), mask in per_key.items():
-                merged[worker] = merged.get(worker, 0) | mask
+            while bits:
+                low = bits & -bits
+                (worker, _dp), tier = owners[low.bit_length() - 1]
+                merged[worker] = merged.get(worker, 0) | tier_bit(tier)
+                bits ^= low
             out[seq] = merged
         return out
 
     def workers(self) -> set[WorkerKey]:
-        return {key for key, tiers in self._resident.items() if any(tiers.values())}
+        return {(worker, dp) for (worker, dp, _tier), (_bit, held) in self._places.items() if held}
 
 
 def prefix_depths(masks: Iterable[Mapping[K, int]]) -> dict[K, dict[Tier, int]]:

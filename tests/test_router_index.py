@@ -9,10 +9,26 @@ from event_streams import prompt_pool, worker_events
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvledger.events.types import AnyEvent, BlockInfo, Tier
+from kvledger.events.types import (
+    AnyEvent,
+    BlockInfo,
+    Cleared,
+    Offloaded,
+    Onboarded,
+    Removed,
+    Stored,
+    Tier,
+)
 from kvledger.registry.emitter import EventEmitter
 from kvledger.registry.hashing import TokenBlockSequence
-from kvledger.registry.index import RouterIndex, holders_from_state, prefix_depths
+from kvledger.registry.index import (
+    Depths,
+    RouterIndex,
+    WorkerKey,
+    holders_from_state,
+    prefix_depths,
+    tier_bit,
+)
 from kvledger.registry.state import EventOrderError, RegistryState
 
 
@@ -54,6 +70,16 @@ def test_cleared_and_worker_removal() -> None:
     assert index.remove_worker(2) == 1
     assert index.find_matches(seq.local_hashes) == {}
     assert len(index) == 0 and index.workers() == set()
+
+
+def test_a_block_named_twice_is_removed_once() -> None:
+    events: list[AnyEvent] = []
+    emit = EventEmitter(events.append, worker_id=1)
+    emit.stored(Tier.G1, None, [(10, 1), (11, 2)])
+    emit.removed(Tier.G1, [11, 11, 99])  # 99 was never stored
+    index = RouterIndex.from_events(events)
+    assert index.holders() == {10: {1: 1}}
+    assert index.find_matches([1, 2]) == {(1, 0): {Tier.G1: 1}}
 
 
 def test_repeats_are_ignored_and_gaps_refused() -> None:
@@ -101,3 +127,142 @@ def test_prefix_depths_is_lazy() -> None:
 
     assert prefix_depths(masks()) == {1: {Tier.G1: 2, Tier.G2: 1}}
     assert len(consumed) == 3  # stopped at the first block nobody held
+
+
+class PlainIndex:
+    """The router index written as plainly as possible, to check the fast one against: a set
+    of held sequence hashes per (worker, dp rank, tier), and depths found by testing each
+    prompt block against every set."""
+
+    def __init__(self) -> None:
+        self.held: dict[tuple[WorkerKey, Tier], set[int]] = {}
+
+    def apply(self, event: AnyEvent) -> None:
+        blocks = self.held.setdefault(((event.worker_id, event.dp_rank), event.tier), set())
+        if isinstance(event, Stored):
+            blocks.update(seq for seq, _local in event.blocks)
+        elif isinstance(event, Offloaded | Onboarded):
+            blocks.update(info.sequence_hash for info in event.blocks)
+        elif isinstance(event, Removed):
+            blocks.difference_update(event.sequence_hashes)
+        elif isinstance(event, Cleared):
+            blocks.clear()
+
+    def remove_worker(self, worker_id: int) -> int:
+        gone = [k for k in self.held if k[0][0] == worker_id]
+        return sum(len(self.held.pop(k)) for k in gone)
+
+    def depths(self, sequence_hashes: list[int]) -> Depths:
+        out: Depths = {}
+        for (key, tier), blocks in self.held.items():
+            depth = 0
+            while depth < len(sequence_hashes) and sequence_hashes[depth] in blocks:
+                depth += 1
+            if depth:
+                out.setdefault(key, {})[tier] = depth
+        return out
+
+    def holders(self) -> dict[int, dict[int, int]]:
+        out: dict[int, dict[int, int]] = {}
+        for ((worker, _dp), tier), blocks in self.held.items():
+            for seq in blocks:
+                per_worker = out.setdefault(seq, {})
+                per_worker[worker] = per_worker.get(worker, 0) | tier_bit(tier)
+        return out
+
+    def workers(self) -> set[WorkerKey]:
+        return {key for (key, _tier), blocks in self.held.items() if blocks}
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    seed=st.integers(0, 10_000),
+    ops=st.integers(1, 80),
+    workers=st.integers(1, 4),
+    departures=st.lists(st.tuples(st.integers(0, 400), st.integers(0, 3)), max_size=4),
+)
+def test_index_answers_as_the_plain_model_does(
+    seed: int, ops: int, workers: int, departures: list[tuple[int, int]]
+) -> None:
+    """At every point of interleaved streams, with workers leaving and coming back (a freed
+    slot taken over), the index's depths for every prompt, by local or sequence hashes, its
+    holders and its workers are exactly those of the plain model."""
+    prompts = prompt_pool(seed)
+    streams = [worker_events(seed, w, ops, prompts) for w in range(workers)]
+    merged = [e for group in zip(*streams, strict=False) for e in group]
+    merged += [e for s in streams for e in s[min(map(len, streams)) :]]
+    leaving: dict[int, list[int]] = {}
+    for position, worker in departures:
+        leaving.setdefault(position % (len(merged) + 1), []).append(worker)
+    index, plain = RouterIndex(), PlainIndex()
+    chains = [_chain(tokens) for tokens in prompts]
+
+    def check() -> None:
+        assert index.holders() == plain.holders()
+        assert len(index) == len(plain.holders())
+        assert index.workers() == plain.workers()
+        for seq in chains:
+            expected = plain.depths(seq.sequence_hashes)
+            assert index.find_matches(seq.local_hashes) == expected
+            assert index.find_matches(seq.sequence_hashes, kind="sequence") == expected
+
+    for position, event in enumerate([*merged, None]):
+        for worker in leaving.get(position, ()):
+            assert index.remove_worker(worker) == plain.remove_worker(worker)
+            check()
+        if event is None:
+            break
+        # a worker that left comes back mid-stream: its later ids follow a gap
+        index.apply(event, strict=False)
+        plain.apply(event)
+        if position % 7 == 0:
+            check()
+    check()
+
+
+SMALL = st.integers(0, 4)  # few hash values: links collide, blocks repeat, parents go missing
+
+
+@st.composite
+def any_events(draw: st.DrawFn) -> list[AnyEvent]:
+    """Well-numbered events with arbitrary contents: repeated and unknown blocks, a link
+    claimed by two blocks, a block stored under two different links."""
+    events: list[AnyEvent] = []
+    emitters = [EventEmitter(events.append, worker_id=w, dp_rank=w % 2) for w in range(2)]
+    for _ in range(draw(st.integers(1, 40))):
+        emit = draw(st.sampled_from(emitters))
+        tier = draw(st.sampled_from([Tier.G1, Tier.G2]))
+        kind = draw(st.sampled_from(["stored", "stored", "copied", "removed", "cleared"]))
+        if kind == "stored":
+            blocks = draw(st.lists(st.tuples(SMALL, SMALL), min_size=1, max_size=5))
+            emit.stored(tier, draw(st.none() | SMALL), blocks)
+        elif kind == "copied":
+            infos = draw(
+                st.lists(st.builds(BlockInfo, SMALL, SMALL, st.none() | SMALL), min_size=1)
+            )
+            emit.copied(Tier.G2 if tier == Tier.G1 else Tier.G1, tier, infos)
+        elif kind == "removed":
+            emit.removed(tier, draw(st.lists(SMALL, min_size=1, max_size=6)))
+        else:
+            emit.cleared(tier)
+    return events
+
+
+@settings(max_examples=150, deadline=None)
+@given(events=any_events(), queries=st.lists(st.lists(SMALL, max_size=6), min_size=1, max_size=6))
+def test_any_stream_answers_as_the_plain_model_and_the_link_walk(
+    events: list[AnyEvent], queries: list[list[int]]
+) -> None:
+    """On any stream, however inconsistent its hashes, a sequence-hash query gives the plain
+    model's depths, and a local-hash query gives what the sequence hashes found by walking the
+    links one block at a time give."""
+    index, plain = RouterIndex(), PlainIndex()
+    for event in events:
+        assert index.apply(event)
+        plain.apply(event)
+        assert index.holders() == plain.holders()
+        for hashes in queries:
+            assert index.find_matches(hashes, kind="sequence") == plain.depths(hashes)
+            walked = index.sequence_hashes_of(hashes)
+            assert index.find_matches(hashes) == plain.depths(walked)
+    assert index.workers() == plain.workers()

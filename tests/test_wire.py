@@ -169,6 +169,64 @@ def test_dynamo_radix_tree_scores_match_our_index() -> None:
     check()
 
 
+@settings(max_examples=20, deadline=None)
+@given(
+    seed=st.integers(0, 10_000),
+    steps=st.lists(
+        st.tuples(st.integers(0, 2), st.sampled_from(["use", "use", "use", "restart", "leave"])),
+        min_size=1,
+        max_size=60,
+    ),
+)
+def test_index_agrees_with_radix_tree_through_restarts_and_departures(
+    seed: int, steps: list[tuple[int, str]]
+) -> None:
+    """Whatever the order of prompts, worker restarts (a Cleared, ids going on) and
+    departures (``remove_worker``, then a fresh worker under the same id), Dynamo's RadixTree
+    fed our JSON and our index fed the events give the same G1 overlap scores."""
+    dynamo_llm = pytest.importorskip("dynamo.llm", reason="ai-dynamo-runtime is not installed")
+    rng = random.Random(seed)
+    heads = [[rng.randrange(32000) for _ in range(16 * rng.randrange(1, 6))] for _ in range(4)]
+    prompts = [
+        rng.choice(heads) + [rng.randrange(32000) for _ in range(16 * rng.randrange(1, 6))]
+        for _ in range(24)
+    ]
+    tree, index = dynamo_llm.RadixTree(), RouterIndex()
+    stream: list[AnyEvent] = []
+
+    def manager(worker: int) -> KvManager:
+        return KvManager(32, 16, sink=stream.append, worker_id=worker, dp_rank=worker % 2)
+
+    def deliver() -> None:
+        for event in stream:
+            for payload in encode_dynamo(event):
+                tree.apply_event(event.worker_id, payload)
+            assert index.apply(event)
+        stream.clear()
+
+    managers = [manager(w) for w in range(3)]
+    for step, (w, what) in enumerate(steps):
+        if what == "use":
+            seq = TokenBlockSequence(rng.choice(prompts), 16)
+            blocks = [FullBlock(h) for h in seq.sequence_hashes]
+            placed = managers[w].process(Use(blocks, local_hashes=seq.local_hashes))
+            managers[w].process(Deref(blocks[:placed]))
+        elif what == "restart":  # the restart rule: ids go on, and G1 starts empty
+            last = managers[w].emitter.next_event_id - 1
+            managers[w] = manager(w)
+            managers[w].emitter.resume(last, clear=[Tier.G1])
+        else:
+            tree.remove_worker(w)
+            index.remove_worker(w)
+            managers[w] = manager(w)
+        deliver()
+        if step % 4 == 3 or step == len(steps) - 1:
+            for tokens in prompts:
+                local = TokenBlockSequence(tokens, 16).local_hashes
+                ours = overlap_scores(index.find_matches(local), Tier.G1)
+                assert tree.find_matches(local).scores == ours
+
+
 # -- vLLM --------------------------------------------------------------------------------
 
 
