@@ -33,7 +33,7 @@ from kvledger.config import Settings, ensure_log_folder
 from kvledger.events.log import EventLog
 from kvledger.events.log.replay import replay, save_state
 from kvledger.events.log.schema import database_url, shown_url
-from kvledger.events.types import AnyEvent
+from kvledger.events.types import AnyEvent, lookup_stream
 from kvledger.metrics import Metrics
 from kvledger.mocker.cache import SimulatedCache
 from kvledger.mocker.engine import EngineConfig, MockEngine, SimClock
@@ -43,6 +43,7 @@ from kvledger.mocker.stats import TIERS, EventCounter, SimStats
 from kvledger.mocker.traces import MOONCAKE_BLOCK_TOKENS, TraceRequest, load_mooncake, synthetic
 from kvledger.progress import Progress
 from kvledger.registry.emitter import EventEmitter
+from kvledger.registry.lookups import LookupRecorder
 from kvledger.registry.state import RegistryState
 from kvledger.registry.tiered import OFFLOAD_FILTERS, TieredRegistry
 
@@ -160,6 +161,30 @@ def build_cache(
     return MeteredCache(registry, metrics) if metrics is not None else SimulatedCache(registry)
 
 
+def lookup_recorder(
+    log: EventLog, settings: Settings, clock: Callable[[], float]
+) -> LookupRecorder:
+    """Lookup records to ``log``, numbered on from the worker's earlier ones, starting with
+    the run's settings."""
+    worker = settings.worker_id
+    recorder = LookupRecorder(
+        log.append,
+        worker_id=worker,
+        dp_rank=settings.dp_rank,
+        first_id=log.last_event_id(lookup_stream(worker)) + 1,
+        clock=clock,
+    )
+    recorder.run(
+        g1_blocks=settings.g1_blocks,
+        g2_blocks=settings.g2_capacity,
+        g3_blocks=settings.g3_capacity,
+        block_size=settings.block_size,
+        policy=settings.eviction_policy,
+        offload_filter=settings.offload_filter,
+    )
+    return recorder
+
+
 def engine_clock(args: argparse.Namespace) -> SimClock | None:
     """The mock engine's clock for ``--engine on`` (events carry simulated time), else None."""
     return SimClock() if args.engine == "on" else None
@@ -239,6 +264,8 @@ def simulate(args: argparse.Namespace, note: Callable[[str], None]) -> Outcome:
             clock=time.time if clock is None else clock,
         )
         cache = build_cache(settings, emitter, metrics)
+        if settings.log_lookups:
+            cache.lookups = lookup_recorder(log, settings, emitter.clock)
         if previous >= 0:
             note(
                 f"{shown_url(url)} already holds events of worker {worker} "
