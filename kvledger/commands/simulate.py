@@ -39,6 +39,7 @@ from kvledger.mocker.cache import SimulatedCache
 from kvledger.mocker.engine import EngineConfig, MockEngine, SimClock
 from kvledger.mocker.engine_off import replay_cache
 from kvledger.mocker.metered import MeteredCache
+from kvledger.mocker.rerun import is_event_log, trace_from_log
 from kvledger.mocker.stats import TIERS, EventCounter, SimStats
 from kvledger.mocker.traces import MOONCAKE_BLOCK_TOKENS, TraceRequest, load_mooncake, synthetic
 from kvledger.progress import Progress
@@ -54,7 +55,12 @@ TIMELINE_POINTS = 200
 
 def add_workload_args(p: argparse.ArgumentParser, *, engine_default: str) -> None:
     """Arguments shared by ``simulate`` and ``sweep``; unset ones come from Settings."""
-    p.add_argument("--trace", metavar="PATH", help="Mooncake JSONL trace (default: built-in)")
+    p.add_argument(
+        "--trace",
+        metavar="PATH|LOG",
+        help="Mooncake JSONL trace, or an event log with lookup records (a SQLite file or URL): "
+        "its requests as recorded (default: built-in synthetic workload)",
+    )
     p.add_argument(
         "--block-size",
         type=positive_int,
@@ -133,13 +139,20 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
             overrides[name] = value
     settings = Settings.load(**overrides)
     if args.trace and "block_size" not in settings.model_fields_set:
-        settings = Settings.load(**overrides, block_size=MOONCAKE_BLOCK_TOKENS)
+        if is_event_log(args.trace):
+            _, block_size = trace_from_log(args.trace)
+        else:
+            block_size = MOONCAKE_BLOCK_TOKENS
+        settings = Settings.load(**overrides, block_size=block_size)
     return settings
 
 
 def load_workload(args: argparse.Namespace, settings: Settings) -> tuple[list[TraceRequest], str]:
     if args.trace:
-        requests = load_mooncake(args.trace)
+        if is_event_log(args.trace):
+            requests, _ = trace_from_log(args.trace)
+        else:
+            requests = load_mooncake(args.trace)
         if args.requests is not None:
             requests = sorted(requests, key=lambda r: r.arrival_ms)[: args.requests]
         return requests, Path(args.trace).name

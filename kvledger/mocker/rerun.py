@@ -18,15 +18,18 @@ otherwise the baseline says which lookups differ.
 from __future__ import annotations
 
 import time
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from kvledger.events.codec import decode
 from kvledger.events.log import EventLog
+from kvledger.events.log.schema import database_url
 from kvledger.events.types import Lookup, LookupRecord, Released, RunInfo, Tier
 from kvledger.mocker.cache import Admission, SimulatedCache
 from kvledger.mocker.stats import TIERS, EventCounter
+from kvledger.mocker.traces import TraceRequest
 from kvledger.registry.emitter import EventEmitter
 from kvledger.registry.tiered import TieredRegistry
 
@@ -296,3 +299,47 @@ def alternatives(
                 for policy in policies or [base.policy]:
                     for offload in offload_filters or [base.offload_filter]:
                         yield CacheSettings(g1, g2, g3, policy, offload)
+
+
+def is_event_log(location: str) -> bool:
+    """Whether a ``--trace`` argument names an event log (a URL, or a SQLite file) rather
+    than a Mooncake JSONL file."""
+    if "://" in location:
+        return True
+    try:
+        with open(location, "rb") as f:
+            return f.read(16) == b"SQLite format 3\x00"
+    except OSError:
+        return False
+
+
+def trace_from_log(location: str, worker: int | None = None) -> tuple[list[TraceRequest], int]:
+    """A recorded run's requests as a trace, and its block size: each prompt lookup is a
+    request arriving when it was looked up, its blocks named by the recorded hashes (equal
+    prefixes stay equal), its output as long as the blocks it grew by (at least one token).
+    A request the engine admitted again after a preemption counts again."""
+    with EventLog(database_url(location), read_only=True) as log:
+        run = load_run(log, worker=worker)
+    bs = run.block_size
+    lookups = [r for _, r in run.records if isinstance(r, Lookup)]
+    grown: Counter[int] = Counter()
+    for r in lookups:
+        if r.start:
+            grown[r.request_id] += len(r.sequence_hashes)
+    prompts = [r for r in lookups if r.start == 0 and r.sequence_hashes]
+    t0 = prompts[0].ts if prompts else 0.0
+    requests = [
+        TraceRequest(
+            arrival_ms=(r.ts - t0) * 1000.0,
+            input_length=min(r.num_tokens, len(r.sequence_hashes) * bs)
+            if r.num_tokens
+            else len(r.sequence_hashes) * bs,
+            output_length=max(1, grown[r.request_id] * bs),
+            block_ids=r.sequence_hashes,
+            trace_block_size=bs,
+        )
+        for r in prompts
+    ]
+    if not requests:
+        raise NoLookupsError(f"{location}: no prompt lookups to make a trace of")
+    return requests, bs
