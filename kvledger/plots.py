@@ -35,49 +35,73 @@ def _check_png(path: str | Path) -> Path:
 
 
 def plot_timeline(
-    stats: SimStats, path: str | Path, *, title: str, capacities: dict[str, int]
+    stats: SimStats,
+    path: str | Path,
+    *,
+    title: str,
+    capacities: dict[str, int],
+    subtitle: str = "",
+    failure: str | None = None,
 ) -> Path:
-    """Cumulative prefix-hit rate and blocks held per tier, against requests finished."""
+    """Cumulative prefix-hit rate and blocks held per tier against requests finished; with
+    the mock engine, time to first token of each request too."""
     path = _check_png(path)
     if not stats.timeline:
         raise ValueError("--plot: the run recorded no samples (no request finished)")
     plt = _pyplot()
     x = [point[0] for point in stats.timeline]
-    fig, (ax_hit, ax_occ) = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
-    ax_hit.plot(x, [100 * point[1] for point in stats.timeline], color="tab:blue")
-    ax_hit.set_ylabel("prefix hit rate (%)")
-    ax_hit.set_ylim(0, 100)
+    panels = 3 if stats.ttft_ms else 2
+    fig, axes = plt.subplots(panels, 1, figsize=(9, 3 * panels + 1))
+    ax_hit, ax_occ = axes[0], axes[1]
+    rates = [100 * point[1] for point in stats.timeline]
+    ax_hit.plot(x, rates, color="tab:blue")
+    ax_hit.annotate(
+        f"{rates[-1]:.1f}%",
+        (x[-1], rates[-1]),
+        xytext=(-4, 6),
+        textcoords="offset points",
+        ha="right",
+        color="tab:blue",
+        weight="bold",
+    )
+    ax_hit.set_ylabel("cumulative prefix hit rate\n(% of blocks asked so far)")
+    ax_hit.set_ylim(*fitted_range(rates))
     ax_hit.grid(alpha=0.3)
     for tier in sorted(capacities):
         held = [point[2].get(tier, 0) for point in stats.timeline]
-        ax_occ.plot(x, [100 * h / capacities[tier] for h in held], label=tier)
-    ax_occ.set_ylabel("tier occupancy (% of blocks)")
+        ax_occ.plot(
+            x,
+            [100 * h / capacities[tier] for h in held],
+            label=f"{tier} ({capacities[tier]} blocks)",
+        )
+    ax_occ.set_ylabel("tier occupancy\n(% of its blocks)")
     ax_occ.set_ylim(0, 105)
     ax_occ.set_xlabel("requests finished")
-    ax_occ.legend(loc="lower right")
+    ax_hit.sharex(ax_occ)
+    ax_occ.legend(loc="lower right", fontsize=8)
     ax_occ.grid(alpha=0.3)
-    fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
-
-
-def plot_sweep(
-    capacities: Sequence[int], hit_rates: Sequence[float], path: str | Path, *, title: str
-) -> Path:
-    """Prefix-hit rate against G1 capacity."""
-    path = _check_png(path)
-    plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    ax.plot(capacities, [100 * h for h in hit_rates], marker="o")
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("G1 capacity (blocks)")
-    ax.set_ylabel("prefix hit rate (%)")
-    ax.set_ylim(0, 100)
-    ax.grid(alpha=0.3, which="both")
-    ax.set_title(title)
-    fig.tight_layout()
+    if stats.ttft_ms:
+        ax_ttft = axes[2]
+        ttft = [t / 1000 for t in stats.ttft_ms]
+        order = range(1, len(ttft) + 1)
+        ax_ttft.plot(order, ttft, ".", ms=2, alpha=0.3, color="tab:red", label="each request")
+        span = max(1, len(ttft) // 50)
+        rolling = [
+            sorted(ttft[max(0, i - span) : i + 1])[min(i, span) // 2] for i in range(len(ttft))
+        ]
+        ax_ttft.plot(order, rolling, color="darkred", label=f"median of the last {span + 1}")
+        ordered = sorted(ttft)
+        p99 = ordered[min(len(ordered) - 1, int(len(ordered) * 0.99))]
+        ax_ttft.set_ylim(0, p99 * 1.2 if p99 > 0 else 1)
+        ax_ttft.set_ylabel("time to first token (s)")
+        ax_ttft.set_xlabel(
+            "requests, in the order of their first token (simulated time runs left to right)"
+        )
+        ax_ttft.legend(loc="upper left", fontsize=8)
+        ax_ttft.grid(alpha=0.3)
+    _title(fig, title, subtitle)
+    _stamp_failure(fig, failure)
+    fig.tight_layout(rect=(0, 0, 1, 0.94))
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path

@@ -23,6 +23,7 @@ from typing import Any, TextIO
 import sqlalchemy as sa
 
 from kvledger.commands.args import (
+    choices,
     log_location,
     non_negative_int,
     output_file,
@@ -53,8 +54,11 @@ SYNTHETIC_REQUESTS = 2000
 TIMELINE_POINTS = 200
 
 
-def add_workload_args(p: argparse.ArgumentParser, *, engine_default: str) -> None:
-    """Arguments shared by ``simulate`` and ``sweep``; unset ones come from Settings."""
+def add_workload_args(
+    p: argparse.ArgumentParser, *, engine_default: str, several_policies: bool = False
+) -> None:
+    """Arguments shared by ``simulate`` and ``sweep``; unset ones come from Settings. With
+    ``several_policies``, ``--policy`` takes a comma-separated list."""
     p.add_argument(
         "--trace",
         metavar="PATH|LOG",
@@ -71,7 +75,15 @@ def add_workload_args(p: argparse.ArgumentParser, *, engine_default: str) -> Non
     p.add_argument("--g1-blocks", type=positive_int, metavar="N")
     p.add_argument("--g2-blocks", type=non_negative_int, metavar="N", help="0: no G2")
     p.add_argument("--g3-blocks", type=non_negative_int, metavar="N", help="0: no G3")
-    p.add_argument("--policy", choices=POLICIES, help="G1 eviction policy")
+    if several_policies:
+        p.add_argument(
+            "--policy",
+            type=choices(POLICIES),
+            metavar="|".join(POLICIES),
+            help="G1 eviction policies, comma-separated: one line each",
+        )
+    else:
+        p.add_argument("--policy", choices=POLICIES, help="G1 eviction policy")
     p.add_argument("--offload-filter", choices=OFFLOAD_FILTERS, help="which blocks go to G3")
     p.add_argument(
         "--engine",
@@ -344,11 +356,22 @@ def simulate(args: argparse.Namespace, note: Callable[[str], None]) -> Outcome:
         plot_timeline(
             stats,
             args.plot,
-            title=f"{workload}, policy {settings.eviction_policy}, engine {args.engine}",
+            title=f"kvledger simulate: {workload}",
+            subtitle=describe_run(settings, capacities, args.engine, len(requests)),
             capacities=capacities,
+            failure=None if replay_ok else "REPLAY MISMATCH: the log does not rebuild this run",
         )
         summary["plot"] = str(args.plot)
     return Outcome(summary, stats, replay_ok)
+
+
+def describe_run(settings: Settings, capacities: dict[str, int], engine: str, requests: int) -> str:
+    """The line under a chart's title: what was run, so a chart read alone says it."""
+    tiers = " ".join(f"{tier} {n}" for tier, n in capacities.items())
+    return (
+        f"{requests} requests; {tiers} blocks of {settings.block_size} tokens; policy "
+        f"{settings.eviction_policy}, offload filter {settings.offload_filter}; engine {engine}"
+    )
 
 
 def _pct(part: int, whole: int) -> str:
