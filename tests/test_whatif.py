@@ -5,20 +5,26 @@ from __future__ import annotations
 
 import random
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvledger import BlockManager
 from kvledger.config import Settings
+from kvledger.events.chunk_decode import decode_chunk
 from kvledger.events.codec import CodecError, decode, encode
 from kvledger.events.log import EventLog
 from kvledger.events.log.check import check_log
 from kvledger.events.log.replay import replay
-from kvledger.events.types import Lookup, LookupRecord, Released, RunInfo, Tier
+from kvledger.events.log.rows import to_row
+from kvledger.events.types import AnyEvent, Lookup, LookupRecord, Released, RunInfo, Tier
 from kvledger.mocker.cache import SimulatedCache
 from kvledger.mocker.rerun import CacheSettings, RecordedRun, load_run, recorded, rerun
+from kvledger.registry.columns import ops_from_events
+from kvledger.registry.emitter import EventEmitter
 from kvledger.registry.lookups import LookupRecorder
 from kvledger.registry.state import RegistryState
 
@@ -168,7 +174,7 @@ def test_larger_g1_never_lowers_the_lru_hit_rate(seed: int, small: int, extra: i
 
 
 def test_lookup_records_round_trip_and_refuse_bad_values() -> None:
-    common = dict(event_id=0, worker_id=2, dp_rank=0, tier=Tier.G1, ts=1.0)
+    common: dict[str, Any] = dict(event_id=0, worker_id=2, dp_rank=0, tier=Tier.G1, ts=1.0)
     lookup = Lookup(
         **common, request_id=9, num_tokens=40, start=0, sequence_hashes=(1, 2, 3), hits=(1, 1, 0)
     )
@@ -237,3 +243,26 @@ def test_a_worker_needs_choosing_when_several_recorded(tmp_path: Path) -> None:
         with pytest.raises(ValueError, match=r"workers \[0, 1\]; pick one with --worker"):
             load_run(log)
         assert load_run(log, worker=1).worker == 1
+
+
+def test_replay_folds_a_chunk_with_lookup_records_on_its_array_path() -> None:
+    """Lookup records between transitions keep replay on its fast path (the array decoder
+    vouches for the chunk) and fold exactly what the transitions alone fold."""
+    out: list[LookupRecord | AnyEvent] = []
+    cache = SimulatedCache.build(6, 8, policy="lru", emitter=EventEmitter(out.append))
+    cache.lookups = LookupRecorder(out.append)
+    rng = random.Random(3)
+    for _ in range(40):
+        hashes = _chain([rng.randrange(12) for _ in range(rng.randint(1, 4))])
+        cache.finish(cache.admit(hashes, hashes))
+    rows = [to_row(e) for e in out]
+    payloads = [row[5] for row in rows]
+    ts = [row[4] for row in rows]
+    decoded = decode_chunk(payloads, {}, np.array(ts))
+    assert decoded is not None
+    transitions = [e for e in out if not isinstance(e, Lookup | Released | RunInfo)]
+    assert decoded.last_event_id == {0: len(transitions) - 1}
+    expected = ops_from_events(transitions)
+    assert decoded.ops.keys() == expected.keys()
+    for key, ops in expected.items():
+        assert (decoded.ops[key].seq == ops.seq).all()
