@@ -158,3 +158,28 @@ def test_a_log_without_lookups_or_range_says_so(
     assert "no lookup records" in capsys.readouterr().err
     assert main(["report", str(log), "--since", "100000"]) == 2
     assert "no events in the range" in capsys.readouterr().err
+
+
+def test_whatif_lru_g1_alone_never_loses_hits_as_it_grows(
+    recorded_log: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The recorded stream re-run on G1 alone with LRU: hits only grow with G1."""
+    out = run_json(
+        capsys, "whatif", str(recorded_log), "--g2-blocks", "0", "--g3-blocks", "0",
+        "--policy", "lru", "--g1-blocks", "48,96,160,192,256,512",
+    )  # fmt: skip
+    points = sorted((r["settings"]["g1_blocks"], r["blocks_hit"]) for r in out["runs"][1:])
+    hits = [h for _, h in points]
+    assert len(points) == 6 and hits == sorted(hits) and hits[0] < hits[-1]
+
+
+def test_whatif_since_and_until_pick_the_lookups_that_count(
+    recorded_log: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    whole = run_json(capsys, "report", str(recorded_log), "--windows", "1")
+    last = whole["totals"]["last_position"]
+    early = run_json(capsys, "whatif", str(recorded_log), "--until", str(last // 2))
+    late = run_json(capsys, "whatif", str(recorded_log), "--since", str(last // 2 + 1))
+    assert early["baseline_reproduces"] and late["baseline_reproduces"]
+    assert early["recorded"]["lookups"] + late["recorded"]["lookups"] == 400
+    assert 0 < early["recorded"]["lookups"] < 400

@@ -68,7 +68,8 @@ def test_blockmanager_run_rerun_with_its_settings_reproduces_every_hit(
     log), requests overlapping (two held at a time), re-run from its log."""
     s = _manager_settings(tmp_path)
     held: list[tuple[int, list[int]]] = []
-    with BlockManager(s, device="cpu") as manager:
+    delivered: list[object] = []  # what a publisher or router encoder would get
+    with BlockManager(s, device="cpu", sinks=[delivered.append]) as manager:
         for i, tokens in enumerate(_prompts(1, 60)):
             seq = manager.sequence(tokens)
             slots = manager.onboard(seq, request_id=f"req-{i}")
@@ -83,6 +84,10 @@ def test_blockmanager_run_rerun_with_its_settings_reproduces_every_hit(
             manager.release(done, request_id=f"req-{j}")
         live = manager.state()
     assert replay(s.log_url) == live  # the lookup records change nothing replay rebuilds
+    assert delivered and not [e for e in delivered if isinstance(e, Lookup | Released | RunInfo)]
+    with EventLog(s.log_url, read_only=True) as log:  # a worker's transitions: ids 0, 1, 2, ...
+        ids = [e.event_id for e in log.read(worker_id=0)]
+        assert ids == list(range(len(ids))) and len(ids) == len(delivered)
 
     with EventLog(s.log_url, read_only=True) as log:
         run = load_run(log)
