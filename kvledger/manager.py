@@ -22,6 +22,7 @@ Typical engine loop::
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import threading
 import time
@@ -608,9 +609,13 @@ class BlockManager:
                 with self._changing():
                     self._registry.release(Tier.G2, reversed(landed))
 
-    async def aonboard(self, sequence: TokenBlockSequence) -> list[int]:
+    async def aonboard(
+        self, sequence: TokenBlockSequence, *, request_id: int | str | None = None
+    ) -> list[int]:
         """``onboard`` without blocking the event loop."""
-        return await asyncio.get_running_loop().run_in_executor(None, self.onboard, sequence)
+        return await asyncio.get_running_loop().run_in_executor(
+            None, functools.partial(self.onboard, sequence, request_id=request_id)
+        )
 
     # -- allocation and registration -----------------------------------------------------
 

@@ -12,7 +12,7 @@ import argparse
 import datetime as dt
 import json
 import sys
-from typing import Any
+from typing import Any, TextIO
 
 from kvledger.commands.args import (
     LogBound,
@@ -73,7 +73,8 @@ def _when(ts: float) -> str:
     return dt.datetime.fromtimestamp(ts, dt.UTC).isoformat(timespec="milliseconds")
 
 
-def print_table(out: dict[str, Any], file: Any = sys.stdout) -> None:
+def print_table(out: dict[str, Any], file: TextIO | None = None) -> None:
+    file = sys.stdout if file is None else file  # the stdout of now, not of import
     t = out["totals"]
     print(
         f"{out['log']}: positions {t['first_position']}..{t['last_position']}, "

@@ -378,7 +378,8 @@ def _pct(part: int, whole: int) -> str:
     return f"{100 * part / whole:.1f}%" if whole else "-"
 
 
-def print_table(s: dict[str, Any], out: TextIO = sys.stdout) -> None:
+def print_table(s: dict[str, Any], out: TextIO | None = None) -> None:
+    out = sys.stdout if out is None else out  # the stdout of now, not of import
     asked = s["blocks_requested"]
     by_tier = ", ".join(f"{t} {_pct(n, asked)}" for t, n in s["hits_by_tier"].items())
     rows = [

@@ -13,7 +13,7 @@ import argparse
 import json
 import sys
 import time
-from typing import Any
+from typing import Any, TextIO
 
 from kvledger.commands.args import (
     LogBound,
@@ -125,7 +125,8 @@ def _row(name: str, s: dict[str, Any], ref: float | None = None, width: int = 44
     return f"{name:<{width}} {100 * s['hit_rate']:7.2f}  {tiers}  {token_text}  {delta}"
 
 
-def print_table(out: dict[str, Any], file: Any = sys.stdout) -> None:
+def print_table(out: dict[str, Any], file: TextIO | None = None) -> None:
+    file = sys.stdout if file is None else file  # the stdout of now, not of import
     rec = out["recorded"]
     names = [f"the run had ({CacheSettings(**rec['settings']).label()})"] + [
         ("baseline: " if i == 0 else "") + CacheSettings(**r["settings"]).label()
