@@ -146,19 +146,11 @@ def _title(fig: Any, title: str, subtitle: str) -> None:
     fig.text(0.5, 0.945, subtitle, ha="center", va="top", fontsize=8.5, color="dimgray")
 
 
-def _label_points(
-    ax: Any, xs: Sequence[float], ys: Sequence[float], color: str, below: bool = False
-) -> None:
+def _label_points(ax: Any, xs: Sequence[float], ys: Sequence[float], color: str) -> None:
+    """The value at each point, under it (a dashed token line runs just above)."""
     for x, y in zip(xs, ys, strict=True):
-        ax.annotate(
-            f"{y:.1f}",
-            (x, y),
-            textcoords="offset points",
-            xytext=(0, -12 if below else 6),
-            ha="center",
-            fontsize=7.5,
-            color=color,
-        )
+        ax.annotate(f"{y:.1f}", (x, y), textcoords="offset points", xytext=(0, -8), ha="center",
+                    va="top", fontsize=8, color=color, weight="bold")  # fmt: skip
 
 
 def plot_hit_rate_lines(
