@@ -38,11 +38,12 @@ from pathlib import Path
 
 import msgpack
 
-from kvledger.events.codec import KIND_NAMES, encode
 from kvledger.events.log import EventLog
 from kvledger.events.log.replay import replay
-from kvledger.events.types import AnyEvent, BlockInfo, Tier
+from kvledger.events.log.rows import to_row
+from kvledger.events.types import BlockInfo, LogRecord, Lookup, Released, RunInfo, Tier
 from kvledger.registry.emitter import EventEmitter
+from kvledger.registry.lookups import LookupRecorder
 
 BATCH = 10_000
 ENGINE_ON_RATE = 15_000
@@ -50,14 +51,20 @@ ENGINE_ON_RATE = 15_000
 on the mooncake conversation trace (96,093 events in its first 6.6 s on the 2-core VM)."""
 
 
-def workload(n_events: int, seed: int = 7, block_tokens: int = 0) -> list[AnyEvent]:
+def workload(
+    n_events: int, seed: int = 7, block_tokens: int = 0, lookups: bool = False
+) -> list[LogRecord]:
     """A mocker-like mix: sequences stored in 1-4 block runs, evictions, offloads to G2.
 
     With ``block_tokens``, stored events carry that many token ids per block, as an engine's
-    do (vLLM's BlockStored has them)."""
+    do (vLLM's BlockStored has them). With ``lookups``, each stored run is a request's: its
+    lookup record (a cached prefix of 0-8 blocks and the stored ones) comes before it and its
+    release after, as ``log_lookups`` writes them."""
     rng = random.Random(seed)
-    out: list[AnyEvent] = []
+    out: list[LogRecord] = []
     emitter = EventEmitter(out.append, worker_id=0)
+    recorder = LookupRecorder(out.append, worker_id=0)
+    request = 0
     resident: list[BlockInfo] = []
     parent: int | None = None
     while len(out) < n_events:
@@ -74,7 +81,14 @@ def workload(n_events: int, seed: int = 7, block_tokens: int = 0) -> list[AnyEve
             tokens = None
             if block_tokens:
                 tokens = [[rng.randrange(150_000) for _ in range(block_tokens)] for _ in blocks]
+            if lookups:
+                cached = [rng.getrandbits(64) for _ in range(rng.randint(0, 8))]
+                asked = cached + [seq for seq, _ in blocks]
+                recorder.lookup(request, asked, (len(cached), 0, 0), num_tokens=16 * len(asked))
             emitter.stored(Tier.G1, resident[-len(blocks)].parent_hash, blocks, tokens)
+            if lookups:
+                recorder.released(request)
+                request += 1
         elif roll < 0.85:
             gone = [resident.pop(rng.randrange(len(resident))) for _ in range(rng.randint(1, 3))]
             emitter.removed(Tier.G1, [b.sequence_hash for b in gone])
@@ -120,7 +134,7 @@ def raw_read(path: Path) -> float:
     return elapsed
 
 
-def our_append(path: Path, events: list[AnyEvent]) -> float:
+def our_append(path: Path, events: list[LogRecord]) -> float:
     log = EventLog(str(path), batch_size=BATCH)
     append = log.append
     t0 = time.perf_counter()
@@ -130,7 +144,7 @@ def our_append(path: Path, events: list[AnyEvent]) -> float:
     return time.perf_counter() - t0
 
 
-def our_append_many(path: Path, events: list[AnyEvent]) -> float:
+def our_append_many(path: Path, events: list[LogRecord]) -> float:
     log = EventLog(str(path), batch_size=BATCH)
     t0 = time.perf_counter()
     for start in range(0, len(events), BATCH):
@@ -139,7 +153,7 @@ def our_append_many(path: Path, events: list[AnyEvent]) -> float:
     return time.perf_counter() - t0
 
 
-def our_replay(path: Path, n: int, *, as_dicts: bool = False) -> float:
+def our_replay(path: Path, last_id: int, *, as_dicts: bool = False) -> float:
     """Replay as ``kvledger replay`` runs it; with ``as_dicts``, also turn the state's arrays
     into the per-block dicts that ``RegistryState.tiers`` hands out."""
     with EventLog(str(path), read_only=True) as log:
@@ -148,14 +162,14 @@ def our_replay(path: Path, n: int, *, as_dicts: bool = False) -> float:
         if as_dicts:
             state.tiers  # noqa: B018 (the property builds the dicts)
         elapsed = time.perf_counter() - t0
-    assert state.last_event_id[0] == n - 1
+    assert state.last_event_id[0] == last_id
     return elapsed
 
 
 # -- lag under load ---------------------------------------------------------------------------
 
 
-def paced(log: EventLog, events: list[AnyEvent], rate: float, seconds: float) -> list[float]:
+def paced(log: EventLog, events: list[LogRecord], rate: float, seconds: float) -> list[float]:
     """Append ``events`` at ``rate``/s for up to ``seconds``, spinning (never sleeping) between
     appends; returns each appended event's time (``time.monotonic()`` after its append)."""
     clock = time.monotonic
@@ -173,12 +187,12 @@ def paced(log: EventLog, events: list[AnyEvent], rate: float, seconds: float) ->
     return appended
 
 
-def lag_under_load(path: Path, events: list[AnyEvent], rate: float, seconds: float) -> str:
+def lag_under_load(path: Path, events: list[LogRecord], rate: float, seconds: float) -> str:
     log = EventLog(str(path))
     depths: list[int] = []
     original = log.append
 
-    def append(event: AnyEvent) -> None:
+    def append(event: LogRecord) -> None:
         original(event)
         depths.append(log.queue_depth)
 
@@ -280,6 +294,9 @@ def main() -> None:
     )
     parser.add_argument("--lag-seconds", type=float, default=5.0, help="lag under load: length")
     parser.add_argument("--kills", type=int, default=5, help="SIGKILLed producers (0: none)")
+    parser.add_argument(
+        "--lookups", action="store_true", help="a lookup and a release record per stored run"
+    )
     parser.add_argument("--child", nargs=4, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -287,10 +304,10 @@ def main() -> None:
         child(url, shared, float(rate), int(n_events))
         return
     n = args.events
-    events = workload(n, block_tokens=args.block_tokens)
-    rows = [
-        (e.worker_id, e.event_id, KIND_NAMES[type(e)], int(e.tier), e.ts, encode(e)) for e in events
-    ]
+    events = workload(n, block_tokens=args.block_tokens, lookups=args.lookups)
+    rows = [to_row(e) for e in events]
+    lookup_rows = sum(isinstance(e, Lookup | Released | RunInfo) for e in events)
+    last_id = n - lookup_rows - 1
     Path(args.dir).mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="eventlog-bench-", dir=args.dir))
     try:
@@ -307,8 +324,8 @@ def main() -> None:
                 "ours_a": our_append(fresh("ours", i), events),
                 "ours_m": our_append_many(fresh("many", i), events),
                 "raw_r": raw_read(fresh("raw", 0)),
-                "ours_r": our_replay(fresh("ours", 0), n),
-                "dicts_r": our_replay(fresh("ours", 0), n, as_dicts=True),
+                "ours_r": our_replay(fresh("ours", 0), last_id),
+                "dicts_r": our_replay(fresh("ours", 0), last_id, as_dicts=True),
             }
             for name, seconds in round_.items():
                 times.setdefault(name, []).append(seconds)
@@ -334,8 +351,8 @@ def main() -> None:
         print(f"{label:<46} {n / seconds / 1e6:6.3f} M events/s{ratio}")
 
     print(
-        f"events: {n}, {args.block_tokens} token ids per stored block, batch {BATCH}, WAL, "
-        f"synchronous=NORMAL, best of {args.repeat}"
+        f"events: {n} ({lookup_rows} of them lookup records), {args.block_tokens} token ids per "
+        f"stored block, batch {BATCH}, WAL, synchronous=NORMAL, best of {args.repeat}"
     )
     line("append  raw sqlite3.executemany (pre-encoded):", raw_a)
     line("append  EventLog.append (one by one):", ours_a, raw_a, spread("ours_a", "raw_a"))

@@ -12,6 +12,14 @@ Record layout, version 3::
     removed (2):               hashes: bin of seq
     offloaded/onboarded (3/4): src_tier, blocks: bin of (seq, local, parent), roots: nil|bin
     cleared (5):               (no body)
+    lookup (6):                request_id, num_tokens, start, hits G1, G2, G3, hashes: bin of seq
+    release (7):               request_id
+    run (8):                   g1_blocks, g2_blocks, g3_blocks, block_size, policy, offload_filter
+
+Kinds 6 to 8 are lookup records (``types.Lookup``, ``Released``, ``RunInfo``): their worker
+field holds ``lookup_stream(worker_id)`` (negative) and their ids count their own stream, so
+they never mix with a worker's transitions. Replay verifies their checksum and skips them
+without reading their body (``lookup_record_ts``).
 
 Hashes are u64 and travel packed, big-endian, in one msgpack ``bin`` per event. ``roots``
 holds one byte per copied block: 1 where the block has no parent (its parent word is then 0).
@@ -54,14 +62,18 @@ import msgpack
 import numpy as np
 
 from kvledger.events.types import (
-    AnyEvent,
     BlockInfo,
     Cleared,
+    LogRecord,
+    Lookup,
     Offloaded,
     Onboarded,
+    Released,
     Removed,
+    RunInfo,
     Stored,
     Tier,
+    lookup_stream,
 )
 from kvledger.registry.columns import BlockColumns
 from kvledger.registry.state import RegistryState
@@ -75,23 +87,31 @@ CHECK_TAG = 0xCE  # msgpack uint32: the checksum field's first byte
 CHECK_BYTES = 5  # the checksum field: its tag and the four CRC bytes
 CHECK_RESIDUE = 0x2144DF1C  # crc32 of any byte string followed by its own CRC, little-endian
 
-KIND_CODES: dict[type[AnyEvent], int] = {
+KIND_CODES: dict[type[LogRecord], int] = {
     Stored: 1,
     Removed: 2,
     Offloaded: 3,
     Onboarded: 4,
     Cleared: 5,
+    Lookup: 6,
+    Released: 7,
+    RunInfo: 8,
 }
-KIND_NAMES: dict[type[AnyEvent], str] = {
+KIND_NAMES: dict[type[LogRecord], str] = {
     Stored: "stored",
     Removed: "removed",
     Offloaded: "offloaded",
     Onboarded: "onboarded",
     Cleared: "cleared",
+    Lookup: "lookup",
+    Released: "release",
+    RunInfo: "run",
 }
+LOOKUP_CODES = frozenset((6, 7, 8))
+"""Kind codes of lookup records: verified and skipped by replay, read by ``whatif``."""
 _TIERS: dict[int, Tier] = {int(t): t for t in Tier}
 _HEADER_LEN = 7
-_BODY_LEN = {1: 3, 2: 1, 3: 3, 4: 3, 5: 0}
+_BODY_LEN = {1: 3, 2: 1, 3: 3, 4: 3, 5: 0, 6: 7, 7: 1, 8: 6}
 # bytes per block in each kind's hash bin
 BLOCK_WIDTH = {1: 16, 2: 8, 3: 24, 4: 24}
 
@@ -130,6 +150,11 @@ _REMOVED = _Packers("BI{w}Q", 2)
 _COPIED = _Packers("BBI{w}QB", 3)
 _COPIED_ROOTS = _Packers("BBI{w}QBI{n}B", 3)
 _CLEARED = struct.Struct(_HEADER_FORMAT + "B")
+# a lookup: request id (uint64), then tokens, start and the three hit counts (uint32 each),
+# then the asked hashes; a release: the request id
+_LOOKUP = _Packers("BQBIBIBIBIBIBI{w}Q", 2)
+_RELEASE = struct.Struct(_HEADER_FORMAT + "BQB")
+_U32 = 0xCE
 
 
 class CodecError(ValueError):
@@ -146,7 +171,7 @@ class CodecError(ValueError):
         super().__init__(f"{where}: {message}")
 
 
-def encode(event: AnyEvent) -> bytes:
+def encode(event: LogRecord) -> bytes:
     """One event as a version-3 record, checksum included.
 
     Refuses (``CodecError``) whatever ``decode`` would refuse, so that no record is ever
@@ -176,12 +201,16 @@ def encode(event: AnyEvent) -> bytes:
             f"worker_id, dp_rank and event_id >= 0 must be integers, tier a Tier and ts a "
             f"number in {event!r}"
         )
+    if kind in LOOKUP_CODES:
+        worker_id = lookup_stream(worker_id)
     # fmt: off
     head = (FIXARRAY[kind], LOG_RECORD_VERSION, kind, INT64, worker_id, UINT64, event_id,
             INT64, dp_rank, tier, FLOAT64, ts)
     # fmt: on
     try:
-        if cls is Stored:
+        if kind in LOOKUP_CODES:
+            data = _lookup_record(event, head)  # type: ignore[arg-type]
+        elif cls is Stored:
             data = _stored(event, head)  # type: ignore[arg-type]
         elif cls is Removed:
             hashes = event.sequence_hashes  # type: ignore[union-attr]
@@ -196,6 +225,30 @@ def encode(event: AnyEvent) -> bytes:
     except (OverflowError, TypeError, struct.error) as exc:
         raise CodecError(f"cannot encode {event!r}: {exc}") from None
     return data + _CRC_LE(zlib.crc32(data))
+
+
+def _lookup_record(event: Lookup | Released | RunInfo, head: tuple[Any, ...]) -> bytes:
+    if type(event) is Released:
+        return _RELEASE.pack(*head, UINT64, event.request_id, CHECK_TAG)
+    if type(event) is Lookup:
+        hashes, hits = event.sequence_hashes, event.hits
+        if type(hits) is not tuple or len(hits) != 3:
+            raise CodecError(f"lookup hits must be three counts (G1, G2, G3): {event!r}")
+        n = len(hashes)
+        # fmt: off
+        return _LOOKUP[n].pack(
+            *head, UINT64, event.request_id, _U32, event.num_tokens, _U32, event.start,
+            _U32, hits[0], _U32, hits[1], _U32, hits[2], BIN32, 8 * n, *hashes, CHECK_TAG,
+        )
+        # fmt: on
+    assert type(event) is RunInfo
+    fields = (event.g1_blocks, event.g2_blocks, event.g3_blocks, event.block_size)
+    if {*map(type, fields)} != {int} or min(fields) < 0:
+        raise CodecError(f"run capacities and block size must be integers >= 0: {event!r}")
+    if type(event.policy) is not str or type(event.offload_filter) is not str:
+        raise CodecError(f"run policy and offload filter must be strings: {event!r}")
+    body = b"".join(msgpack.packb(v) for v in (*fields, event.policy, event.offload_filter))
+    return _CLEARED.pack(*head, CHECK_TAG)[:-1] + body + bytes([CHECK_TAG])
 
 
 def _stored(event: Stored, head: tuple[Any, ...]) -> bytes:
@@ -234,7 +287,7 @@ def _copied(event: Offloaded | Onboarded, head: tuple[Any, ...]) -> bytes:
     return _COPIED[n].pack(*head, src, BIN32, 24 * n, *flat, NIL, CHECK_TAG)
 
 
-def decode(data: bytes, position: int | None = None) -> AnyEvent:
+def decode(data: bytes, position: int | None = None) -> LogRecord:
     """The event in ``data``; ``CodecError`` (naming ``position``) for anything else, and
     for a version 3 record whose checksum does not match its bytes."""
     intact = (
@@ -260,7 +313,7 @@ def decode(data: bytes, position: int | None = None) -> AnyEvent:
 DAMAGED = "damaged: its checksum does not match its bytes (they changed after it was written)"
 
 
-def _from_record(record: object, position: int | None, intact: bool) -> AnyEvent:
+def _from_record(record: object, position: int | None, intact: bool) -> LogRecord:
     """Validate an unpacked record and build its event; ``intact``: whether the record's
     bytes pass the checksum (required of version 3, which then loses its check field)."""
     if type(record) is not tuple or not record:
@@ -285,6 +338,8 @@ def _from_record(record: object, position: int | None, intact: bool) -> AnyEvent
     _version, kind, worker_id, event_id, dp_rank, tier_code, ts = record[:_HEADER_LEN]
     if type(kind) is not int or kind not in _BODY_LEN:
         raise CodecError(f"unknown event kind code {kind!r}", position)
+    if kind in LOOKUP_CODES and version != LOG_RECORD_VERSION:
+        raise CodecError(f"a lookup record (kind {kind}) must be version 3", position)
     if len(record) != _HEADER_LEN + _BODY_LEN[kind]:
         raise CodecError(
             f"kind {kind} needs {_HEADER_LEN + _BODY_LEN[kind]} fields, got {len(record)}",
@@ -308,6 +363,9 @@ def _from_record(record: object, position: int | None, intact: bool) -> AnyEvent
     }
     if kind == 5:
         return Cleared(**common)
+    if kind in LOOKUP_CODES:
+        common["worker_id"] = lookup_stream(worker_id)
+        return _lookup_from(kind, record[_HEADER_LEN:], common, position)
     if kind == 1:
         parent, blob, tokens = record[7:]
         if parent is not None and (type(parent) is not int or not 0 <= parent < 2**64):
@@ -336,6 +394,71 @@ def _from_record(record: object, position: int | None, intact: bool) -> AnyEvent
     infos = tuple(map(BlockInfo, words[0::3], words[1::3], parents))
     cls = Offloaded if kind == 3 else Onboarded
     return cls(**common, src_tier=src, blocks=infos)
+
+
+def _lookup_from(
+    kind: int, body: tuple[Any, ...], common: dict[str, Any], position: int | None
+) -> LogRecord:
+    """A lookup record's body, checked field by field."""
+    if kind == 8:
+        *sizes, policy, offload_filter = body
+        if {*map(type, sizes)} != {int} or min(sizes) < 0:
+            raise CodecError(f"run sizes must be integers >= 0, got {sizes!r}", position)
+        if type(policy) is not str or type(offload_filter) is not str:
+            raise CodecError("run policy and offload filter must be strings", position)
+        g1, g2, g3, block_size = sizes
+        return RunInfo(
+            **common,
+            g1_blocks=g1,
+            g2_blocks=g2,
+            g3_blocks=g3,
+            block_size=block_size,
+            policy=policy,
+            offload_filter=offload_filter,
+        )
+    request_id = body[0]
+    if type(request_id) is not int or not 0 <= request_id < 2**64:
+        raise CodecError(f"request id must be a u64, got {request_id!r}", position)
+    if kind == 7:
+        return Released(**common, request_id=request_id)
+    *counts, blob = body[1:]
+    if {*map(type, counts)} != {int} or min(counts) < 0:
+        raise CodecError(f"lookup counts must be integers >= 0, got {counts!r}", position)
+    if type(blob) is not bytes or len(blob) % 8:
+        raise CodecError(f"lookup hashes must be a bin of 8-byte words, got {_describe(blob)}",
+                         position)  # fmt: skip
+    num_tokens, start, g1, g2, g3 = counts
+    hashes = struct.unpack(f">{len(blob) // 8}Q", blob)
+    if g1 + g2 + g3 > len(hashes):
+        raise CodecError(f"lookup hits {g1 + g2 + g3} exceed its {len(hashes)} blocks", position)
+    return Lookup(
+        **common,
+        request_id=request_id,
+        num_tokens=num_tokens,
+        start=start,
+        sequence_hashes=hashes,
+        hits=(g1, g2, g3),
+    )
+
+
+def lookup_record_ts(data: bytes, position: int | None = None) -> float | None:
+    """The timestamp of an intact lookup record, without reading its body; None when ``data``
+    is not a lookup record (then ``decode`` it). What replay does with a lookup record: its
+    bytes verified, it folds nothing. ``CodecError`` for a damaged one."""
+    if len(data) < HEADER_BYTES or data[2] not in LOOKUP_CODES or data[1] != LOG_RECORD_VERSION:
+        return None
+    if (
+        data[0] != FIXARRAY[data[2]]
+        or data[-CHECK_BYTES] != CHECK_TAG
+        or zlib.crc32(data) != CHECK_RESIDUE
+    ):
+        raise CodecError(DAMAGED, position)
+    header = struct.unpack_from(_HEADER_FORMAT, data)
+    tags = (header[3], header[5], header[7], header[10])
+    if tags != (INT64, UINT64, INT64, FLOAT64) or header[9] not in _TIERS:
+        raise CodecError(f"not a lookup record in the writer's layout: {tags}", position)
+    ts: float = header[11]
+    return ts
 
 
 def _words(blob: object, width: int, position: int | None) -> tuple[int, ...]:
@@ -384,7 +507,7 @@ def _tokens(blob: object, n_blocks: int, position: int | None) -> Any:
     )
 
 
-def iter_decode(records: Iterable[bytes], first_position: int = 0) -> Iterator[AnyEvent]:
+def iter_decode(records: Iterable[bytes], first_position: int = 0) -> Iterator[LogRecord]:
     """Decode a sequence of records, numbering positions from ``first_position``."""
     for position, data in enumerate(records, first_position):
         yield decode(data, position)

@@ -135,3 +135,63 @@ EVENT_KINDS: dict[str, type[AnyEvent]] = {
     "cleared": Cleared,
 }
 KIND_OF: dict[type[AnyEvent], str] = {cls: name for name, cls in EVENT_KINDS.items()}
+
+
+# -- lookup records: what requests asked for, not transitions ----------------------------------
+#
+# They go to the durable log only, in a stream of their own per worker (ids from 0, apart from
+# the transitions' ids), so that every consumer of transitions (replay's fold, the shared
+# registry, router encoders) neither sees them nor sees a gap in the transition ids.
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Lookup(Event):
+    """A request asked to hold blocks ``start..`` of its sequence, and what hit.
+
+    ``start`` is 0 when a request arrives (its prompt's lookup) and the number of blocks it
+    already holds when it grows (decode). ``hits`` is (blocks found on G1, blocks onboarded
+    from G2, from G3), a prefix of ``sequence_hashes``. ``num_tokens`` is the prompt's length
+    in tokens, 0 when the engine did not say.
+    """
+
+    request_id: int
+    num_tokens: int
+    start: int
+    sequence_hashes: tuple[int, ...]
+    hits: tuple[int, int, int]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Released(Event):
+    """A request ended (or was preempted) and let go of the blocks it held."""
+
+    request_id: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RunInfo(Event):
+    """The settings a run (or a restart) started with: what a re-run of its lookups needs to
+    reproduce them."""
+
+    g1_blocks: int
+    g2_blocks: int
+    g3_blocks: int
+    block_size: int
+    policy: str
+    offload_filter: str
+
+
+LookupRecord: TypeAlias = Lookup | Released | RunInfo
+LogRecord: TypeAlias = AnyEvent | LookupRecord
+
+LOOKUP_KINDS: dict[str, type[LookupRecord]] = {
+    "lookup": Lookup,
+    "release": Released,
+    "run": RunInfo,
+}
+
+
+def lookup_stream(worker_id: int) -> int:
+    """The key a worker's lookup records are stored under in the log's ``worker`` column
+    (``-1 - worker_id``): worker ids are never negative, so the two streams cannot clash."""
+    return ~worker_id

@@ -25,6 +25,8 @@ COMMAND_MODULES = (
     "kvledger.commands.tail",
     "kvledger.commands.simulate",
     "kvledger.commands.sweep",
+    "kvledger.commands.whatif",
+    "kvledger.commands.report",
 )
 
 

@@ -89,6 +89,11 @@ class Settings(BaseSettings):
         description="how long allocate waits for copies in flight to free G1 blocks, seconds",
     )
     data_dir: Path = Path("kvledger-data")
+    log_lookups: bool = Field(
+        True,
+        description="write each request's lookup, growth and end to the event log (for "
+        "`kvledger whatif` and `kvledger report`); about 84 + 8 x blocks bytes per lookup",
+    )
     event_log_url: str | None = Field(
         None, description="SQLAlchemy URL of the event log; default: SQLite under data_dir"
     )

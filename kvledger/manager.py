@@ -22,6 +22,7 @@ Typical engine loop::
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import threading
 import time
@@ -32,6 +33,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
+from xxhash import xxh3_64_intdigest
 
 from kvledger.config import Settings, ensure_log_folder
 from kvledger.events.log import EventLog
@@ -39,11 +41,22 @@ from kvledger.events.log.replay import replay
 from kvledger.events.shared.client import connect
 from kvledger.events.shared.publish import RedisPublisher
 from kvledger.events.shared.registry import SharedRegistry
-from kvledger.events.types import AnyEvent, BlockInfo, Tier
+from kvledger.events.types import (
+    AnyEvent,
+    BlockInfo,
+    LogRecord,
+    Lookup,
+    LookupRecord,
+    Released,
+    RunInfo,
+    Tier,
+    lookup_stream,
+)
 from kvledger.metrics import Metrics
 from kvledger.registry.emitter import EventEmitter
 from kvledger.registry.errors import PoolExhausted
 from kvledger.registry.hashing import TokenBlockSequence
+from kvledger.registry.lookups import LookupRecorder
 from kvledger.registry.state import RegistryState
 from kvledger.registry.tiered import CopyPlan, MatchResult, TieredRegistry
 from kvledger.tiers.base import StorageTier
@@ -167,7 +180,7 @@ class BlockManager:
         self._observers = list(observers)
         self._lock = threading.RLock()
         self._idle = threading.Condition(self._lock)
-        self._queue: deque[AnyEvent] = deque()
+        self._queue: deque[LogRecord] = deque()
         self._deliver_lock = threading.Lock()
         self._emitter = EventEmitter(
             self._emit, worker_id=s.worker_id, dp_rank=s.dp_rank, first_event_id=first_id
@@ -219,6 +232,24 @@ class BlockManager:
         self._registry.resume(first_id - 1, keep=() if g3_cleared else (Tier.G3,))
         if first_id and not g3_cleared:
             self._emitter.removed(Tier.G3, dropped)
+        self._requests: dict[int, _LiveRequest] = {}
+        self._next_request = 0
+        self._lookups: LookupRecorder | None = None
+        if s.log_lookups and self._event_log is not None:
+            self._lookups = LookupRecorder(
+                self._queue.append,
+                worker_id=s.worker_id,
+                dp_rank=s.dp_rank,
+                first_id=self._event_log.last_event_id(lookup_stream(s.worker_id)) + 1,
+            )
+            self._lookups.run(
+                g1_blocks=g1_blocks,
+                g2_blocks=s.g2_capacity,
+                g3_blocks=s.g3_capacity,
+                block_size=s.block_size,
+                policy=s.eviction_policy,
+                offload_filter=s.offload_filter,
+            )
 
     def _logged_g3(self) -> KnownBlocks | None:
         """This worker's G3 blocks by the event log's fold; None when the log cannot be folded
@@ -360,8 +391,15 @@ class BlockManager:
         with self._deliver_lock:
             while queue:
                 event = queue.popleft()
+                if isinstance(event, Lookup | Released | RunInfo):
+                    self._log_lookup(event)  # the log alone reads lookup records
+                    continue
                 for sink in sinks:
                     sink(event)
+
+    def _log_lookup(self, record: LookupRecord) -> None:
+        assert self._event_log is not None  # no recorder without a log
+        self._event_log.append(record)
 
     # -- read-only views ---------------------------------------------------------------------
 
@@ -455,12 +493,19 @@ class BlockManager:
 
     # -- onboarding ----------------------------------------------------------------------
 
-    def onboard(self, sequence: TokenBlockSequence) -> list[int]:
+    def onboard(
+        self, sequence: TokenBlockSequence, *, request_id: int | str | None = None
+    ) -> list[int]:
         """Take the cached prefix of ``sequence`` onto G1 and return its G1 slots, held.
 
         G2/G3 hits are copied into fresh G1 blocks first. A copy that fails (a corrupt G3
         slot, an I/O error) ends the prefix there: the caller computes the rest, and the
         registry never names bytes that did not arrive.
+
+        With the ``log_lookups`` setting the lookup is recorded (what was asked, what hit on
+        each tier) under ``request_id`` (an integer, or a string hashed to one; default: a
+        number of the manager's own). ``register`` and ``release`` find the request again by
+        that id, or else by the same ``sequence`` object and the slots it holds.
         """
         hashes = sequence.sequence_hashes
         with self._changing():
@@ -475,6 +520,7 @@ class BlockManager:
             plans = reg.plan_onboard(hashes, match)
             started = [(plan, self._start(plan)) for plan in plans]
         broken = False
+        onboarded = {Tier.G2: 0, Tier.G3: 0}
         for plan, handle in started:
             landed = self._finish(plan, handle)
             if broken:  # after a hole: these blocks are cached on G1 but not part of the prefix
@@ -482,8 +528,37 @@ class BlockManager:
                     self._registry.release(Tier.G1, landed)
                 continue
             held.extend(landed)
+            onboarded[plan.src_tier] += len(landed)
             broken = len(landed) < len(plan)
+        if self._lookups is not None:
+            with self._changing():
+                rid = self._request_number(request_id)
+                self._requests[rid] = _LiveRequest(sequence, len(hashes), set(held))
+                hits = (match.g1, onboarded[Tier.G2], onboarded[Tier.G3])
+                self._lookups.lookup(rid, hashes, hits, num_tokens=sequence.num_tokens)
         return held
+
+    def _request_number(self, request_id: int | str | None) -> int:
+        if request_id is None:
+            self._next_request += 1
+            return self._next_request - 1
+        if isinstance(request_id, str):
+            return xxh3_64_intdigest(request_id.encode())
+        return request_id
+
+    def _live_request(
+        self, request_id: int | str | None, sequence: TokenBlockSequence | None, slots: set[int]
+    ) -> int | None:
+        """The live request a ``register`` or ``release`` is about: by its id, else by its
+        sequence object, else the newest one whose slots are all among ``slots``."""
+        if request_id is not None:
+            rid = self._request_number(request_id)
+            return rid if rid in self._requests else None
+        for rid in reversed(self._requests):
+            live = self._requests[rid]
+            if live.sequence is sequence or (slots and live.slots and live.slots <= slots):
+                return rid
+        return None
 
     def onboard_remote(
         self, sequence: TokenBlockSequence, fetcher: RemoteFetcher | None = None
@@ -535,9 +610,13 @@ class BlockManager:
                 with self._changing():
                     self._registry.release(Tier.G2, reversed(landed))
 
-    async def aonboard(self, sequence: TokenBlockSequence) -> list[int]:
+    async def aonboard(
+        self, sequence: TokenBlockSequence, *, request_id: int | str | None = None
+    ) -> list[int]:
         """``onboard`` without blocking the event loop."""
-        return await asyncio.get_running_loop().run_in_executor(None, self.onboard, sequence)
+        return await asyncio.get_running_loop().run_in_executor(
+            None, functools.partial(self.onboard, sequence, request_id=request_id)
+        )
 
     # -- allocation and registration -----------------------------------------------------
 
@@ -593,12 +672,18 @@ class BlockManager:
         return sum(1 for slot, n in pins.items() if refcount(slot) == n)
 
     def register(
-        self, slots: Sequence[int], sequence: TokenBlockSequence, *, start: int
+        self,
+        slots: Sequence[int],
+        sequence: TokenBlockSequence,
+        *,
+        start: int,
+        request_id: int | str | None = None,
     ) -> list[int]:
         """Name filled G1 ``slots`` as blocks ``start..`` of ``sequence``; starts their offload.
 
         Returns the slots holding the blocks (a block another request registered meanwhile
-        is shared and the duplicate slot freed).
+        is shared and the duplicate slot freed). Blocks past what the request's lookup asked
+        for (it grew while decoding) are recorded as its growth.
         """
         end = start + len(slots)
         seqs, locals_ = sequence.sequence_hashes, sequence.local_hashes
@@ -614,12 +699,42 @@ class BlockManager:
             )
             for plan in self._registry.plan_offload(held):
                 self._start(plan)
+            if self._lookups is not None:
+                self._note_registered(request_id, sequence, slots, held, start)
         return held
 
-    def release(self, slots: Iterable[int]) -> None:
-        """Let go of G1 blocks, last first; registered ones stay cached until evicted."""
+    def _note_registered(
+        self,
+        request_id: int | str | None,
+        sequence: TokenBlockSequence,
+        slots: Sequence[int],
+        held: list[int],
+        start: int,
+    ) -> None:
+        rid = self._live_request(request_id, sequence, set())
+        if rid is None or self._lookups is None:
+            return
+        live = self._requests[rid]
+        live.slots.update(held)
+        end = start + len(held)
+        if end > live.asked:
+            first = max(start, live.asked)
+            shared = sum(1 for s, h in zip(slots, held, strict=True) if s != h)
+            grown = sequence.sequence_hashes[first:end]
+            self._lookups.lookup(rid, grown, (min(shared, len(grown)), 0, 0), start=first)
+            live.asked = end
+
+    def release(self, slots: Iterable[int], *, request_id: int | str | None = None) -> None:
+        """Let go of G1 blocks, last first; registered ones stay cached until evicted. The
+        request they belonged to (``request_id``, or found by its slots) is recorded as ended."""
+        slots = list(slots)
         with self._changing():
-            self._registry.release(Tier.G1, reversed(list(slots)))
+            self._registry.release(Tier.G1, reversed(slots))
+            if self._lookups is not None:
+                rid = self._live_request(request_id, None, set(slots))
+                if rid is not None:
+                    del self._requests[rid]
+                    self._lookups.released(rid)
 
     # -- copies --------------------------------------------------------------------------
 
@@ -709,6 +824,16 @@ class BlockManager:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+@dataclass
+class _LiveRequest:
+    """A request between its lookup and its release: what ``register`` and ``release`` use
+    to find it, and how many of its blocks its lookup records asked for so far."""
+
+    sequence: TokenBlockSequence
+    asked: int
+    slots: set[int]
 
 
 def _good_prefix(plan: CopyPlan, result: TransferResult) -> int:

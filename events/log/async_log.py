@@ -23,7 +23,7 @@ from kvledger.events.log.core import EventLogError, LogCore
 from kvledger.events.log.engine import Durability, make_async_engine
 from kvledger.events.log.rows import InsertStatements, max_params, to_row
 from kvledger.events.log.schema import SchemaError, check_schema, shown_url
-from kvledger.events.types import AnyEvent
+from kvledger.events.types import AnyEvent, LogRecord, Lookup, Released, RunInfo
 
 DEFAULT_ASYNC_URL = "sqlite+aiosqlite:///kvledger-data/events.db"
 
@@ -77,10 +77,10 @@ class AsyncEventLog(LogCore):
             raise EventLogError("the log is not open; use `async with` or `await log.open()`")
         return self._changed
 
-    async def append(self, event: AnyEvent) -> None:
+    async def append(self, event: LogRecord) -> None:
         await self.append_many((event,))
 
-    async def append_many(self, batch: Iterable[AnyEvent]) -> None:
+    async def append_many(self, batch: Iterable[LogRecord]) -> None:
         """Queue events (checked as a whole first); waits while the backlog is at its bound."""
         rows = [to_row(e) for e in batch]
         cond = self._cond()
@@ -200,7 +200,9 @@ class AsyncEventLog(LogCore):
             async for position, ts, payload in result:
                 if until_ts is not None and ts > until_ts:
                     return
-                yield decode(payload, position)
+                event = decode(payload, position)
+                if not isinstance(event, Lookup | Released | RunInfo):  # transitions only
+                    yield event
 
 
 def _upgrade(conn: sa.Connection, url: str) -> None:

@@ -19,6 +19,7 @@ import numpy as np
 from kvledger.events.chunk_decode import decode_chunk
 from kvledger.events.codec import KIND_CODES, KIND_NAMES, LOG_RECORD_VERSION, CodecError, decode
 from kvledger.events.log import EventLog
+from kvledger.events.log.rows import row_worker
 
 _COLUMNS = ("id", "worker", "event_id", "kind", "tier", "ts", "payload")
 _KIND_CODE = {KIND_NAMES[cls]: code for cls, code in KIND_CODES.items()}
@@ -106,7 +107,7 @@ def _problem(
     except CodecError as exc:
         return f"{str(exc).split(': ', 1)[-1]} (its columns say worker {worker}, event {event_id})"
     columns = {
-        "worker": (worker, event.worker_id),
+        "worker": (worker, row_worker(event)),
         "event_id": (event_id, event.event_id),
         "kind": (kind, KIND_NAMES[type(event)]),
         "tier": (tier, int(event.tier)),

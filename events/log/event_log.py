@@ -38,7 +38,7 @@ from kvledger.events.log.schema import (
     database_url,
     shown_url,
 )
-from kvledger.events.types import AnyEvent
+from kvledger.events.types import AnyEvent, LogRecord
 from kvledger.registry.state import RegistryState
 
 
@@ -114,8 +114,9 @@ class EventLog(LogCore):
 
     # -- appending ----------------------------------------------------------------------------
 
-    def append(self, event: AnyEvent) -> None:
-        """Queue one event; waits while the backlog is at its bound. Usable as an emitter's sink."""
+    def append(self, event: LogRecord) -> None:
+        """Queue one event (or lookup record); waits while the backlog is at its bound. Usable
+        as an emitter's sink."""
         rows = [to_row(event)]
         backlog = self._backlog
         with self._lock:
@@ -123,12 +124,12 @@ class EventLog(LogCore):
             now = monotonic()
             if backlog.room(now) < 1:
                 now = self._wait_for_room()
-            if not self._accept_next(event.worker_id, event.event_id):
+            if not self._accept_next(rows[0][0], event.event_id):
                 self._accept_ids(rows, self._committed_ids(rows))
             if backlog.add(rows, now):
                 self._wake_writer.notify()
 
-    def append_many(self, batch: Iterable[AnyEvent]) -> None:
+    def append_many(self, batch: Iterable[LogRecord]) -> None:
         """Queue several events (checked as a whole before any is queued)."""
         rows = [to_row(e) for e in batch]
         backlog = self._backlog
@@ -319,10 +320,13 @@ class EventLog(LogCore):
         until_position: int | None = None,
         chunk_size: int = READ_CHUNK,
         columns: Sequence[str] = ("id", "ts", "payload"),
+        lookups_only: bool = False,
     ) -> Generator[list[tuple[Any, ...]], None, None]:
         """Raw rows in lists of up to ``chunk_size``: what replay folds a list at a time.
-        ``columns`` names what each row holds (``kvledger inspect --check`` reads them all)."""
+        ``columns`` names what each row holds (``kvledger inspect --check`` reads them all);
+        ``lookups_only`` reads the lookup records alone (``kvledger whatif``)."""
         stmt = reader.select_rows(
+            lookups_only=lookups_only,
             worker_id=worker_id,
             after_event_id=after_event_id,
             until_event_id=until_event_id,

@@ -16,7 +16,7 @@ import sqlalchemy as sa
 
 from kvledger.events.codec import decode
 from kvledger.events.log.schema import checkpoints, events
-from kvledger.events.types import AnyEvent, Tier
+from kvledger.events.types import AnyEvent, LogRecord, Lookup, Released, RunInfo, Tier
 
 READ_CHUNK = 10_000
 
@@ -41,10 +41,14 @@ def select_rows(
     after_position: int = 0,
     until_position: int | None = None,
     columns: Sequence[str] = ("id", "ts", "payload"),
+    lookups_only: bool = False,
 ) -> sa.Select[Any]:
-    """The rows within the bounds, in append order, as ``columns``."""
+    """The rows within the bounds, in append order, as ``columns``; with ``lookups_only``,
+    only lookup records (stored under negative ``worker`` keys, see ``types.lookup_stream``)."""
     c = events.c
     stmt = sa.select(*(c[name] for name in columns)).order_by(c.id)
+    if lookups_only:
+        stmt = stmt.where(c.worker < 0)
     if worker_id is not None:
         stmt = stmt.where(c.worker == worker_id)
     if after_event_id >= 0:
@@ -90,7 +94,16 @@ def decode_rows(
     rows: Iterable[tuple[Any, ...]], until_ts: float | None = None
 ) -> Iterator[tuple[int, AnyEvent]]:
     """(position, event) for (position, ts, payload) rows, up to the first stamped after
-    ``until_ts`` (a prefix of the log, not a filter)."""
+    ``until_ts`` (a prefix of the log, not a filter); lookup records are left out."""
+    for position, record in decode_records(rows, until_ts):
+        if not isinstance(record, Lookup | Released | RunInfo):
+            yield position, record
+
+
+def decode_records(
+    rows: Iterable[tuple[Any, ...]], until_ts: float | None = None
+) -> Iterator[tuple[int, LogRecord]]:
+    """``decode_rows`` with the lookup records in."""
     for position, ts, payload in rows:
         if until_ts is not None and ts > until_ts:
             return
@@ -130,9 +143,9 @@ def summary(engine: sa.Engine) -> LogSummary:
         ):
             out.by_kind_tier[(kind, Tier(tier))] = int(n)
         for worker, n, lo, hi in conn.execute(
-            sa.select(
-                c.worker, sa.func.count(), sa.func.min(c.event_id), sa.func.max(c.event_id)
-            ).group_by(c.worker)
+            sa.select(c.worker, sa.func.count(), sa.func.min(c.event_id), sa.func.max(c.event_id))
+            .where(c.worker >= 0)  # lookup streams are counted under their kinds
+            .group_by(c.worker)
         ):
             out.workers[int(worker)] = (int(n), int(lo), int(hi))
         out.checkpoints = [

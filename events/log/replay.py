@@ -25,9 +25,15 @@ import numpy as np
 import sqlalchemy as sa
 
 from kvledger.events.chunk_decode import decode_chunk
-from kvledger.events.codec import CodecError, decode, decode_state, encode_state
+from kvledger.events.codec import (
+    CodecError,
+    decode,
+    decode_state,
+    encode_state,
+    lookup_record_ts,
+)
 from kvledger.events.log import Checkpoint, EventLog
-from kvledger.events.types import AnyEvent
+from kvledger.events.types import AnyEvent, LogRecord, Lookup, Released, RunInfo
 from kvledger.registry.columns import ops_from_events
 from kvledger.registry.state import EventOrderError, RegistryState, take_next
 
@@ -193,7 +199,16 @@ def _accepted(
     """The chunk's events one by one, repeats and events after the bound skipped, a gap or a
     bad record raised."""
     for position, ts, payload in chunk:
+        record_ts = lookup_record_ts(payload, position)
+        if record_ts is not None:  # a lookup record: verified, folds nothing
+            if record_ts != ts:
+                raise CodecError(
+                    f"damaged: its ts column reads {ts!r} but its record {record_ts!r}", position
+                )
+            continue
         event = _checked(position, ts, payload)
+        if isinstance(event, Lookup | Released | RunInfo):
+            continue
         if until_event_id is not None and event.event_id > until_event_id:
             continue
         try:
@@ -203,7 +218,7 @@ def _accepted(
             raise RowOrderError(str(exc), position) from None
 
 
-def _checked(position: int, ts: float, payload: bytes) -> AnyEvent:
+def _checked(position: int, ts: float, payload: bytes) -> LogRecord:
     """The row's event, its record verified and its ``ts`` column checked against it."""
     event = decode(payload, position)
     if event.ts != ts:

@@ -18,22 +18,30 @@ from typing import Any
 
 from kvledger.events.codec import KIND_NAMES, encode
 from kvledger.events.log.schema import events
-from kvledger.events.types import AnyEvent
+from kvledger.events.types import LogRecord, Lookup, Released, RunInfo, lookup_stream
 
 Row = tuple[int, int, str, int, float, bytes]
 
 
-def to_row(event: AnyEvent) -> Row:
+def to_row(event: LogRecord) -> Row:
     """The event as the columns of its log row (the record is encoded, hence validated)."""
     payload = encode(event)
     return (
-        event.worker_id,
+        row_worker(event),
         event.event_id,
         KIND_NAMES[type(event)],
         int(event.tier),
         event.ts,
         payload,
     )
+
+
+def row_worker(record: LogRecord) -> int:
+    """The ``worker`` column of a record's row: the worker's id for a transition, its lookup
+    stream (``lookup_stream``, negative) for a lookup record."""
+    if isinstance(record, Lookup | Released | RunInfo):
+        return lookup_stream(record.worker_id)
+    return record.worker_id
 
 
 COLUMNS = ("worker", "event_id", "kind", "tier", "ts", "payload")

@@ -10,6 +10,8 @@ import argparse
 import datetime as dt
 import math
 import re
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import sqlalchemy as sa
@@ -73,6 +75,66 @@ def timestamp(text: str) -> float:
     if not math.isfinite(value):
         raise argparse.ArgumentTypeError(f"must be a finite number, got {text!r}")
     return value
+
+
+def positive_ints(text: str) -> list[int]:
+    """Comma-separated whole numbers of 1 or more: several values make a sweep."""
+    return [positive_int(part) for part in _parts(text)]
+
+
+def non_negative_ints(text: str) -> list[int]:
+    """Comma-separated whole numbers of 0 or more."""
+    return [non_negative_int(part) for part in _parts(text)]
+
+
+def choices(allowed: tuple[str, ...]) -> Callable[[str], list[str]]:
+    """Comma-separated names out of ``allowed``."""
+
+    def parse(text: str) -> list[str]:
+        values = _parts(text)
+        wrong = [v for v in values if v not in allowed]
+        if wrong:
+            raise argparse.ArgumentTypeError(
+                f"unknown {', '.join(map(repr, wrong))}; choose from {', '.join(allowed)}"
+            )
+        return values
+
+    return parse
+
+
+def _parts(text: str) -> list[str]:
+    parts = [part.strip() for part in text.split(",")]
+    if not all(parts):
+        raise argparse.ArgumentTypeError(f"expected comma-separated values, got {text!r}")
+    return parts
+
+
+@dataclass(frozen=True)
+class LogBound:
+    """A point in a log: a position (row id), or a time (seconds since the epoch) given to
+    a precision: ``since`` is where it starts, ``until`` where it ends (``...35.3`` covers
+    that whole tenth of a second)."""
+
+    position: int | None = None
+    since: float | None = None
+    until: float | None = None
+
+
+def log_bound(text: str) -> LogBound:
+    """An event position (a whole number, as ``kvledger inspect`` prints them) or an ISO time
+    (``2026-11-25T03:46:35.319``, UTC unless a zone is given)."""
+    if text.strip().isdigit():
+        return LogBound(position=int(text))
+    if not any(c in text for c in "-:T"):
+        raise argparse.ArgumentTypeError(
+            f"expected an event position (a whole number) or an ISO time such as "
+            f"2026-11-25T03:46:35.319, got {text!r}"
+        )
+    end = timestamp(text)
+    start = dt.datetime.fromisoformat(text)
+    if start.tzinfo is None:
+        start = start.replace(tzinfo=dt.UTC)
+    return LogBound(since=start.timestamp(), until=end)
 
 
 def input_file(text: str) -> str:

@@ -23,6 +23,7 @@ from typing import Any, TextIO
 import sqlalchemy as sa
 
 from kvledger.commands.args import (
+    choices,
     log_location,
     non_negative_int,
     output_file,
@@ -33,16 +34,18 @@ from kvledger.config import Settings, ensure_log_folder
 from kvledger.events.log import EventLog
 from kvledger.events.log.replay import replay, save_state
 from kvledger.events.log.schema import database_url, shown_url
-from kvledger.events.types import AnyEvent
+from kvledger.events.types import AnyEvent, lookup_stream
 from kvledger.metrics import Metrics
 from kvledger.mocker.cache import SimulatedCache
 from kvledger.mocker.engine import EngineConfig, MockEngine, SimClock
 from kvledger.mocker.engine_off import replay_cache
 from kvledger.mocker.metered import MeteredCache
+from kvledger.mocker.rerun import is_event_log, trace_from_log
 from kvledger.mocker.stats import TIERS, EventCounter, SimStats
 from kvledger.mocker.traces import MOONCAKE_BLOCK_TOKENS, TraceRequest, load_mooncake, synthetic
 from kvledger.progress import Progress
 from kvledger.registry.emitter import EventEmitter
+from kvledger.registry.lookups import LookupRecorder
 from kvledger.registry.state import RegistryState
 from kvledger.registry.tiered import OFFLOAD_FILTERS, TieredRegistry
 
@@ -51,9 +54,17 @@ SYNTHETIC_REQUESTS = 2000
 TIMELINE_POINTS = 200
 
 
-def add_workload_args(p: argparse.ArgumentParser, *, engine_default: str) -> None:
-    """Arguments shared by ``simulate`` and ``sweep``; unset ones come from Settings."""
-    p.add_argument("--trace", metavar="PATH", help="Mooncake JSONL trace (default: built-in)")
+def add_workload_args(
+    p: argparse.ArgumentParser, *, engine_default: str, several_policies: bool = False
+) -> None:
+    """Arguments shared by ``simulate`` and ``sweep``; unset ones come from Settings. With
+    ``several_policies``, ``--policy`` takes a comma-separated list."""
+    p.add_argument(
+        "--trace",
+        metavar="PATH|LOG",
+        help="Mooncake JSONL trace, or an event log with lookup records (a SQLite file or URL): "
+        "its requests as recorded (default: built-in synthetic workload)",
+    )
     p.add_argument(
         "--block-size",
         type=positive_int,
@@ -64,7 +75,15 @@ def add_workload_args(p: argparse.ArgumentParser, *, engine_default: str) -> Non
     p.add_argument("--g1-blocks", type=positive_int, metavar="N")
     p.add_argument("--g2-blocks", type=non_negative_int, metavar="N", help="0: no G2")
     p.add_argument("--g3-blocks", type=non_negative_int, metavar="N", help="0: no G3")
-    p.add_argument("--policy", choices=POLICIES, help="G1 eviction policy")
+    if several_policies:
+        p.add_argument(
+            "--policy",
+            type=choices(POLICIES),
+            metavar="|".join(POLICIES),
+            help="G1 eviction policies, comma-separated: one line each",
+        )
+    else:
+        p.add_argument("--policy", choices=POLICIES, help="G1 eviction policy")
     p.add_argument("--offload-filter", choices=OFFLOAD_FILTERS, help="which blocks go to G3")
     p.add_argument(
         "--engine",
@@ -132,13 +151,20 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
             overrides[name] = value
     settings = Settings.load(**overrides)
     if args.trace and "block_size" not in settings.model_fields_set:
-        settings = Settings.load(**overrides, block_size=MOONCAKE_BLOCK_TOKENS)
+        if is_event_log(args.trace):
+            _, block_size = trace_from_log(args.trace)
+        else:
+            block_size = MOONCAKE_BLOCK_TOKENS
+        settings = Settings.load(**overrides, block_size=block_size)
     return settings
 
 
 def load_workload(args: argparse.Namespace, settings: Settings) -> tuple[list[TraceRequest], str]:
     if args.trace:
-        requests = load_mooncake(args.trace)
+        if is_event_log(args.trace):
+            requests, _ = trace_from_log(args.trace)
+        else:
+            requests = load_mooncake(args.trace)
         if args.requests is not None:
             requests = sorted(requests, key=lambda r: r.arrival_ms)[: args.requests]
         return requests, Path(args.trace).name
@@ -158,6 +184,30 @@ def build_cache(
         emitter=emitter,
     )
     return MeteredCache(registry, metrics) if metrics is not None else SimulatedCache(registry)
+
+
+def lookup_recorder(
+    log: EventLog, settings: Settings, clock: Callable[[], float]
+) -> LookupRecorder:
+    """Lookup records to ``log``, numbered on from the worker's earlier ones, starting with
+    the run's settings."""
+    worker = settings.worker_id
+    recorder = LookupRecorder(
+        log.append,
+        worker_id=worker,
+        dp_rank=settings.dp_rank,
+        first_id=log.last_event_id(lookup_stream(worker)) + 1,
+        clock=clock,
+    )
+    recorder.run(
+        g1_blocks=settings.g1_blocks,
+        g2_blocks=settings.g2_capacity,
+        g3_blocks=settings.g3_capacity,
+        block_size=settings.block_size,
+        policy=settings.eviction_policy,
+        offload_filter=settings.offload_filter,
+    )
+    return recorder
 
 
 def engine_clock(args: argparse.Namespace) -> SimClock | None:
@@ -239,6 +289,8 @@ def simulate(args: argparse.Namespace, note: Callable[[str], None]) -> Outcome:
             clock=time.time if clock is None else clock,
         )
         cache = build_cache(settings, emitter, metrics)
+        if settings.log_lookups:
+            cache.lookups = lookup_recorder(log, settings, emitter.clock)
         if previous >= 0:
             note(
                 f"{shown_url(url)} already holds events of worker {worker} "
@@ -304,18 +356,30 @@ def simulate(args: argparse.Namespace, note: Callable[[str], None]) -> Outcome:
         plot_timeline(
             stats,
             args.plot,
-            title=f"{workload}, policy {settings.eviction_policy}, engine {args.engine}",
+            title=f"kvledger simulate: {workload}",
+            subtitle=describe_run(settings, capacities, args.engine, len(requests)),
             capacities=capacities,
+            failure=None if replay_ok else "REPLAY MISMATCH: the log does not rebuild this run",
         )
         summary["plot"] = str(args.plot)
     return Outcome(summary, stats, replay_ok)
+
+
+def describe_run(settings: Settings, capacities: dict[str, int], engine: str, requests: int) -> str:
+    """The line under a chart's title: what was run, so a chart read alone says it."""
+    tiers = " ".join(f"{tier} {n}" for tier, n in capacities.items())
+    return (
+        f"{requests} requests; {tiers} blocks of {settings.block_size} tokens; policy "
+        f"{settings.eviction_policy}, offload filter {settings.offload_filter}; engine {engine}"
+    )
 
 
 def _pct(part: int, whole: int) -> str:
     return f"{100 * part / whole:.1f}%" if whole else "-"
 
 
-def print_table(s: dict[str, Any], out: TextIO = sys.stdout) -> None:
+def print_table(s: dict[str, Any], out: TextIO | None = None) -> None:
+    out = sys.stdout if out is None else out  # the stdout of now, not of import
     asked = s["blocks_requested"]
     by_tier = ", ".join(f"{t} {_pct(n, asked)}" for t, n in s["hits_by_tier"].items())
     rows = [

@@ -1,4 +1,5 @@
-"""``kvledger sweep``: the same workload at several G1 capacities, hit rate against capacity.
+"""``kvledger sweep``: the same workload at several G1 capacities (and policies), hit rate
+against capacity, with the infinite-cache ceiling.
 
 Runs keep no event log (only the hit rates matter here), so a sweep costs little more than
 the replays themselves.
@@ -21,7 +22,7 @@ from kvledger.commands.simulate import (
     run_workload,
     settings_from_args,
 )
-from kvledger.mocker.stats import EventCounter
+from kvledger.mocker.stats import EventCounter, infinite_cache
 from kvledger.progress import Progress
 from kvledger.registry.emitter import EventEmitter
 
@@ -32,7 +33,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         help="prefix-hit rate of a workload at several G1 capacities",
         description=__doc__,
     )
-    add_workload_args(p, engine_default="off")
+    add_workload_args(p, engine_default="off", several_policies=True)
     p.add_argument(
         "--capacities",
         metavar="N,N,...",
@@ -66,12 +67,17 @@ def parse_capacities(text: str | None, g1_blocks: int) -> list[int]:
 def run(args: argparse.Namespace) -> int:
     if args.g1_blocks is not None:
         raise ValueError("sweep sets G1 itself; give --capacities instead of --g1-blocks")
+    policies: list[str | None] = list(args.policy or [None])
+    args.policy = None
     base = settings_from_args(args)
     requests, workload = load_workload(args, base)
     capacities = parse_capacities(args.capacities, base.g1_blocks)
     points: list[dict[str, Any]] = []
-    for capacity in capacities:
-        settings = base.model_copy(update={"g1_blocks": capacity})
+    for policy, capacity in ((p, c) for p in policies for c in capacities):
+        update: dict[str, Any] = {"g1_blocks": capacity}
+        if policy is not None:
+            update["eviction_policy"] = policy
+        settings = base.model_copy(update=update)
         counter = EventCounter()
         clock = engine_clock(args)
         emitter = EventEmitter(
@@ -92,6 +98,7 @@ def run(args: argparse.Namespace) -> int:
             progress.close()
         s = stats.summary(cache, counter)
         point = {
+            "policy": settings.eviction_policy,
             "g1_blocks": capacity,
             "hit_rate": s["hit_rate"],
             "token_hit_rate": s["token_hit_rate"],
@@ -101,22 +108,38 @@ def run(args: argparse.Namespace) -> int:
             if key in s:
                 point[key] = s[key]
         points.append(point)
+    ceiling_blocks, ceiling_tokens = infinite_cache(requests, base.block_size)
     out: dict[str, Any] = {
         "workload": workload,
         "requests": len(requests),
         "block_size": base.block_size,
-        "policy": base.eviction_policy,
+        "policy": ",".join(sorted({p["policy"] for p in points})),
         "engine": args.engine,
         "points": points,
+        "ceiling": {
+            "hit_rate": round(ceiling_blocks, 6),
+            "token_hit_rate": round(ceiling_tokens, 6),
+        },
     }
     if args.plot:
-        from kvledger.plots import plot_sweep
+        from kvledger.plots import plot_hit_rate_lines
 
-        plot_sweep(
-            capacities,
-            [p["hit_rate"] for p in points],
+        series: dict[str, list[tuple[int, float, float | None]]] = {}
+        for p in points:
+            series.setdefault(p["policy"], []).append(
+                (p["g1_blocks"], p["hit_rate"], p["token_hit_rate"])
+            )
+        lower = [f"G2 {base.g2_capacity}"] if base.g2_capacity else []
+        lower += [f"G3 {base.g3_capacity} ({base.offload_filter})"] if base.g3_capacity else []
+        plot_hit_rate_lines(
+            series,
             args.plot,
-            title=f"{workload}, policy {base.eviction_policy}, engine {args.engine}",
+            title=f"kvledger sweep: {workload}",
+            subtitle=(
+                f"{len(requests)} requests, blocks of {base.block_size} tokens, engine "
+                f"{args.engine}; " + (", ".join(lower) + " blocks below G1" if lower else "G1 only")
+            ),
+            ceiling=ceiling_blocks,
         )
         out["plot"] = args.plot
     if args.json:
@@ -124,14 +147,18 @@ def run(args: argparse.Namespace) -> int:
         return 0
     print(
         f"{workload}: {len(requests)} requests, block size {base.block_size}, "
-        f"policy {base.eviction_policy}, engine {args.engine}"
+        f"engine {args.engine}; an infinite cache would hit {ceiling_blocks:.2%} of blocks, "
+        f"{ceiling_tokens:.2%} of tokens"
     )
-    header = f"{'G1 blocks':>10}  {'hit rate':>8}  {'token hit':>9}"
+    header = f"{'policy':>9}  {'G1 blocks':>10}  {'hit rate':>8}  {'token hit':>9}"
     if args.engine == "on":
         header += f"  {'TTFT p50 ms':>11}  {'p99 ms':>9}"
     print(header)
     for p in points:
-        line = f"{p['g1_blocks']:>10}  {p['hit_rate']:>8.2%}  {p['token_hit_rate']:>9.2%}"
+        line = (
+            f"{p['policy']:>9}  {p['g1_blocks']:>10}  {p['hit_rate']:>8.2%}  "
+            f"{p['token_hit_rate']:>9.2%}"
+        )
         if "ttft_ms_p50" in p:
             line += f"  {p['ttft_ms_p50']:>11.1f}  {p['ttft_ms_p99']:>9.1f}"
         print(line)

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from kvledger.events.types import Tier
 from kvledger.registry.emitter import EventEmitter
+from kvledger.registry.lookups import LookupRecorder
 from kvledger.registry.tiered import CopyPlan, MatchResult, TieredRegistry
 
 
@@ -26,6 +27,8 @@ class Admission:
     onboarded: dict[Tier, int] = field(default_factory=dict)
     #: blocks placed: hits + onboarded + new; fewer than the prompt means G1 ran out
     placed: int = 0
+    #: the cache's number for the request, which its lookup records carry
+    request_id: int = -1
 
     @property
     def hit_blocks(self) -> int:
@@ -38,6 +41,9 @@ class SimulatedCache:
     def __init__(self, registry: TieredRegistry) -> None:
         self.registry = registry
         self.copied: Counter[tuple[Tier, Tier]] = Counter()  # blocks per (src, dst)
+        #: where each admission, growth and finish is recorded (None: not recorded)
+        self.lookups: LookupRecorder | None = None
+        self._next_request = 0
 
     @classmethod
     def build(
@@ -73,11 +79,13 @@ class SimulatedCache:
         local_hashes: Sequence[int],
         *,
         limit: int | None = None,
+        num_tokens: int = 0,
     ) -> Admission:
         """Hold the first ``limit`` (default: all) blocks of a prompt on G1.
 
         Cached blocks are reused (G1) or onboarded (G2/G3); the rest are allocated and
         registered as computed. With too little G1, a prefix is placed: ``placed`` says how much.
+        ``num_tokens`` (the prompt's length, 0: not given) goes into the lookup record.
         """
         reg = self.registry
         g1 = reg.g1
@@ -101,7 +109,12 @@ class SimulatedCache:
             registered = g1.register(fresh, blocks[: len(fresh)], parent)
             slots.extend(registered)
             self._run(reg.plan_offload(registered))
-        return Admission(slots, match, onboarded, len(slots))
+        request_id = self._next_request
+        self._next_request += 1
+        if self.lookups is not None:
+            hits = (match.g1, onboarded.get(Tier.G2, 0), onboarded.get(Tier.G3, 0))
+            self.lookups.lookup(request_id, hashes, hits, num_tokens=num_tokens)
+        return Admission(slots, match, onboarded, len(slots), request_id)
 
     def extend(
         self,
@@ -116,6 +129,8 @@ class SimulatedCache:
         if not new:
             return 0
         hit = g1.match(new)
+        if self.lookups is not None:
+            self.lookups.lookup(admission.request_id, new, (len(hit), 0, 0), start=start)
         fresh = g1.allocate_upto(len(new) - len(hit))
         admission.slots.extend(hit)
         if fresh:
@@ -134,3 +149,5 @@ class SimulatedCache:
         the prefixes other requests share."""
         self.registry.g1.release(reversed(admission.slots))
         admission.slots = []
+        if self.lookups is not None:
+            self.lookups.released(admission.request_id)

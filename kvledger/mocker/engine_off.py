@@ -25,7 +25,7 @@ def replay_cache(
     stats = SimStats()
     for i, req in enumerate(iter_arrivals(list(requests))):
         seq, local = request_hashes(req, block_size)
-        admission = cache.admit(seq, local)
+        admission = cache.admit(seq, local, num_tokens=req.input_length)
         stats.record(req, admission, block_size, len(seq))
         cache.finish(admission)
         if progress is not None:

@@ -107,3 +107,25 @@ class SimStats:
 
 def occupancy(cache: SimulatedCache) -> dict[str, int]:
     return {tier.name: pool.num_registered for tier, pool in cache.registry.pools.items()}
+
+
+def infinite_cache(requests: list[TraceRequest], block_size: int) -> tuple[float, float]:
+    """(block, token) prefix-hit rates of a cache that never evicts: the ceiling any capacity
+    or policy can reach on this workload."""
+    from kvledger.mocker.traces import iter_arrivals, request_hashes
+
+    seen: set[int] = set()
+    blocks = hit = tokens = tokens_hit = 0
+    for req in iter_arrivals(requests):
+        seq, _ = request_hashes(req, block_size)
+        n = 0
+        for h in seq:
+            if h not in seen:
+                break
+            n += 1
+        seen.update(seq)
+        blocks += len(seq)
+        hit += n
+        tokens += req.input_length
+        tokens_hit += min(n * block_size, req.input_length)
+    return (hit / blocks if blocks else 0.0, tokens_hit / tokens if tokens else 0.0)
