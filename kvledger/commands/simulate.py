@@ -27,6 +27,7 @@ from kvledger.commands.args import (
     non_negative_int,
     output_file,
     port,
+    positive_float,
     positive_int,
 )
 from kvledger.config import Settings, ensure_log_folder
@@ -47,6 +48,13 @@ from kvledger.registry.state import RegistryState
 from kvledger.registry.tiered import OFFLOAD_FILTERS, TieredRegistry
 
 POLICIES = ("lru", "lineage", "multi_lru")
+#: the settings that make the mock engine behave like Dynamo's mocker (``--dynamo``)
+DYNAMO_MODEL: dict[str, Any] = {
+    "timing_model": "dynamo",
+    "admission_rule": "whole_prompt",
+    "cache_partial_blocks": False,
+    "eviction_policy": "lru",
+}
 SYNTHETIC_REQUESTS = 2000
 TIMELINE_POINTS = 200
 
@@ -78,6 +86,34 @@ def add_workload_args(p: argparse.ArgumentParser, *, engine_default: str) -> Non
         default=0.0,
         metavar="X",
         help="engine on: simulated seconds per wall second (0 = as fast as possible)",
+    )
+    p.add_argument(
+        "--timing-model",
+        choices=("linear", "dynamo"),
+        help="engine on: step cost, linear StepCosts or Dynamo mocker's polynomial",
+    )
+    p.add_argument(
+        "--admission-rule",
+        choices=("watermark", "whole_prompt"),
+        help="engine on: keep the G1 watermark free, or admit only when the whole uncached "
+        "prompt fits (Dynamo)",
+    )
+    p.add_argument(
+        "--partial-blocks",
+        choices=("cache", "free"),
+        help="engine on: cache a prompt's partial last block, or free it unnamed (Dynamo)",
+    )
+    p.add_argument(
+        "--speedup-ratio",
+        type=positive_float,
+        metavar="X",
+        help="engine on, dynamo timing: divide each step's cost by X",
+    )
+    p.add_argument(
+        "--dynamo",
+        action="store_true",
+        help="behave like Dynamo's mocker: dynamo timing, whole_prompt admission, partial "
+        "blocks freed, LRU (each flag above still overrides)",
     )
 
 
@@ -126,10 +162,19 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         ("g3_blocks", "g3_blocks"),
         ("policy", "eviction_policy"),
         ("offload_filter", "offload_filter"),
+        ("timing_model", "timing_model"),
+        ("admission_rule", "admission_rule"),
+        ("speedup_ratio", "speedup_ratio"),
     ):
         value = getattr(args, arg, None)
         if value is not None:
             overrides[name] = value
+    partial = getattr(args, "partial_blocks", None)
+    if partial is not None:
+        overrides["cache_partial_blocks"] = partial == "cache"
+    if getattr(args, "dynamo", False):
+        for name, value in DYNAMO_MODEL.items():
+            overrides.setdefault(name, value)
     settings = Settings.load(**overrides)
     if args.trace and "block_size" not in settings.model_fields_set:
         settings = Settings.load(**overrides, block_size=MOONCAKE_BLOCK_TOKENS)

@@ -26,6 +26,8 @@ class Admission:
     onboarded: dict[Tier, int] = field(default_factory=dict)
     #: blocks placed: hits + onboarded + new; fewer than the prompt means G1 ran out
     placed: int = 0
+    #: how many of ``slots`` (a prefix) hold registered blocks; the rest are still filling
+    registered: int = 0
 
     @property
     def hit_blocks(self) -> int:
@@ -73,11 +75,15 @@ class SimulatedCache:
         local_hashes: Sequence[int],
         *,
         limit: int | None = None,
+        full: int | None = None,
     ) -> Admission:
         """Hold the first ``limit`` (default: all) blocks of a prompt on G1.
 
         Cached blocks are reused (G1) or onboarded (G2/G3); the rest are allocated and
         registered as computed. With too little G1, a prefix is placed: ``placed`` says how much.
+        Blocks from ``full`` on (default: none) are still filling: they get a slot but no
+        name, so nobody can hit them and, released unfilled, they go back to the free list
+        without displacing a cached block (Dynamo's mocker caches full blocks only).
         """
         reg = self.registry
         g1 = reg.g1
@@ -95,39 +101,79 @@ class SimulatedCache:
             slots.extend(transfer.landed)
         start = len(slots)
         fresh = g1.allocate_upto(wanted - start) if start == match.total else []
+        admission = Admission(slots, match, onboarded, start, start)
         if fresh:
-            blocks = list(zip(hashes[start:], local_hashes[start:wanted], strict=False))
-            parent = hashes[start - 1] if start else None
-            registered = g1.register(fresh, blocks[: len(fresh)], parent)
+            self._place(admission, fresh, hashes, local_hashes, wanted if full is None else full)
+        admission.placed = len(slots)
+        return admission
+
+    def _place(
+        self,
+        admission: Admission,
+        fresh: list[int],
+        sequence_hashes: Sequence[int],
+        local_hashes: Sequence[int],
+        full: int,
+    ) -> None:
+        """Append ``fresh`` slots to ``admission``: named (registered) up to block ``full``,
+        unnamed after it."""
+        slots = admission.slots
+        start = len(slots)
+        named = max(0, min(len(fresh), full - start))
+        if named:
+            blocks = list(zip(sequence_hashes[start:], local_hashes[start : start + named]))
+            parent = sequence_hashes[start - 1] if start else None
+            registered = self.registry.g1.register(fresh[:named], blocks[:named], parent)
             slots.extend(registered)
-            self._run(reg.plan_offload(registered))
-        return Admission(slots, match, onboarded, len(slots))
+            admission.registered = len(slots)
+            self._run(self.registry.plan_offload(registered))
+        slots.extend(fresh[named:])
 
     def extend(
         self,
         admission: Admission,
         sequence_hashes: Sequence[int],
         local_hashes: Sequence[int],
+        *,
+        full: int | None = None,
     ) -> int:
-        """Add newly completed blocks (decode) to a held request; returns how many fit."""
+        """Add newly completed blocks (decode) to a held request; returns how many fit.
+
+        With ``full``, blocks from ``full`` on are still filling (no name, as in ``admit``), and
+        held blocks that filled up since (before ``full``) are named now."""
         g1 = self.registry.g1
-        start = len(admission.slots)
+        slots = admission.slots
+        start = len(slots)
+        if full is not None and admission.registered < min(full, start):
+            self._name_filled(admission, sequence_hashes, local_hashes, min(full, start))
         new = sequence_hashes[start:]
         if not new:
             return 0
-        hit = g1.match(new)
+        hit = g1.match(new) if admission.registered == start else []
         fresh = g1.allocate_upto(len(new) - len(hit))
-        admission.slots.extend(hit)
+        slots.extend(hit)
+        admission.registered += len(hit)
         if fresh:
-            at = start + len(hit)
-            blocks = list(zip(new[len(hit) :], local_hashes[at:], strict=False))
-            registered = g1.register(
-                fresh, blocks[: len(fresh)], sequence_hashes[at - 1] if at else None
-            )
-            admission.slots.extend(registered)
-            self._run(self.registry.plan_offload(registered))
-        admission.placed = len(admission.slots)
-        return len(admission.slots) - start
+            limit = len(sequence_hashes) if full is None else full
+            self._place(admission, fresh, sequence_hashes, local_hashes, limit)
+        admission.placed = len(slots)
+        return len(slots) - start
+
+    def _name_filled(
+        self,
+        admission: Admission,
+        sequence_hashes: Sequence[int],
+        local_hashes: Sequence[int],
+        upto: int,
+    ) -> None:
+        """Register the held, unnamed slots before block ``upto``: they are full now."""
+        at = admission.registered
+        blocks = list(zip(sequence_hashes[at:upto], local_hashes[at:upto], strict=True))
+        parent = sequence_hashes[at - 1] if at else None
+        registered = self.registry.g1.register(admission.slots[at:upto], blocks, parent)
+        admission.slots[at:upto] = registered
+        admission.registered = upto
+        self._run(self.registry.plan_offload(registered))
 
     def finish(self, admission: Admission) -> None:
         """Let go of a request's blocks, last block first, so suffixes are evicted before

@@ -38,6 +38,7 @@ from kvledger.config import Settings
 from kvledger.events.types import Tier
 from kvledger.mocker.cache import Admission, SimulatedCache
 from kvledger.mocker.stats import SimStats, occupancy
+from kvledger.mocker.timing import DynamoTiming
 from kvledger.mocker.traces import TraceRequest, iter_arrivals, request_hashes
 from kvledger.registry.hashing import sequence_hash
 
@@ -86,6 +87,9 @@ class Bandwidth:
         return blocks * self.bytes_per_block / (gbps * 1e9) * 1e3
 
 
+ADMISSION_RULES = ("watermark", "whole_prompt")
+
+
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
     block_size: int
@@ -96,10 +100,21 @@ class EngineConfig:
     costs: StepCosts = StepCosts()
     #: 0: as fast as possible; otherwise simulated seconds per wall-clock second
     speedup: float = 0.0
+    #: Dynamo's polynomial pass cost instead of ``costs`` (None: the linear ``costs``)
+    timing: DynamoTiming | None = None
+    #: "watermark": admit while G1 keeps ``watermark`` free; "whole_prompt": admit only when
+    #: the whole uncached prompt fits in free or evictable G1 blocks (Dynamo's rule)
+    admission: str = "watermark"
+    #: name (cache) a prompt's partial last block; False: only full blocks are cached (Dynamo)
+    cache_partial_blocks: bool = True
 
     def __post_init__(self) -> None:
         if self.speedup < 0:
             raise ValueError(f"speedup must be >= 0 (0 = as fast as possible), got {self.speedup}")
+        if self.admission not in ADMISSION_RULES:
+            raise ValueError(
+                f"admission must be one of {', '.join(ADMISSION_RULES)}, got {self.admission!r}"
+            )
 
     @classmethod
     def from_settings(
@@ -113,6 +128,13 @@ class EngineConfig:
             bandwidth=Bandwidth.from_settings(settings),
             costs=costs if costs is not None else StepCosts(),
             speedup=speedup,
+            timing=(
+                DynamoTiming(speedup_ratio=settings.speedup_ratio)
+                if settings.timing_model == "dynamo"
+                else None
+            ),
+            admission=settings.admission_rule,
+            cache_partial_blocks=settings.cache_partial_blocks,
         )
 
 
@@ -184,12 +206,19 @@ class MockEngine:
         self.preemptions = 0
         self.onboard_ms = 0.0
         self.latency_ms: list[float] = []
+        #: per request with 2+ tokens: (last token - first token) / (tokens - 1)
+        self.tpot_ms: list[float] = []
         #: called after every step with what it did (tests, traces)
         self.on_step: Callable[[StepRecord], None] | None = None
         #: take runs of identical decode steps at once (False: the step-by-step reference)
         self.decode_ahead = True
         self._wall_start = time.monotonic()
         self._sim_start_ms = 0.0
+        self._capacity_tokens = cache.registry.g1.capacity * config.block_size
+        #: prompt tokens at every admission (re-admissions after preemption too), and the
+        #: cached part of them: Dynamo's ``prefix_cache_reused_ratio``
+        self.admitted_tokens = 0
+        self.reused_tokens = 0
 
     # -- the run --------------------------------------------------------------------------
 
@@ -234,7 +263,15 @@ class MockEngine:
         return stats
 
     def _sequence(self, index: int, req: TraceRequest) -> _Sequence:
-        seq, local = request_hashes(req, self.config.block_size)
+        bs = self.config.block_size
+        seq, local = request_hashes(req, bs)
+        if not self.config.cache_partial_blocks and req.input_length % bs:
+            # The partial last block fills up with generated tokens, so once full it is this
+            # request's alone: name it like a decode block (it is registered only when full).
+            del seq[-1], local[-1]
+            s = _Sequence(index, req, seq, local, max(1, req.output_length))
+            self._grow_hashes(s, len(seq) + 1)
+            return s
         return _Sequence(index, req, seq, local, max(1, req.output_length))
 
     def _check_fits(self, sequences: Iterable[_Sequence]) -> None:
@@ -265,14 +302,19 @@ class MockEngine:
         i = 0
         preempted = self.preemptions
         prefill_tokens = 0
+        naming = not self.config.cache_partial_blocks  # blocks are named as they fill
         while i < len(running) and budget > 0:
             s = running[i]
             n = s.tokens - s.computed
             if n > budget:
                 n = budget
             upto = s.computed + n
-            assert s.admission is not None  # every running sequence holds its blocks
-            if upto > len(s.admission.slots) * bs and not self._reserve(s, upto, running, waiting):
+            admission = s.admission
+            assert admission is not None  # every running sequence holds its blocks
+            if (
+                upto > len(admission.slots) * bs
+                or (naming and upto // bs > admission.registered)
+            ) and not self._reserve(s, upto, running, waiting):
                 continue  # s itself was preempted (and removed from running)
             batch.append((s, n))
             if n > 1 or upto < s.tokens:  # more than the last token to feed: prefill
@@ -299,13 +341,16 @@ class MockEngine:
             # which _check_fits rules out; fail loudly rather than spin.
             raise RuntimeError("mock engine made no progress: nothing runs and nothing fits")
 
-        costs = self.config.costs
-        step_ms = (
-            costs.step_ms
-            + costs.per_seq_ms * len(batch)
-            + costs.prefill_ms_per_token * prefill_tokens
-            + onboard_ms
-        )
+        if self.config.timing is None:
+            costs = self.config.costs
+            step_ms = (
+                costs.step_ms
+                + costs.per_seq_ms * len(batch)
+                + costs.prefill_ms_per_token * prefill_tokens
+                + onboard_ms
+            )
+        else:
+            step_ms = self._dynamo_step_ms(batch) + onboard_ms
         self.clock.now_ms += step_ms
         self.onboard_ms += onboard_ms
         self.steps += 1
@@ -327,6 +372,25 @@ class MockEngine:
         self._finish(done, running)
         return done
 
+    def _dynamo_step_ms(self, batch: list[tuple[_Sequence, int]]) -> float:
+        """Dynamo's pass cost: prefill on the uncached prompt tokens computed, plus decode over
+        the context of the sequences that sample a token in this pass."""
+        timing = self.config.timing
+        assert timing is not None
+        prompt_tokens = 0
+        context = 0
+        for s, n in batch:
+            before = s.computed
+            prompt = s.req.input_length
+            if before < prompt:
+                prompt_tokens += min(before + n, prompt) - before
+            if before + n >= s.tokens:
+                context += s.tokens
+        step_ms = timing.prefill_ms(prompt_tokens)
+        if context:
+            step_ms += timing.decode_ms(context, self._capacity_tokens)
+        return step_ms
+
     def _decode_ahead(
         self, running: list[_Sequence], next_arrival_ms: float | None
     ) -> list[_Sequence] | None:
@@ -340,27 +404,48 @@ class MockEngine:
         if len(running) > self.config.max_num_batched_tokens:
             return None
         bs = self.config.block_size
+        naming = not self.config.cache_partial_blocks
         k = 1 << 62
+        context = 0
         for s in running:
             if s.computed != s.tokens - 1:
                 return None  # still prefilling
-            assert s.admission is not None
-            room = len(s.admission.slots) * bs - s.computed  # tokens its blocks still take
+            admission = s.admission
+            assert admission is not None
+            room = len(admission.slots) * bs - s.computed  # tokens its blocks still take
+            if naming:  # stop before a held block fills up: it gets its name in a full step
+                room = min(room, (admission.registered + 1) * bs - s.computed - 1)
             k = min(k, room, s.output_length - s.generated)
-        costs = self.config.costs
-        step_ms = costs.step_ms + costs.per_seq_ms * len(running)
-        if next_arrival_ms is not None:
-            k = min(k, math.ceil((next_arrival_ms - self.clock.now_ms) / step_ms))
+            context += s.tokens
         if k < 2:
             return None
+        timing = self.config.timing
+        if timing is None:
+            costs = self.config.costs
+            step_ms = costs.step_ms + costs.per_seq_ms * len(running)
+            if next_arrival_ms is not None:
+                k = min(k, math.ceil((next_arrival_ms - self.clock.now_ms) / step_ms))
+            if k < 2:
+                return None
+            ends = [self.clock.now_ms + j * step_ms for j in range(1, k + 1)]
+            lengths = [step_ms] * k
+        else:
+            # the cost grows with the context, one token per sequence per step
+            ends, lengths = [], []
+            now, n, capacity = self.clock.now_ms, len(running), self._capacity_tokens
+            while len(ends) < k and (next_arrival_ms is None or now < next_arrival_ms):
+                step_ms = timing.decode_ms(context, capacity)
+                now += step_ms
+                context += n
+                ends.append(now)
+                lengths.append(step_ms)
+            k = len(ends)
+            if k < 2:
+                return None
         if self.on_step is not None:
-            for j in range(1, k + 1):
-                self.on_step(
-                    StepRecord(
-                        self.clock.now_ms + j * step_ms, step_ms, len(running), len(running), 0
-                    )
-                )
-        self.clock.now_ms += k * step_ms
+            for end, step_ms in zip(ends, lengths, strict=True):
+                self.on_step(StepRecord(end, step_ms, len(running), len(running), 0))
+        self.clock.now_ms = ends[-1]
         self.steps += k
         done: list[_Sequence] = []
         for s in running:
@@ -379,6 +464,8 @@ class MockEngine:
             self.cache.finish(s.admission)
             s.admission = None
             self.latency_ms.append(self.clock.now_ms - s.req.arrival_ms)
+            if s.generated > 1 and s.first_token_ms is not None:
+                self.tpot_ms.append((self.clock.now_ms - s.first_token_ms) / (s.generated - 1))
         self._pace()
 
     def _admit(
@@ -393,14 +480,23 @@ class MockEngine:
         hashes, local = s.seq[:prompt_blocks], s.local[:prompt_blocks]
         probe = cache.registry.match(hashes)
         cached = min(probe.total * bs, s.tokens - 1)
-        need = -(-(cached + min(budget, s.tokens - cached)) // bs)
+        upto = cached + min(budget, s.tokens - cached)
+        need = -(-upto // bs)
         limit = max(need, probe.total)
-        if others_run:
+        if self.config.admission == "whole_prompt":
+            # Dynamo: the whole uncached prompt must fit in free or evictable blocks now;
+            # cached blocks nobody holds are not evictable for it (it is about to use them)
+            hit_slots = [g1.lookup(h) for h in hashes[: probe.g1]]
+            idle_hits = sum(1 for slot in hit_slots if slot is not None and not g1.refcount(slot))
+            if prompt_blocks - probe.g1 > g1.num_free + g1.num_inactive - idle_hits:
+                return None
+        elif others_run:
             # keep a fraction of G1 free for the running sequences' next blocks
             spare = g1.num_free + g1.num_inactive - (limit - probe.g1)
             if spare < self.config.watermark * g1.capacity:
                 return None
-        admission = cache.admit(hashes, local, limit=limit)
+        full = None if self.config.cache_partial_blocks else upto // bs
+        admission = cache.admit(hashes, local, limit=limit, full=full)
         copy_ms = sum(
             self.config.bandwidth.copy_ms(src, Tier.G1, n) for src, n in admission.onboarded.items()
         )
@@ -411,6 +507,8 @@ class MockEngine:
             s.computed = 0
             return None
         s.admission = admission
+        self.admitted_tokens += s.req.input_length
+        self.reused_tokens += min(s.computed, s.req.input_length)
         if not s.recorded:
             s.recorded = True
             stats.record(s.req, admission, bs, prompt_blocks)
@@ -423,14 +521,16 @@ class MockEngine:
     ) -> bool:
         """Hold G1 blocks for ``s``'s first ``upto`` tokens, preempting the newest running
         sequence until they fit. False when ``s`` itself had to go."""
-        need = -(-upto // self.config.block_size)
+        bs = self.config.block_size
+        need = -(-upto // bs)
         admission = s.admission
         assert admission is not None
-        if len(admission.slots) >= need:
+        full = None if self.config.cache_partial_blocks else upto // bs
+        if len(admission.slots) >= need and (full is None or admission.registered >= full):
             return True
         self._grow_hashes(s, need)
         while True:
-            self.cache.extend(admission, s.seq[:need], s.local[:need])
+            self.cache.extend(admission, s.seq[:need], s.local[:need], full=full)
             if len(admission.slots) >= need:
                 return True
             victim = running[-1]
@@ -452,7 +552,7 @@ class MockEngine:
         chained onto the request's last block like any other block."""
         while len(s.seq) < blocks:
             local = xxh3_64_intdigest(_PACK_DECODE(s.index, len(s.seq)))
-            s.seq.append(sequence_hash(s.seq[-1], local))
+            s.seq.append(sequence_hash(s.seq[-1], local) if s.seq else local)
             s.local.append(local)
 
     # -- time -----------------------------------------------------------------------------
@@ -474,6 +574,12 @@ class MockEngine:
             "preemptions": self.preemptions,
             "onboard_ms": round(self.onboard_ms, 3),
         }
+        if self.admitted_tokens:
+            out["token_hit_rate_all_admissions"] = round(
+                self.reused_tokens / self.admitted_tokens, 6
+            )
+        if self.tpot_ms:
+            out["tpot_ms_mean"] = round(sum(self.tpot_ms) / len(self.tpot_ms), 3)
         if self.latency_ms:
             ordered = sorted(self.latency_ms)
             out["latency_ms_p50"] = round(ordered[len(ordered) // 2], 3)

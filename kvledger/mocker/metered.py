@@ -25,9 +25,10 @@ class MeteredCache(SimulatedCache):
         local_hashes: Sequence[int],
         *,
         limit: int | None = None,
+        full: int | None = None,
     ) -> Admission:
         start = time.perf_counter()
-        admission = super().admit(sequence_hashes, local_hashes, limit=limit)
+        admission = super().admit(sequence_hashes, local_hashes, limit=limit, full=full)
         self.metrics.alloc_latency.observe(time.perf_counter() - start)
         wanted = len(sequence_hashes) if limit is None else min(limit, len(sequence_hashes))
         self.metrics.observe_match({Tier.G1: admission.match.g1, **admission.onboarded}, wanted)
