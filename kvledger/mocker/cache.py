@@ -121,7 +121,8 @@ class SimulatedCache:
         start = len(slots)
         named = max(0, min(len(fresh), full - start))
         if named:
-            blocks = list(zip(sequence_hashes[start:], local_hashes[start : start + named]))
+            end = start + named
+            blocks = list(zip(sequence_hashes[start:end], local_hashes[start:end], strict=True))
             parent = sequence_hashes[start - 1] if start else None
             registered = self.registry.g1.register(fresh[:named], blocks[:named], parent)
             slots.extend(registered)

@@ -24,7 +24,6 @@ sleeps so that simulated time runs ``speedup`` times faster than the wall clock.
 
 from __future__ import annotations
 
-import math
 import struct
 import time
 from collections import deque
@@ -38,6 +37,7 @@ from kvledger.config import Settings
 from kvledger.events.types import Tier
 from kvledger.mocker.cache import Admission, SimulatedCache
 from kvledger.mocker.stats import SimStats, occupancy
+from kvledger.mocker.steady import SteadyDecoders
 from kvledger.mocker.timing import DynamoTiming
 from kvledger.mocker.traces import TraceRequest, iter_arrivals, request_hashes
 from kvledger.registry.hashing import sequence_hash
@@ -163,6 +163,8 @@ class _Sequence:
     recorded: bool = False  # its prefix hits were counted (first admission only)
     first_token_ms: float | None = None
     tokens: int = 0  # tokens that exist: the prompt and what was generated so far
+    order: int = 0  # position in the running queue (set when it joins)
+    parked_at: int = -1  # step it was parked at among the steady decoders, -1: not parked
 
     def __post_init__(self) -> None:
         self.tokens = self.req.input_length + self.generated
@@ -210,8 +212,11 @@ class MockEngine:
         self.tpot_ms: list[float] = []
         #: called after every step with what it did (tests, traces)
         self.on_step: Callable[[StepRecord], None] | None = None
-        #: take runs of identical decode steps at once (False: the step-by-step reference)
+        #: advance quietly decoding sequences in aggregate and take runs of pure-decode steps
+        #: at once (False: the step-by-step reference, touching every sequence every step)
         self.decode_ahead = True
+        self._steady: SteadyDecoders | None = None
+        self._joined = 0
         self._wall_start = time.monotonic()
         self._sim_start_ms = 0.0
         self._capacity_tokens = cache.registry.g1.capacity * config.block_size
@@ -241,6 +246,11 @@ class MockEngine:
         waiting: deque[_Sequence] = deque()
         running: list[_Sequence] = []
         finished = 0
+        steady = self._steady = (
+            SteadyDecoders(bs, naming=not self.config.cache_partial_blocks)
+            if self.decode_ahead
+            else None
+        )
         while pending or waiting or running:
             while pending and pending[0].req.arrival_ms <= self.clock.now_ms:
                 waiting.append(pending.popleft())
@@ -248,11 +258,14 @@ class MockEngine:
                 self.clock.now_ms = pending[0].req.arrival_ms
                 self._pace()
                 continue
-            done = None
-            if not waiting and self.decode_ahead:
-                done = self._decode_ahead(running, pending[0].req.arrival_ms if pending else None)
-            if done is None:
-                done = self._step(waiting, running, stats, bs)
+            if (
+                steady is not None
+                and not waiting
+                and not steady.active
+                and self._decode_ahead(steady, pending[0].req.arrival_ms if pending else None)
+            ):
+                continue
+            done = self._step(waiting, running, stats, bs)
             for _ in done:
                 finished += 1
                 if progress is not None:
@@ -303,8 +316,23 @@ class MockEngine:
         preempted = self.preemptions
         prefill_tokens = 0
         naming = not self.config.cache_partial_blocks  # blocks are named as they fill
-        while i < len(running) and budget > 0:
-            s = running[i]
+        steady = self._steady
+        scan: list[_Sequence] = running
+        parked = 0
+        if steady is not None:
+            if steady.count + len(steady.active) > budget:
+                steady.wake_all(self.steps)  # not every sequence gets its token: one by one
+            scan = steady.due(self.steps)
+            parked = steady.count  # each decodes one token, before any prefill (queue order)
+            budget -= parked
+        while i < len(scan) and budget > 0:
+            if steady is not None and steady.count != parked:  # a parked one was preempted
+                budget += parked - steady.count
+                parked = steady.count
+            s = scan[i]
+            if s.admission is None:  # preempted earlier in this step
+                i += 1
+                continue
             n = s.tokens - s.computed
             if n > budget:
                 n = budget
@@ -312,8 +340,7 @@ class MockEngine:
             admission = s.admission
             assert admission is not None  # every running sequence holds its blocks
             if (
-                upto > len(admission.slots) * bs
-                or (naming and upto // bs > admission.registered)
+                upto > len(admission.slots) * bs or (naming and upto // bs > admission.registered)
             ) and not self._reserve(s, upto, running, waiting):
                 continue  # s itself was preempted (and removed from running)
             batch.append((s, n))
@@ -321,6 +348,8 @@ class MockEngine:
                 prefill_tokens += n
             budget -= n
             i += 1
+        if steady is not None:
+            parked = steady.count
         onboard_ms = 0.0
         # After a preemption G1 is short: admit nobody new this step (as vLLM does).
         admitting = self.preemptions == preempted
@@ -331,12 +360,16 @@ class MockEngine:
             s, n, copy_ms = admitted
             waiting.popleft()
             running.append(s)
+            self._joined += 1
+            s.order = self._joined
+            if steady is not None:
+                steady.add(s)
             batch.append((s, n))
             if n > 1 or s.computed + n < s.tokens:
                 prefill_tokens += n
             budget -= n
             onboard_ms += copy_ms
-        if not batch:
+        if not batch and not parked:
             # Only possible when nothing runs and the head of the queue cannot be admitted,
             # which _check_fits rules out; fail loudly rather than spin.
             raise RuntimeError("mock engine made no progress: nothing runs and nothing fits")
@@ -345,18 +378,21 @@ class MockEngine:
             costs = self.config.costs
             step_ms = (
                 costs.step_ms
-                + costs.per_seq_ms * len(batch)
+                + costs.per_seq_ms * (len(batch) + parked)
                 + costs.prefill_ms_per_token * prefill_tokens
                 + onboard_ms
             )
         else:
-            step_ms = self._dynamo_step_ms(batch) + onboard_ms
+            context = steady.context(self.steps) if steady is not None else 0
+            step_ms = self._dynamo_step_ms(batch, context) + onboard_ms
         self.clock.now_ms += step_ms
         self.onboard_ms += onboard_ms
         self.steps += 1
         if self.on_step is not None:
-            tokens = sum(n for _, n in batch)
-            self.on_step(StepRecord(self.clock.now_ms, step_ms, len(batch), tokens, prefill_tokens))
+            tokens = sum(n for _, n in batch) + parked
+            self.on_step(
+                StepRecord(self.clock.now_ms, step_ms, len(batch) + parked, tokens, prefill_tokens)
+            )
         done: list[_Sequence] = []
         for s, n in batch:
             computed = s.computed = s.computed + n
@@ -370,15 +406,19 @@ class MockEngine:
             if s.generated >= s.output_length:
                 done.append(s)
         self._finish(done, running)
+        if steady is not None:
+            for s, _ in batch:
+                if s.admission is not None and s.parked_at < 0:
+                    steady.park(s, self.steps)
         return done
 
-    def _dynamo_step_ms(self, batch: list[tuple[_Sequence, int]]) -> float:
+    def _dynamo_step_ms(self, batch: list[tuple[_Sequence, int]], context: int = 0) -> float:
         """Dynamo's pass cost: prefill on the uncached prompt tokens computed, plus decode over
-        the context of the sequences that sample a token in this pass."""
+        the context of the sequences that sample a token in this pass (``context``: that of
+        the parked ones, which are not in ``batch``)."""
         timing = self.config.timing
         assert timing is not None
         prompt_tokens = 0
-        context = 0
         for s, n in batch:
             before = s.computed
             prompt = s.req.input_length
@@ -391,75 +431,46 @@ class MockEngine:
             step_ms += timing.decode_ms(context, self._capacity_tokens)
         return step_ms
 
-    def _decode_ahead(
-        self, running: list[_Sequence], next_arrival_ms: float | None
-    ) -> list[_Sequence] | None:
-        """Take several pure-decode steps at once, or None when the next step is not one.
+    def _decode_ahead(self, steady: SteadyDecoders, next_arrival_ms: float | None) -> bool:
+        """Take the pure-decode steps before the next event at once; False if there are none.
 
-        While nobody waits, every running sequence decodes, none needs a new block or
-        finishes, and no request arrives, consecutive steps are identical: same batch, same
-        cost, no cache change. Applying k of them in one go gives exactly what k calls of
-        ``_step`` would, at a fraction of the cost (the step hook still sees each one).
+        While nobody waits and every running sequence is parked, steps change nothing but
+        the clock and the parked counters until a parked sequence's event step or an
+        arrival. Taking them in one go gives exactly what that many calls of ``_step`` would
+        (the step hook still sees each one).
         """
-        if len(running) > self.config.max_num_batched_tokens:
-            return None
-        bs = self.config.block_size
-        naming = not self.config.cache_partial_blocks
-        k = 1 << 62
-        context = 0
-        for s in running:
-            if s.computed != s.tokens - 1:
-                return None  # still prefilling
-            admission = s.admission
-            assert admission is not None
-            room = len(admission.slots) * bs - s.computed  # tokens its blocks still take
-            if naming:  # stop before a held block fills up: it gets its name in a full step
-                room = min(room, (admission.registered + 1) * bs - s.computed - 1)
-            k = min(k, room, s.output_length - s.generated)
-            context += s.tokens
-        if k < 2:
-            return None
+        n = steady.count
+        event = steady.next_event()
+        if event is None or n > self.config.max_num_batched_tokens:
+            return False
+        quiet = event - self.steps
         timing = self.config.timing
-        if timing is None:
-            costs = self.config.costs
-            step_ms = costs.step_ms + costs.per_seq_ms * len(running)
-            if next_arrival_ms is not None:
-                k = min(k, math.ceil((next_arrival_ms - self.clock.now_ms) / step_ms))
-            if k < 2:
-                return None
-            ends = [self.clock.now_ms + j * step_ms for j in range(1, k + 1)]
-            lengths = [step_ms] * k
-        else:
-            # the cost grows with the context, one token per sequence per step
-            ends, lengths = [], []
-            now, n, capacity = self.clock.now_ms, len(running), self._capacity_tokens
-            while len(ends) < k and (next_arrival_ms is None or now < next_arrival_ms):
-                step_ms = timing.decode_ms(context, capacity)
-                now += step_ms
-                context += n
-                ends.append(now)
-                lengths.append(step_ms)
-            k = len(ends)
-            if k < 2:
-                return None
-        if self.on_step is not None:
-            for end, step_ms in zip(ends, lengths, strict=True):
-                self.on_step(StepRecord(end, step_ms, len(running), len(running), 0))
-        self.clock.now_ms = ends[-1]
-        self.steps += k
-        done: list[_Sequence] = []
-        for s in running:
-            s.computed += k
-            s.generated += k
-            s.tokens += k
-            if s.generated >= s.output_length:
-                done.append(s)
-        self._finish(done, running)
-        return done
+        costs = self.config.costs
+        capacity = self._capacity_tokens
+        on_step = self.on_step
+        now = self.clock.now_ms
+        j = 0
+        while j < quiet and (next_arrival_ms is None or now < next_arrival_ms):
+            if timing is None:
+                step_ms = costs.step_ms + costs.per_seq_ms * n
+            else:
+                step_ms = timing.decode_ms(steady.context(self.steps + j), capacity)
+            now += step_ms
+            j += 1
+            if on_step is not None:
+                on_step(StepRecord(now, step_ms, n, n, 0))
+        if not j:
+            return False
+        self.clock.now_ms = now
+        self.steps += j
+        self._pace()
+        return True
 
     def _finish(self, done: list[_Sequence], running: list[_Sequence]) -> None:
         for s in done:
             running.remove(s)
+            if self._steady is not None:
+                self._steady.leave(s, self.steps)
             assert s.admission is not None
             self.cache.finish(s.admission)
             s.admission = None
@@ -540,6 +551,8 @@ class MockEngine:
 
     def _preempt(self, s: _Sequence, running: list[_Sequence], waiting: deque[_Sequence]) -> None:
         running.remove(s)
+        if self._steady is not None:
+            self._steady.leave(s, self.steps)
         assert s.admission is not None
         self.cache.finish(s.admission)
         s.admission = None
