@@ -12,10 +12,6 @@ import math
 import re
 from pathlib import Path
 
-import sqlalchemy as sa
-
-from kvledger.events.log.schema import database_url
-
 
 def non_negative_int(text: str) -> int:
     value = _int(text)
@@ -93,6 +89,10 @@ def output_file(text: str) -> str:
 
 def log_location(text: str) -> str:
     """A log's SQLite path or SQLAlchemy URL; a folder is refused with what to give instead."""
+    import sqlalchemy as sa  # here, not at the top: a command that logs nothing never loads it
+
+    from kvledger.events.log.schema import database_url
+
     try:
         parsed = sa.make_url(database_url(text))
     except sa.exc.ArgumentError:

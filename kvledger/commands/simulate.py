@@ -18,9 +18,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TextIO
-
-import sqlalchemy as sa
+from typing import TYPE_CHECKING, Any, TextIO
 
 from kvledger.commands.args import (
     log_location,
@@ -31,21 +29,21 @@ from kvledger.commands.args import (
     positive_int,
 )
 from kvledger.config import Settings, ensure_log_folder
-from kvledger.events.log import EventLog
-from kvledger.events.log.replay import replay, save_state
-from kvledger.events.log.schema import database_url, shown_url
 from kvledger.events.types import AnyEvent
-from kvledger.metrics import Metrics
 from kvledger.mocker.cache import SimulatedCache
 from kvledger.mocker.engine import EngineConfig, MockEngine, SimClock
 from kvledger.mocker.engine_off import replay_cache
-from kvledger.mocker.metered import MeteredCache
-from kvledger.mocker.stats import TIERS, EventCounter, SimStats
+from kvledger.mocker.stats import TIERS, CountingEmitter, SimStats
 from kvledger.mocker.traces import MOONCAKE_BLOCK_TOKENS, TraceRequest, load_mooncake, synthetic
 from kvledger.progress import Progress
 from kvledger.registry.emitter import EventEmitter
 from kvledger.registry.state import RegistryState
 from kvledger.registry.tiered import OFFLOAD_FILTERS, TieredRegistry
+
+if TYPE_CHECKING:  # the log and metrics modules load SQLAlchemy, numpy, prometheus: only
+    # a run that uses them pays for importing them (a --no-log run starts twice as fast)
+    from kvledger.events.log import EventLog
+    from kvledger.metrics import Metrics
 
 POLICIES = ("lru", "lineage", "multi_lru")
 #: the settings that make the mock engine behave like Dynamo's mocker (``--dynamo``)
@@ -200,6 +198,8 @@ def load_workload(args: argparse.Namespace, settings: Settings) -> tuple[list[Tr
 def build_cache(
     settings: Settings, emitter: EventEmitter, metrics: Metrics | None = None
 ) -> SimulatedCache:
+    from kvledger.mocker.metered import MeteredCache
+
     registry = TieredRegistry(
         settings.g1_blocks,
         settings.g2_capacity,
@@ -254,6 +254,10 @@ class Outcome:
 
 
 def _open_log(url: str) -> EventLog:
+    import sqlalchemy as sa
+
+    from kvledger.events.log import EventLog
+
     try:
         ensure_log_folder(url)
         return EventLog(url)
@@ -265,6 +269,8 @@ def _replay_matches(
     url: str, worker: int, live: RegistryState, note: Callable[[str], None]
 ) -> bool:
     """Replay the log and compare this worker's part of it with the live state."""
+    from kvledger.events.log.replay import replay
+
     replayed = replay(url)
     mine = RegistryState.from_mapping({k: v for k, v in replayed.tiers.items() if k[0] == worker})
     if mine == live:
@@ -277,10 +283,19 @@ def _replay_matches(
 def simulate(args: argparse.Namespace, note: Callable[[str], None]) -> Outcome:
     settings = settings_from_args(args)
     requests, workload = load_workload(args, settings)
-    url = database_url(args.log) if args.log else settings.log_url
     worker = settings.worker_id
-    metrics = Metrics(bytes_per_block=settings.bytes_per_block) if args.metrics_port else None
-    log = None if args.no_log else _open_log(url)
+    metrics = None
+    if args.metrics_port:
+        from kvledger.metrics import Metrics
+
+        metrics = Metrics(bytes_per_block=settings.bytes_per_block)
+    url = ""
+    log = None
+    if not args.no_log:
+        from kvledger.events.log.schema import database_url, shown_url
+
+        url = database_url(args.log) if args.log else settings.log_url
+        log = _open_log(url)
     try:
         sinks: list[Callable[[AnyEvent], None]] = [] if log is None else [log.append]
         if metrics is not None:
@@ -294,11 +309,10 @@ def simulate(args: argparse.Namespace, note: Callable[[str], None]) -> Outcome:
             for sink in sinks:
                 sink(event)
 
-        counter = EventCounter(fan_out if len(sinks) > 1 else (sinks[0] if sinks else None))
         previous = -1 if log is None else log.last_event_id(worker)
         clock = engine_clock(args)
-        emitter = EventEmitter(
-            counter,
+        emitter = counter = CountingEmitter(
+            fan_out if len(sinks) > 1 else (sinks[0] if sinks else None),
             worker_id=worker,
             dp_rank=settings.dp_rank,
             clock=time.time if clock is None else clock,
@@ -340,6 +354,8 @@ def simulate(args: argparse.Namespace, note: Callable[[str], None]) -> Outcome:
     live = cache.registry.state()
     replay_ok = log is None or _replay_matches(url, worker, live, note)
     if args.dump_state:
+        from kvledger.events.log.replay import save_state
+
         save_state(args.dump_state, live)
 
     summary = stats.summary(cache, counter)

@@ -215,7 +215,7 @@ class MockEngine:
         #: advance quietly decoding sequences in aggregate and take runs of pure-decode steps
         #: at once (False: the step-by-step reference, touching every sequence every step)
         self.decode_ahead = True
-        self._steady: SteadyDecoders | None = None
+        self._steady: SteadyDecoders[_Sequence] | None = None
         self._joined = 0
         self._wall_start = time.monotonic()
         self._sim_start_ms = 0.0
@@ -431,7 +431,9 @@ class MockEngine:
             step_ms += timing.decode_ms(context, self._capacity_tokens)
         return step_ms
 
-    def _decode_ahead(self, steady: SteadyDecoders, next_arrival_ms: float | None) -> bool:
+    def _decode_ahead(
+        self, steady: SteadyDecoders[_Sequence], next_arrival_ms: float | None
+    ) -> bool:
         """Take the pure-decode steps before the next event at once; False if there are none.
 
         While nobody waits and every running sequence is parked, steps change nothing but

@@ -13,7 +13,7 @@ brought up to date, exactly as if every step had been applied to it.
 from __future__ import annotations
 
 import heapq
-from typing import Protocol
+from typing import Generic, Protocol, TypeVar
 
 from kvledger.mocker.cache import Admission
 
@@ -30,7 +30,10 @@ class Decoding(Protocol):
     admission: Admission | None
 
 
-class SteadyDecoders:
+S = TypeVar("S", bound=Decoding)
+
+
+class SteadyDecoders(Generic[S]):
     """Parked decoding sequences plus the running ones that are not parked (``active``)."""
 
     def __init__(self, block_size: int, *, naming: bool) -> None:
@@ -39,19 +42,19 @@ class SteadyDecoders:
         self.naming = naming
         self.count = 0
         self._offset = 0  # sum over parked of (tokens when parked - step when parked)
-        self._events: list[tuple[int, int, int, Decoding]] = []  # (step, order, parked_at, s)
+        self._events: list[tuple[int, int, int, S]] = []  # (step, order, parked_at, s)
         #: running sequences not parked, by identity
-        self.active: dict[int, Decoding] = {}
+        self.active: dict[int, S] = {}
 
     def context(self, step: int) -> int:
         """Tokens held by the parked sequences at the start of ``step``."""
         return self._offset + self.count * step
 
-    def add(self, s: Decoding) -> None:
+    def add(self, s: S) -> None:
         """A sequence joined the running queue."""
         self.active[id(s)] = s
 
-    def park(self, s: Decoding, step: int) -> None:
+    def park(self, s: S, step: int) -> None:
         """Park ``s`` from ``step`` on if it will decode at least two quiet steps in a row."""
         if s.computed != s.tokens - 1 or not s.generated:
             return  # still prefilling (its next token is the prompt's last, or its first)
@@ -70,7 +73,7 @@ class SteadyDecoders:
         self._offset += s.tokens - step
         del self.active[id(s)]
 
-    def wake(self, s: Decoding, step: int) -> None:
+    def wake(self, s: S, step: int) -> None:
         """Bring a parked ``s`` up to the start of ``step`` and make it active again."""
         k = step - s.parked_at
         self.count -= 1
@@ -81,13 +84,13 @@ class SteadyDecoders:
         s.parked_at = -1
         self.active[id(s)] = s
 
-    def leave(self, s: Decoding, step: int) -> None:
+    def leave(self, s: S, step: int) -> None:
         """``s`` leaves the running queue (finished or preempted): up to date, forgotten."""
         if s.parked_at >= 0:
             self.wake(s, step)
         del self.active[id(s)]
 
-    def due(self, step: int) -> list[Decoding]:
+    def due(self, step: int) -> list[S]:
         """Wake the sequences whose event is at ``step``; the active ones in queue order."""
         events = self._events
         while events and events[0][0] <= step:
