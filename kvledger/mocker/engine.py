@@ -216,6 +216,7 @@ class MockEngine:
         #: at once (False: the step-by-step reference, touching every sequence every step)
         self.decode_ahead = True
         self._steady: SteadyDecoders[_Sequence] | None = None
+        self._refused: tuple[int, int, int, int] | None = None  # see _admit
         self._joined = 0
         self._wall_start = time.monotonic()
         self._sim_start_ms = 0.0
@@ -488,6 +489,13 @@ class MockEngine:
         bs = self.config.block_size
         cache = self.cache
         g1 = cache.registry.g1
+        whole_prompt = self.config.admission == "whole_prompt"
+        if whole_prompt:
+            # G1 as this check last saw it: no event, no block freed or taken since means the
+            # same answer (hits only change by an event; room by the free/inactive counts)
+            seen = (s.index, g1.num_free, g1.num_inactive, cache.registry.emitter.next_event_id)
+            if seen == self._refused:
+                return None
         prompt_blocks = -(-s.tokens // bs)
         self._grow_hashes(s, prompt_blocks)
         hashes, local = s.seq[:prompt_blocks], s.local[:prompt_blocks]
@@ -496,12 +504,13 @@ class MockEngine:
         upto = cached + min(budget, s.tokens - cached)
         need = -(-upto // bs)
         limit = max(need, probe.total)
-        if self.config.admission == "whole_prompt":
+        if whole_prompt:
             # Dynamo: the whole uncached prompt must fit in free or evictable blocks now;
             # cached blocks nobody holds are not evictable for it (it is about to use them)
             hit_slots = [g1.lookup(h) for h in hashes[: probe.g1]]
             idle_hits = sum(1 for slot in hit_slots if slot is not None and not g1.refcount(slot))
             if prompt_blocks - probe.g1 > g1.num_free + g1.num_inactive - idle_hits:
+                self._refused = seen
                 return None
         elif others_run:
             # keep a fraction of G1 free for the running sequences' next blocks
