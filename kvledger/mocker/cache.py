@@ -76,6 +76,7 @@ class SimulatedCache:
         *,
         limit: int | None = None,
         full: int | None = None,
+        match: MatchResult | None = None,
     ) -> Admission:
         """Hold the first ``limit`` (default: all) blocks of a prompt on G1.
 
@@ -84,12 +85,14 @@ class SimulatedCache:
         Blocks from ``full`` on (default: none) are still filling: they get a slot but no
         name, so nobody can hit them and, released unfilled, they go back to the free list
         without displacing a cached block (Dynamo's mocker caches full blocks only).
+        ``match``: the caller's ``registry.match`` of these blocks, when it just made one.
         """
         reg = self.registry
         g1 = reg.g1
         wanted = len(sequence_hashes) if limit is None else min(limit, len(sequence_hashes))
         hashes = sequence_hashes[:wanted]
-        match = reg.match(hashes)
+        if match is None or match.total > wanted:
+            match = reg.match(hashes)
         reg.note_request(hashes)
         slots = g1.match(hashes[: match.g1])
         onboard = reg.plan_onboard(hashes, match)
@@ -141,12 +144,13 @@ class SimulatedCache:
         """Add newly completed blocks (decode) to a held request; returns how many fit.
 
         With ``full``, blocks from ``full`` on are still filling (no name, as in ``admit``), and
-        held blocks that filled up since (before ``full``) are named now."""
+        held blocks that filled up since (before ``full``) are named, once every block asked
+        for has a slot (as vLLM caches a step's full blocks only when its allocation succeeded)."""
+        if full is not None:
+            return self._extend_unnamed(admission, sequence_hashes, local_hashes, full)
         g1 = self.registry.g1
         slots = admission.slots
         start = len(slots)
-        if full is not None and admission.registered < min(full, start):
-            self._name_filled(admission, sequence_hashes, local_hashes, min(full, start))
         new = sequence_hashes[start:]
         if not new:
             return 0
@@ -155,26 +159,39 @@ class SimulatedCache:
         slots.extend(hit)
         admission.registered += len(hit)
         if fresh:
-            limit = len(sequence_hashes) if full is None else full
-            self._place(admission, fresh, sequence_hashes, local_hashes, limit)
+            self._place(admission, fresh, sequence_hashes, local_hashes, len(sequence_hashes))
         admission.placed = len(slots)
         return len(slots) - start
 
-    def _name_filled(
+    def _extend_unnamed(
         self,
         admission: Admission,
         sequence_hashes: Sequence[int],
         local_hashes: Sequence[int],
-        upto: int,
-    ) -> None:
-        """Register the held, unnamed slots before block ``upto``: they are full now."""
+        full: int,
+    ) -> int:
+        """``extend`` when only full blocks are named: slots first, then one run of names."""
+        g1 = self.registry.g1
+        slots = admission.slots
+        start = len(slots)
+        wanted = len(sequence_hashes)
+        if wanted > start:
+            if admission.registered == start:  # all named: a new block may be cached already
+                hit = g1.match(sequence_hashes[start:full])
+                slots.extend(hit)
+                admission.registered += len(hit)
+            slots.extend(g1.allocate_upto(wanted - len(slots)))
+            admission.placed = len(slots)
         at = admission.registered
-        blocks = list(zip(sequence_hashes[at:upto], local_hashes[at:upto], strict=True))
-        parent = sequence_hashes[at - 1] if at else None
-        registered = self.registry.g1.register(admission.slots[at:upto], blocks, parent)
-        admission.slots[at:upto] = registered
-        admission.registered = upto
-        self._run(self.registry.plan_offload(registered))
+        upto = min(full, len(slots))
+        if len(slots) == wanted and upto > at:
+            blocks = list(zip(sequence_hashes[at:upto], local_hashes[at:upto], strict=True))
+            parent = sequence_hashes[at - 1] if at else None
+            registered = g1.register(slots[at:upto], blocks, parent)
+            slots[at:upto] = registered
+            admission.registered = upto
+            self._run(self.registry.plan_offload(registered))
+        return len(slots) - start
 
     def finish(self, admission: Admission) -> None:
         """Let go of a request's blocks, last block first, so suffixes are evicted before

@@ -518,7 +518,7 @@ class MockEngine:
             if spare < self.config.watermark * g1.capacity:
                 return None
         full = None if self.config.cache_partial_blocks else upto // bs
-        admission = cache.admit(hashes, local, limit=limit, full=full)
+        admission = cache.admit(hashes, local, limit=limit, full=full, match=probe)
         copy_ms = sum(
             self.config.bandwidth.copy_ms(src, Tier.G1, n) for src, n in admission.onboarded.items()
         )

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from kvledger.events.types import Tier
 from kvledger.metrics import Metrics
 from kvledger.mocker.cache import Admission, SimulatedCache
-from kvledger.registry.tiered import TieredRegistry
+from kvledger.registry.tiered import MatchResult, TieredRegistry
 
 
 class MeteredCache(SimulatedCache):
@@ -26,9 +26,12 @@ class MeteredCache(SimulatedCache):
         *,
         limit: int | None = None,
         full: int | None = None,
+        match: MatchResult | None = None,
     ) -> Admission:
         start = time.perf_counter()
-        admission = super().admit(sequence_hashes, local_hashes, limit=limit, full=full)
+        admission = super().admit(
+            sequence_hashes, local_hashes, limit=limit, full=full, match=match
+        )
         self.metrics.alloc_latency.observe(time.perf_counter() - start)
         wanted = len(sequence_hashes) if limit is None else min(limit, len(sequence_hashes))
         self.metrics.observe_match({Tier.G1: admission.match.g1, **admission.onboarded}, wanted)
