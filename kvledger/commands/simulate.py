@@ -362,6 +362,15 @@ def simulate(args: argparse.Namespace, note: Callable[[str], None]) -> Outcome:
     summary.update(
         workload=workload,
         engine=args.engine,
+        **(
+            {
+                "timing_model": settings.timing_model,
+                "admission_rule": settings.admission_rule,
+                "cache_partial_blocks": settings.cache_partial_blocks,
+            }
+            if args.engine == "on"
+            else {}
+        ),
         policy=settings.eviction_policy,
         offload_filter=settings.offload_filter,
         block_size=settings.block_size,
@@ -415,14 +424,23 @@ def print_table(s: dict[str, Any], out: TextIO = sys.stdout) -> None:
             "  ".join(f"from {t} {n}" for t, n in s["onboarded_blocks"].items() if t != "G1"),
         ),
         (
-            "events",
-            f"{s['events_written']} written to {s['log']}"
+            "events written",
+            f"{s['events_written']} to {s['log']}"
             if s["log"]
-            else f"{s['events_written']} (no log)",
+            else f"none ({s['events_written']} counted, no log)",
         ),
     ]
     if "ttft_ms_p50" in s:
+        rows.append(
+            (
+                "engine model",
+                f"{s['timing_model']} timing, {s['admission_rule']} admission, partial blocks "
+                + ("cached" if s["cache_partial_blocks"] else "not cached"),
+            )
+        )
         rows.append(("TTFT p50 / p99", f"{s['ttft_ms_p50']:.1f} / {s['ttft_ms_p99']:.1f} ms"))
+        if "tpot_ms_mean" in s:
+            rows.append(("TPOT mean", f"{s['tpot_ms_mean']:.1f} ms"))
         rows.append(
             (
                 "simulated",
@@ -435,15 +453,13 @@ def print_table(s: dict[str, Any], out: TextIO = sys.stdout) -> None:
     width = max(len(name) for name, _ in rows) + 2
     for name, value in rows:
         print(f"{name:<{width}}{value}", file=out)
-    if s["log"] is None:
-        pass
-    elif s["replay_matches"]:
+    if s["log"] is not None and s["replay_matches"]:
         print(
             f"\n`kvledger replay {s['log']}` reproduces the final per-tier state "
             f"(digest {s['state_digest']}).",
             file=out,
         )
-    else:
+    elif s["log"] is not None:
         print(
             f"\nREPLAY MISMATCH: the log at {s['log']} does not rebuild the live state.", file=out
         )
