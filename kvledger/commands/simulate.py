@@ -290,11 +290,13 @@ def simulate(args: argparse.Namespace, note: Callable[[str], None]) -> Outcome:
 
         metrics = Metrics(bytes_per_block=settings.bytes_per_block)
     url = ""
+    shown: str | None = None  # the log's URL as printed; None: no log
     log = None
     if not args.no_log:
         from kvledger.events.log.schema import database_url, shown_url
 
         url = database_url(args.log) if args.log else settings.log_url
+        shown = shown_url(url)
         log = _open_log(url)
     try:
         sinks: list[Callable[[AnyEvent], None]] = [] if log is None else [log.append]
@@ -320,7 +322,7 @@ def simulate(args: argparse.Namespace, note: Callable[[str], None]) -> Outcome:
         cache = build_cache(settings, emitter, metrics)
         if previous >= 0:
             note(
-                f"{shown_url(url)} already holds events of worker {worker} "
+                f"{shown} already holds events of worker {worker} "
                 f"(up to event {previous}); "
                 "this run continues it after a Cleared event per tier (a worker restart), "
                 "so replaying the log gives this run's final state. Use --log for a separate log."
@@ -378,7 +380,7 @@ def simulate(args: argparse.Namespace, note: Callable[[str], None]) -> Outcome:
             t.name: (cache.registry.pools[t].capacity if t in cache.registry.pools else 0)
             for t in TIERS
         },
-        log=None if log is None else shown_url(url),
+        log=shown,
         replay_matches=None if log is None else replay_ok,
         state_digest=live.digest(),
         wall_s=round(elapsed, 3),
