@@ -216,7 +216,7 @@ class MockEngine:
         #: at once (False: the step-by-step reference, touching every sequence every step)
         self.decode_ahead = True
         self._steady: SteadyDecoders[_Sequence] | None = None
-        self._refused: tuple[int, int, int, int] | None = None  # see _admit
+        self._refused: tuple[int, int, int | None] | None = None  # see _admit
         self._joined = 0
         self._wall_start = time.monotonic()
         self._sim_start_ms = 0.0
@@ -490,11 +490,17 @@ class MockEngine:
         cache = self.cache
         g1 = cache.registry.g1
         whole_prompt = self.config.admission == "whole_prompt"
-        if whole_prompt:
-            # G1 as this check last saw it: no event, no block freed or taken since means the
-            # same answer (hits only change by an event; room by the free/inactive counts)
-            seen = (s.index, g1.num_free, g1.num_inactive, cache.registry.emitter.next_event_id)
-            if seen == self._refused:
+        if whole_prompt and self._refused is not None:
+            # Refused before, and nothing that could change the answer happened since: no
+            # block was freed or became evictable (room did not grow), and the block after
+            # its cached prefix is still not cached (hits did not grow). An eviction of one of
+            # its hits takes as much room as it gives.
+            index, room, after = self._refused
+            if (
+                index == s.index
+                and g1.num_free + g1.num_inactive <= room
+                and (after is None or after not in g1)
+            ):
                 return None
         prompt_blocks = -(-s.tokens // bs)
         self._grow_hashes(s, prompt_blocks)
@@ -509,8 +515,10 @@ class MockEngine:
             # cached blocks nobody holds are not evictable for it (it is about to use them)
             hit_slots = [g1.lookup(h) for h in hashes[: probe.g1]]
             idle_hits = sum(1 for slot in hit_slots if slot is not None and not g1.refcount(slot))
-            if prompt_blocks - probe.g1 > g1.num_free + g1.num_inactive - idle_hits:
-                self._refused = seen
+            room = g1.num_free + g1.num_inactive
+            if prompt_blocks - probe.g1 > room - idle_hits:
+                after = hashes[probe.g1] if probe.g1 < prompt_blocks else None
+                self._refused = (s.index, room, after)
                 return None
         elif others_run:
             # keep a fraction of G1 free for the running sequences' next blocks
