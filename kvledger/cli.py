@@ -30,19 +30,25 @@ COMMAND_MODULES = (
 )
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The parser of every command, or of ``command`` alone: each command module is named
+    after its command, and importing all of them (SQLAlchemy, Alembic, torch, ...) would cost a
+    short run more than its work."""
     parser = argparse.ArgumentParser(
         prog="kvledger",
         description="KV-cache block manager with an event-sourced registry.",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in COMMAND_MODULES:
-        importlib.import_module(name).register(sub)
+        if command is None or name.rpartition(".")[2] == command:
+            importlib.import_module(name).register(sub)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    names = {name.rpartition(".")[2] for name in COMMAND_MODULES}
+    parser = build_parser(argv[0] if argv and argv[0] in names else None)
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):
         parser.print_help()

@@ -79,6 +79,20 @@ class Settings(BaseSettings):
     max_num_batched_tokens: int = Field(8192, gt=0, description="tokens one engine step computes")
     max_num_seqs: int = Field(256, gt=0, description="sequences one engine step runs")
     watermark: float = Field(0.01, ge=0, lt=1, description="fraction of G1 kept free to admit")
+    timing_model: Literal["linear", "dynamo"] = Field(
+        "linear", description="mock engine step cost: linear StepCosts or Dynamo's polynomial"
+    )
+    admission_rule: Literal["watermark", "whole_prompt"] = Field(
+        "watermark",
+        description="admit while G1 keeps the watermark free, or only when the whole uncached "
+        "prompt fits in free or evictable G1 blocks (Dynamo)",
+    )
+    cache_partial_blocks: bool = Field(
+        True, description="cache a prompt's partial last block (False: full blocks only, Dynamo)"
+    )
+    speedup_ratio: float = Field(
+        1.0, gt=0, description="dynamo timing model: pass cost is divided by this"
+    )
     g1_g2_gbps: float = Field(25.0, gt=0, description="G1<->G2 bandwidth (PCIe), GB/s")
     g2_g3_gbps: float = Field(6.0, gt=0, description="G2<->G3 bandwidth (NVMe), GB/s")
     g1_g3_gbps: float = Field(6.0, gt=0, description="G1<->G3 bandwidth (GDS), GB/s")

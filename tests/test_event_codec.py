@@ -28,9 +28,12 @@ from kvledger.events.types import (
     AnyEvent,
     BlockInfo,
     Cleared,
+    Lookup,
     Offloaded,
     Onboarded,
+    Released,
     Removed,
+    RunInfo,
     Stored,
     Tier,
 )
@@ -272,6 +275,8 @@ def fold_reference(
             event = decode(payload, position)
             if event.ts != ts:
                 raise CodecError("ts column", position)
+            if isinstance(event, Lookup | Released | RunInfo):
+                continue  # lookup records fold nothing
             if until_event_id is None or event.event_id <= until_event_id:
                 state.apply(event)
         except ValueError as exc:

@@ -123,6 +123,33 @@ def test_mooncake_trace_implies_512_token_blocks(tmp_path: Path) -> None:
     assert s["replay_matches"] is True
 
 
+@pytest.mark.skipif(
+    not TRACE.exists(), reason=f"trace not found at {TRACE} (set KVLEDGER_SHARED_DATA)"
+)
+def test_dynamo_model_runs_with_and_without_a_log(tmp_path: Path) -> None:
+    """``--dynamo`` selects Dynamo's timing, admission and caching of full blocks only; the
+    logged run replays to its final state, and ``--no-log`` gives the same figures and
+    writes nothing."""
+    common = ("--trace", str(TRACE), "--requests", "300", "--g1-blocks", "512", "--dynamo")
+    logged = simulate_json(*common, "--log", f"sqlite:///{tmp_path / 'd.db'}", cwd=tmp_path)
+    assert logged["replay_matches"] is True and logged["policy"] == "lru"
+    quick = simulate_json(*common, "--no-log", cwd=tmp_path)
+    assert quick["log"] is None and quick["replay_matches"] is None
+    assert not (tmp_path / "kvledger-data").exists()
+    for key in ("ttft_ms_p50", "ttft_ms_p99", "tpot_ms_mean", "preemptions", "evictions"):
+        assert quick[key] == logged[key], key
+    assert quick["events_written"] == logged["events_written"] > 0
+    assert 0 < quick["token_hit_rate"] <= quick["token_hit_rate_all_admissions"] < 1
+    # each part of the model is its own flag: the linear timing gives other figures
+    linear = simulate_json(*common, "--timing-model", "linear", "--no-log", cwd=tmp_path)
+    assert linear["ttft_ms_p50"] != quick["ttft_ms_p50"]
+    table = kvledger("simulate", *common, "--no-log", cwd=tmp_path)
+    assert table.returncode == 0, table.stderr
+    assert "counted, no log" in table.stdout and "kvledger replay" not in table.stdout
+    assert "dynamo timing, whole_prompt admission, partial blocks not cached" in table.stdout
+    assert "TPOT mean" in table.stdout
+
+
 def test_sweep_reports_hit_rate_rising_with_capacity(tmp_path: Path) -> None:
     proc = kvledger(
         "sweep", "--json", "--requests", "300", "--capacities", "64,256,1024,4096",
@@ -147,6 +174,11 @@ def test_sweep_reports_hit_rate_rising_with_capacity(tmp_path: Path) -> None:
         (["--g1-blocks", "4"], "needs"),  # a request larger than G1
         (["--plot", "chart.jpg"], "give a file name ending in .png"),
         (["--log", "nosuchdriver://x/y"], "cannot open the event log"),
+        (["--no-log", "--log", "x.db"], "argument --log: not allowed with argument --no-log"),
+        (["--speedup-ratio", "0"], "argument --speedup-ratio: must be a finite number above 0"),
+        (["--timing-model", "cubic"], "argument --timing-model: invalid choice: 'cubic'"),
+        (["--admission-rule", "any"], "argument --admission-rule: invalid choice: 'any'"),
+        (["--partial-blocks", "keep"], "argument --partial-blocks: invalid choice: 'keep'"),
     ],
 )
 def test_bad_input_fails_with_a_message_that_names_it(

@@ -14,10 +14,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-import sqlalchemy as sa
-
-from kvledger.events.log.schema import database_url
-
 
 def non_negative_int(text: str) -> int:
     value = _int(text)
@@ -41,6 +37,16 @@ def linger_seconds(text: str) -> float:
         raise argparse.ArgumentTypeError(f"must be a number of seconds, got {text!r}") from None
     if not 0 <= value < 60:
         raise argparse.ArgumentTypeError(f"must be 0 or more and under 60, got {text}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number above 0, got {text!r}")
     return value
 
 
@@ -156,6 +162,10 @@ def output_file(text: str) -> str:
 
 def log_location(text: str) -> str:
     """A log's SQLite path or SQLAlchemy URL; a folder is refused with what to give instead."""
+    import sqlalchemy as sa  # here, not at the top: a command that logs nothing never loads it
+
+    from kvledger.events.log.schema import database_url
+
     try:
         parsed = sa.make_url(database_url(text))
     except sa.exc.ArgumentError:

@@ -18,9 +18,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TextIO
-
-import sqlalchemy as sa
+from typing import TYPE_CHECKING, Any, TextIO
 
 from kvledger.commands.args import (
     choices,
@@ -28,20 +26,15 @@ from kvledger.commands.args import (
     non_negative_int,
     output_file,
     port,
+    positive_float,
     positive_int,
 )
 from kvledger.config import Settings, ensure_log_folder
-from kvledger.events.log import EventLog
-from kvledger.events.log.replay import replay, save_state
-from kvledger.events.log.schema import database_url, shown_url
 from kvledger.events.types import AnyEvent, lookup_stream
-from kvledger.metrics import Metrics
 from kvledger.mocker.cache import SimulatedCache
 from kvledger.mocker.engine import EngineConfig, MockEngine, SimClock
 from kvledger.mocker.engine_off import replay_cache
-from kvledger.mocker.metered import MeteredCache
-from kvledger.mocker.rerun import is_event_log, trace_from_log
-from kvledger.mocker.stats import TIERS, EventCounter, SimStats
+from kvledger.mocker.stats import TIERS, CountingEmitter, SimStats
 from kvledger.mocker.traces import MOONCAKE_BLOCK_TOKENS, TraceRequest, load_mooncake, synthetic
 from kvledger.progress import Progress
 from kvledger.registry.emitter import EventEmitter
@@ -49,7 +42,19 @@ from kvledger.registry.lookups import LookupRecorder
 from kvledger.registry.state import RegistryState
 from kvledger.registry.tiered import OFFLOAD_FILTERS, TieredRegistry
 
+if TYPE_CHECKING:  # the log and metrics modules load SQLAlchemy, numpy, prometheus: only
+    # a run that uses them pays for importing them (a --no-log run starts twice as fast)
+    from kvledger.events.log import EventLog
+    from kvledger.metrics import Metrics
+
 POLICIES = ("lru", "lineage", "multi_lru")
+#: the settings that make the mock engine behave like Dynamo's mocker (``--dynamo``)
+DYNAMO_MODEL: dict[str, Any] = {
+    "timing_model": "dynamo",
+    "admission_rule": "whole_prompt",
+    "cache_partial_blocks": False,
+    "eviction_policy": "lru",
+}
 SYNTHETIC_REQUESTS = 2000
 TIMELINE_POINTS = 200
 
@@ -98,6 +103,34 @@ def add_workload_args(
         metavar="X",
         help="engine on: simulated seconds per wall second (0 = as fast as possible)",
     )
+    p.add_argument(
+        "--timing-model",
+        choices=("linear", "dynamo"),
+        help="engine on: step cost, linear StepCosts or Dynamo mocker's polynomial",
+    )
+    p.add_argument(
+        "--admission-rule",
+        choices=("watermark", "whole_prompt"),
+        help="engine on: keep the G1 watermark free, or admit only when the whole uncached "
+        "prompt fits (Dynamo)",
+    )
+    p.add_argument(
+        "--partial-blocks",
+        choices=("cache", "free"),
+        help="engine on: cache a prompt's partial last block, or free it unnamed (Dynamo)",
+    )
+    p.add_argument(
+        "--speedup-ratio",
+        type=positive_float,
+        metavar="X",
+        help="engine on, dynamo timing: divide each step's cost by X",
+    )
+    p.add_argument(
+        "--dynamo",
+        action="store_true",
+        help="behave like Dynamo's mocker: dynamo timing, whole_prompt admission, partial "
+        "blocks freed, LRU (each flag above still overrides)",
+    )
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -108,11 +141,17 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_workload_args(p, engine_default="on")
-    p.add_argument(
+    where = p.add_mutually_exclusive_group()
+    where.add_argument(
         "--log",
         metavar="LOG",
         type=log_location,
         help="event log: SQLite file or URL (default: settings' log URL)",
+    )
+    where.add_argument(
+        "--no-log",
+        action="store_true",
+        help="write no event log (and so no closing replay check): the fastest run",
     )
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     p.add_argument(
@@ -145,12 +184,23 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         ("g3_blocks", "g3_blocks"),
         ("policy", "eviction_policy"),
         ("offload_filter", "offload_filter"),
+        ("timing_model", "timing_model"),
+        ("admission_rule", "admission_rule"),
+        ("speedup_ratio", "speedup_ratio"),
     ):
         value = getattr(args, arg, None)
         if value is not None:
             overrides[name] = value
+    partial = getattr(args, "partial_blocks", None)
+    if partial is not None:
+        overrides["cache_partial_blocks"] = partial == "cache"
+    if getattr(args, "dynamo", False):
+        for name, value in DYNAMO_MODEL.items():
+            overrides.setdefault(name, value)
     settings = Settings.load(**overrides)
     if args.trace and "block_size" not in settings.model_fields_set:
+        from kvledger.mocker.rerun import is_event_log, trace_from_log
+
         if is_event_log(args.trace):
             _, block_size = trace_from_log(args.trace)
         else:
@@ -161,6 +211,8 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
 
 def load_workload(args: argparse.Namespace, settings: Settings) -> tuple[list[TraceRequest], str]:
     if args.trace:
+        from kvledger.mocker.rerun import is_event_log, trace_from_log
+
         if is_event_log(args.trace):
             requests, _ = trace_from_log(args.trace)
         else:
@@ -175,6 +227,8 @@ def load_workload(args: argparse.Namespace, settings: Settings) -> tuple[list[Tr
 def build_cache(
     settings: Settings, emitter: EventEmitter, metrics: Metrics | None = None
 ) -> SimulatedCache:
+    from kvledger.mocker.metered import MeteredCache
+
     registry = TieredRegistry(
         settings.g1_blocks,
         settings.g2_capacity,
@@ -253,6 +307,10 @@ class Outcome:
 
 
 def _open_log(url: str) -> EventLog:
+    import sqlalchemy as sa
+
+    from kvledger.events.log import EventLog
+
     try:
         ensure_log_folder(url)
         return EventLog(url)
@@ -260,40 +318,66 @@ def _open_log(url: str) -> EventLog:
         raise ValueError(f"cannot open the event log {url!r}: {exc}") from None
 
 
+def _replay_matches(
+    url: str, worker: int, live: RegistryState, note: Callable[[str], None]
+) -> bool:
+    """Replay the log and compare this worker's part of it with the live state."""
+    from kvledger.events.log.replay import replay
+
+    replayed = replay(url)
+    mine = RegistryState.from_mapping({k: v for k, v in replayed.tiers.items() if k[0] == worker})
+    if mine == live:
+        return True
+    for line in mine.diff(live)[:10]:
+        note(f"replay differs: {line}")
+    return False
+
+
 def simulate(args: argparse.Namespace, note: Callable[[str], None]) -> Outcome:
     settings = settings_from_args(args)
     requests, workload = load_workload(args, settings)
-    url = database_url(args.log) if args.log else settings.log_url
     worker = settings.worker_id
-    metrics = Metrics(bytes_per_block=settings.bytes_per_block) if args.metrics_port else None
-    log = _open_log(url)
+    metrics = None
+    if args.metrics_port:
+        from kvledger.metrics import Metrics
+
+        metrics = Metrics(bytes_per_block=settings.bytes_per_block)
+    url = ""
+    shown: str | None = None  # the log's URL as printed; None: no log
+    log = None
+    if not args.no_log:
+        from kvledger.events.log.schema import database_url, shown_url
+
+        url = database_url(args.log) if args.log else settings.log_url
+        shown = shown_url(url)
+        log = _open_log(url)
     try:
-        sinks: list[Callable[[AnyEvent], None]] = [log.append]
+        sinks: list[Callable[[AnyEvent], None]] = [] if log is None else [log.append]
         if metrics is not None:
             sinks.append(metrics.observe_event)
             metrics.serve(args.metrics_port)
-            metrics.watch_log(log)
+            if log is not None:
+                metrics.watch_log(log)
             note(f"serving kvbm_* metrics on http://127.0.0.1:{args.metrics_port}/metrics")
 
         def fan_out(event: AnyEvent) -> None:
             for sink in sinks:
                 sink(event)
 
-        counter = EventCounter(fan_out if len(sinks) > 1 else log.append)
-        previous = log.last_event_id(worker)
+        previous = -1 if log is None else log.last_event_id(worker)
         clock = engine_clock(args)
-        emitter = EventEmitter(
-            counter,
+        emitter = counter = CountingEmitter(
+            fan_out if len(sinks) > 1 else (sinks[0] if sinks else None),
             worker_id=worker,
             dp_rank=settings.dp_rank,
             clock=time.time if clock is None else clock,
         )
         cache = build_cache(settings, emitter, metrics)
-        if settings.log_lookups:
+        if settings.log_lookups and log is not None:
             cache.lookups = lookup_recorder(log, settings, emitter.clock)
         if previous >= 0:
             note(
-                f"{shown_url(url)} already holds events of worker {worker} "
+                f"{shown} already holds events of worker {worker} "
                 f"(up to event {previous}); "
                 "this run continues it after a Cleared event per tier (a worker restart), "
                 "so replaying the log gives this run's final state. Use --log for a separate log."
@@ -321,22 +405,29 @@ def simulate(args: argparse.Namespace, note: Callable[[str], None]) -> Outcome:
         if metrics is not None:
             metrics.refresh(cache.registry.pools)
     finally:
-        log.close()
+        if log is not None:
+            log.close()
 
-    replayed = replay(url)
-    mine = RegistryState.from_mapping({k: v for k, v in replayed.tiers.items() if k[0] == worker})
     live = cache.registry.state()
-    replay_ok = mine == live
+    replay_ok = log is None or _replay_matches(url, worker, live, note)
     if args.dump_state:
+        from kvledger.events.log.replay import save_state
+
         save_state(args.dump_state, live)
-    if not replay_ok:
-        for line in mine.diff(live)[:10]:
-            note(f"replay differs: {line}")
 
     summary = stats.summary(cache, counter)
     summary.update(
         workload=workload,
         engine=args.engine,
+        **(
+            {
+                "timing_model": settings.timing_model,
+                "admission_rule": settings.admission_rule,
+                "cache_partial_blocks": settings.cache_partial_blocks,
+            }
+            if args.engine == "on"
+            else {}
+        ),
         policy=settings.eviction_policy,
         offload_filter=settings.offload_filter,
         block_size=settings.block_size,
@@ -344,8 +435,8 @@ def simulate(args: argparse.Namespace, note: Callable[[str], None]) -> Outcome:
             t.name: (cache.registry.pools[t].capacity if t in cache.registry.pools else 0)
             for t in TIERS
         },
-        log=shown_url(url),
-        replay_matches=replay_ok,
+        log=shown,
+        replay_matches=None if log is None else replay_ok,
         state_digest=live.digest(),
         wall_s=round(elapsed, 3),
     )
@@ -401,10 +492,24 @@ def print_table(s: dict[str, Any], out: TextIO | None = None) -> None:
             "onboards",
             "  ".join(f"from {t} {n}" for t, n in s["onboarded_blocks"].items() if t != "G1"),
         ),
-        ("events written", f"{s['events_written']} to {s['log']}"),
+        (
+            "events written",
+            f"{s['events_written']} to {s['log']}"
+            if s["log"]
+            else f"none ({s['events_written']} counted, no log)",
+        ),
     ]
     if "ttft_ms_p50" in s:
+        rows.append(
+            (
+                "engine model",
+                f"{s['timing_model']} timing, {s['admission_rule']} admission, partial blocks "
+                + ("cached" if s["cache_partial_blocks"] else "not cached"),
+            )
+        )
         rows.append(("TTFT p50 / p99", f"{s['ttft_ms_p50']:.1f} / {s['ttft_ms_p99']:.1f} ms"))
+        if "tpot_ms_mean" in s:
+            rows.append(("TPOT mean", f"{s['tpot_ms_mean']:.1f} ms"))
         rows.append(
             (
                 "simulated",
@@ -417,13 +522,13 @@ def print_table(s: dict[str, Any], out: TextIO | None = None) -> None:
     width = max(len(name) for name, _ in rows) + 2
     for name, value in rows:
         print(f"{name:<{width}}{value}", file=out)
-    if s["replay_matches"]:
+    if s["log"] is not None and s["replay_matches"]:
         print(
             f"\n`kvledger replay {s['log']}` reproduces the final per-tier state "
             f"(digest {s['state_digest']}).",
             file=out,
         )
-    else:
+    elif s["log"] is not None:
         print(
             f"\nREPLAY MISMATCH: the log at {s['log']} does not rebuild the live state.", file=out
         )

@@ -27,6 +27,8 @@ class Admission:
     onboarded: dict[Tier, int] = field(default_factory=dict)
     #: blocks placed: hits + onboarded + new; fewer than the prompt means G1 ran out
     placed: int = 0
+    #: how many of ``slots`` (a prefix) hold registered blocks; the rest are still filling
+    registered: int = 0
     #: the cache's number for the request, which its lookup records carry
     request_id: int = -1
 
@@ -79,19 +81,26 @@ class SimulatedCache:
         local_hashes: Sequence[int],
         *,
         limit: int | None = None,
+        full: int | None = None,
+        match: MatchResult | None = None,
         num_tokens: int = 0,
     ) -> Admission:
         """Hold the first ``limit`` (default: all) blocks of a prompt on G1.
 
         Cached blocks are reused (G1) or onboarded (G2/G3); the rest are allocated and
         registered as computed. With too little G1, a prefix is placed: ``placed`` says how much.
+        Blocks from ``full`` on (default: none) are still filling: they get a slot but no
+        name, so nobody can hit them and, released unfilled, they go back to the free list
+        without displacing a cached block (Dynamo's mocker caches full blocks only).
+        ``match``: the caller's ``registry.match`` of these blocks, when it just made one.
         ``num_tokens`` (the prompt's length, 0: not given) goes into the lookup record.
         """
         reg = self.registry
         g1 = reg.g1
         wanted = len(sequence_hashes) if limit is None else min(limit, len(sequence_hashes))
         hashes = sequence_hashes[:wanted]
-        match = reg.match(hashes)
+        if match is None or match.total > wanted:
+            match = reg.match(hashes)
         reg.note_request(hashes)
         slots = g1.match(hashes[: match.g1])
         onboard = reg.plan_onboard(hashes, match)
@@ -103,46 +112,105 @@ class SimulatedCache:
             slots.extend(transfer.landed)
         start = len(slots)
         fresh = g1.allocate_upto(wanted - start) if start == match.total else []
+        admission = Admission(slots, match, onboarded, start, start)
         if fresh:
-            blocks = list(zip(hashes[start:], local_hashes[start:wanted], strict=False))
-            parent = hashes[start - 1] if start else None
-            registered = g1.register(fresh, blocks[: len(fresh)], parent)
-            slots.extend(registered)
-            self._run(reg.plan_offload(registered))
-        request_id = self._next_request
+            self._place(admission, fresh, hashes, local_hashes, wanted if full is None else full)
+        admission.placed = len(slots)
+        admission.request_id = self._next_request
         self._next_request += 1
         if self.lookups is not None:
             hits = (match.g1, onboarded.get(Tier.G2, 0), onboarded.get(Tier.G3, 0))
-            self.lookups.lookup(request_id, hashes, hits, num_tokens=num_tokens)
-        return Admission(slots, match, onboarded, len(slots), request_id)
+            self.lookups.lookup(admission.request_id, hashes, hits, num_tokens=num_tokens)
+        return admission
+
+    def _place(
+        self,
+        admission: Admission,
+        fresh: list[int],
+        sequence_hashes: Sequence[int],
+        local_hashes: Sequence[int],
+        full: int,
+    ) -> None:
+        """Append ``fresh`` slots to ``admission``: named (registered) up to block ``full``,
+        unnamed after it."""
+        slots = admission.slots
+        start = len(slots)
+        named = max(0, min(len(fresh), full - start))
+        if named:
+            end = start + named
+            blocks = list(zip(sequence_hashes[start:end], local_hashes[start:end], strict=True))
+            parent = sequence_hashes[start - 1] if start else None
+            registered = self.registry.g1.register(fresh[:named], blocks[:named], parent)
+            slots.extend(registered)
+            admission.registered = len(slots)
+            self._run(self.registry.plan_offload(registered))
+        slots.extend(fresh[named:])
 
     def extend(
         self,
         admission: Admission,
         sequence_hashes: Sequence[int],
         local_hashes: Sequence[int],
+        *,
+        full: int | None = None,
     ) -> int:
-        """Add newly completed blocks (decode) to a held request; returns how many fit."""
+        """Add newly completed blocks (decode) to a held request; returns how many fit.
+
+        With ``full``, blocks from ``full`` on are still filling (no name, as in ``admit``), and
+        held blocks that filled up since (before ``full``) are named, once every block asked
+        for has a slot (as vLLM caches a step's full blocks only when its allocation succeeded)."""
+        if full is not None:
+            return self._extend_unnamed(admission, sequence_hashes, local_hashes, full)
         g1 = self.registry.g1
-        start = len(admission.slots)
+        slots = admission.slots
+        start = len(slots)
         new = sequence_hashes[start:]
         if not new:
             return 0
-        hit = g1.match(new)
+        hit = g1.match(new) if admission.registered == start else []
         if self.lookups is not None:
             self.lookups.lookup(admission.request_id, new, (len(hit), 0, 0), start=start)
         fresh = g1.allocate_upto(len(new) - len(hit))
-        admission.slots.extend(hit)
+        slots.extend(hit)
+        admission.registered += len(hit)
         if fresh:
-            at = start + len(hit)
-            blocks = list(zip(new[len(hit) :], local_hashes[at:], strict=False))
-            registered = g1.register(
-                fresh, blocks[: len(fresh)], sequence_hashes[at - 1] if at else None
-            )
-            admission.slots.extend(registered)
+            self._place(admission, fresh, sequence_hashes, local_hashes, len(sequence_hashes))
+        admission.placed = len(slots)
+        return len(slots) - start
+
+    def _extend_unnamed(
+        self,
+        admission: Admission,
+        sequence_hashes: Sequence[int],
+        local_hashes: Sequence[int],
+        full: int,
+    ) -> int:
+        """``extend`` when only full blocks are named: slots first, then one run of names."""
+        g1 = self.registry.g1
+        slots = admission.slots
+        start = len(slots)
+        wanted = len(sequence_hashes)
+        if wanted > start:
+            hit: list[int] = []
+            if admission.registered == start:  # all named: a new block may be cached already
+                hit = g1.match(sequence_hashes[start:full])
+                slots.extend(hit)
+                admission.registered += len(hit)
+            if self.lookups is not None:
+                new = sequence_hashes[start:wanted]
+                self.lookups.lookup(admission.request_id, new, (len(hit), 0, 0), start=start)
+            slots.extend(g1.allocate_upto(wanted - len(slots)))
+            admission.placed = len(slots)
+        at = admission.registered
+        upto = min(full, len(slots))
+        if len(slots) == wanted and upto > at:
+            blocks = list(zip(sequence_hashes[at:upto], local_hashes[at:upto], strict=True))
+            parent = sequence_hashes[at - 1] if at else None
+            registered = g1.register(slots[at:upto], blocks, parent)
+            slots[at:upto] = registered
+            admission.registered = upto
             self._run(self.registry.plan_offload(registered))
-        admission.placed = len(admission.slots)
-        return len(admission.slots) - start
+        return len(slots) - start
 
     def finish(self, admission: Admission) -> None:
         """Let go of a request's blocks, last block first, so suffixes are evicted before

@@ -24,7 +24,6 @@ sleeps so that simulated time runs ``speedup`` times faster than the wall clock.
 
 from __future__ import annotations
 
-import math
 import struct
 import time
 from collections import deque
@@ -38,6 +37,8 @@ from kvledger.config import Settings
 from kvledger.events.types import Tier
 from kvledger.mocker.cache import Admission, SimulatedCache
 from kvledger.mocker.stats import SimStats, occupancy
+from kvledger.mocker.steady import SteadyDecoders
+from kvledger.mocker.timing import DynamoTiming
 from kvledger.mocker.traces import TraceRequest, iter_arrivals, request_hashes
 from kvledger.registry.hashing import sequence_hash
 
@@ -86,6 +87,9 @@ class Bandwidth:
         return blocks * self.bytes_per_block / (gbps * 1e9) * 1e3
 
 
+ADMISSION_RULES = ("watermark", "whole_prompt")
+
+
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
     block_size: int
@@ -96,10 +100,21 @@ class EngineConfig:
     costs: StepCosts = StepCosts()
     #: 0: as fast as possible; otherwise simulated seconds per wall-clock second
     speedup: float = 0.0
+    #: Dynamo's polynomial pass cost instead of ``costs`` (None: the linear ``costs``)
+    timing: DynamoTiming | None = None
+    #: "watermark": admit while G1 keeps ``watermark`` free; "whole_prompt": admit only when
+    #: the whole uncached prompt fits in free or evictable G1 blocks (Dynamo's rule)
+    admission: str = "watermark"
+    #: name (cache) a prompt's partial last block; False: only full blocks are cached (Dynamo)
+    cache_partial_blocks: bool = True
 
     def __post_init__(self) -> None:
         if self.speedup < 0:
             raise ValueError(f"speedup must be >= 0 (0 = as fast as possible), got {self.speedup}")
+        if self.admission not in ADMISSION_RULES:
+            raise ValueError(
+                f"admission must be one of {', '.join(ADMISSION_RULES)}, got {self.admission!r}"
+            )
 
     @classmethod
     def from_settings(
@@ -113,6 +128,13 @@ class EngineConfig:
             bandwidth=Bandwidth.from_settings(settings),
             costs=costs if costs is not None else StepCosts(),
             speedup=speedup,
+            timing=(
+                DynamoTiming(speedup_ratio=settings.speedup_ratio)
+                if settings.timing_model == "dynamo"
+                else None
+            ),
+            admission=settings.admission_rule,
+            cache_partial_blocks=settings.cache_partial_blocks,
         )
 
 
@@ -141,6 +163,8 @@ class _Sequence:
     recorded: bool = False  # its prefix hits were counted (first admission only)
     first_token_ms: float | None = None
     tokens: int = 0  # tokens that exist: the prompt and what was generated so far
+    order: int = 0  # position in the running queue (set when it joins)
+    parked_at: int = -1  # step it was parked at among the steady decoders, -1: not parked
 
     def __post_init__(self) -> None:
         self.tokens = self.req.input_length + self.generated
@@ -184,12 +208,23 @@ class MockEngine:
         self.preemptions = 0
         self.onboard_ms = 0.0
         self.latency_ms: list[float] = []
+        #: per request with 2+ tokens: (last token - first token) / (tokens - 1)
+        self.tpot_ms: list[float] = []
         #: called after every step with what it did (tests, traces)
         self.on_step: Callable[[StepRecord], None] | None = None
-        #: take runs of identical decode steps at once (False: the step-by-step reference)
+        #: advance quietly decoding sequences in aggregate and take runs of pure-decode steps
+        #: at once (False: the step-by-step reference, touching every sequence every step)
         self.decode_ahead = True
+        self._steady: SteadyDecoders[_Sequence] | None = None
+        self._refused: tuple[int, int, int | None] | None = None  # see _admit
+        self._joined = 0
         self._wall_start = time.monotonic()
         self._sim_start_ms = 0.0
+        self._capacity_tokens = cache.registry.g1.capacity * config.block_size
+        #: prompt tokens at every admission (re-admissions after preemption too), and the
+        #: cached part of them: Dynamo's ``prefix_cache_reused_ratio``
+        self.admitted_tokens = 0
+        self.reused_tokens = 0
 
     # -- the run --------------------------------------------------------------------------
 
@@ -212,6 +247,11 @@ class MockEngine:
         waiting: deque[_Sequence] = deque()
         running: list[_Sequence] = []
         finished = 0
+        steady = self._steady = (
+            SteadyDecoders(bs, naming=not self.config.cache_partial_blocks)
+            if self.decode_ahead
+            else None
+        )
         while pending or waiting or running:
             while pending and pending[0].req.arrival_ms <= self.clock.now_ms:
                 waiting.append(pending.popleft())
@@ -219,11 +259,14 @@ class MockEngine:
                 self.clock.now_ms = pending[0].req.arrival_ms
                 self._pace()
                 continue
-            done = None
-            if not waiting and self.decode_ahead:
-                done = self._decode_ahead(running, pending[0].req.arrival_ms if pending else None)
-            if done is None:
-                done = self._step(waiting, running, stats, bs)
+            if (
+                steady is not None
+                and not waiting
+                and not steady.active
+                and self._decode_ahead(steady, pending[0].req.arrival_ms if pending else None)
+            ):
+                continue
+            done = self._step(waiting, running, stats, bs)
             for _ in done:
                 finished += 1
                 if progress is not None:
@@ -234,7 +277,15 @@ class MockEngine:
         return stats
 
     def _sequence(self, index: int, req: TraceRequest) -> _Sequence:
-        seq, local = request_hashes(req, self.config.block_size)
+        bs = self.config.block_size
+        seq, local = request_hashes(req, bs)
+        if not self.config.cache_partial_blocks and req.input_length % bs:
+            # The partial last block fills up with generated tokens, so once full it is this
+            # request's alone: name it like a decode block (it is registered only when full).
+            del seq[-1], local[-1]
+            s = _Sequence(index, req, seq, local, max(1, req.output_length))
+            self._grow_hashes(s, len(seq) + 1)
+            return s
         return _Sequence(index, req, seq, local, max(1, req.output_length))
 
     def _check_fits(self, sequences: Iterable[_Sequence]) -> None:
@@ -265,20 +316,41 @@ class MockEngine:
         i = 0
         preempted = self.preemptions
         prefill_tokens = 0
-        while i < len(running) and budget > 0:
-            s = running[i]
+        naming = not self.config.cache_partial_blocks  # blocks are named as they fill
+        steady = self._steady
+        scan: list[_Sequence] = running
+        parked = 0
+        if steady is not None:
+            if steady.count + len(steady.active) > budget:
+                steady.wake_all(self.steps)  # not every sequence gets its token: one by one
+            scan = steady.due(self.steps)
+            parked = steady.count  # each decodes one token, before any prefill (queue order)
+            budget -= parked
+        while i < len(scan) and budget > 0:
+            if steady is not None and steady.count != parked:  # a parked one was preempted
+                budget += parked - steady.count
+                parked = steady.count
+            s = scan[i]
+            if s.admission is None:  # preempted earlier in this step
+                i += 1
+                continue
             n = s.tokens - s.computed
             if n > budget:
                 n = budget
             upto = s.computed + n
-            assert s.admission is not None  # every running sequence holds its blocks
-            if upto > len(s.admission.slots) * bs and not self._reserve(s, upto, running, waiting):
+            admission = s.admission
+            assert admission is not None  # every running sequence holds its blocks
+            if (
+                upto > len(admission.slots) * bs or (naming and upto // bs > admission.registered)
+            ) and not self._reserve(s, upto, running, waiting):
                 continue  # s itself was preempted (and removed from running)
             batch.append((s, n))
             if n > 1 or upto < s.tokens:  # more than the last token to feed: prefill
                 prefill_tokens += n
             budget -= n
             i += 1
+        if steady is not None:
+            parked = steady.count
         onboard_ms = 0.0
         # After a preemption G1 is short: admit nobody new this step (as vLLM does).
         admitting = self.preemptions == preempted
@@ -289,29 +361,39 @@ class MockEngine:
             s, n, copy_ms = admitted
             waiting.popleft()
             running.append(s)
+            self._joined += 1
+            s.order = self._joined
+            if steady is not None:
+                steady.add(s)
             batch.append((s, n))
             if n > 1 or s.computed + n < s.tokens:
                 prefill_tokens += n
             budget -= n
             onboard_ms += copy_ms
-        if not batch:
+        if not batch and not parked:
             # Only possible when nothing runs and the head of the queue cannot be admitted,
             # which _check_fits rules out; fail loudly rather than spin.
             raise RuntimeError("mock engine made no progress: nothing runs and nothing fits")
 
-        costs = self.config.costs
-        step_ms = (
-            costs.step_ms
-            + costs.per_seq_ms * len(batch)
-            + costs.prefill_ms_per_token * prefill_tokens
-            + onboard_ms
-        )
+        if self.config.timing is None:
+            costs = self.config.costs
+            step_ms = (
+                costs.step_ms
+                + costs.per_seq_ms * (len(batch) + parked)
+                + costs.prefill_ms_per_token * prefill_tokens
+                + onboard_ms
+            )
+        else:
+            context = steady.context(self.steps) if steady is not None else 0
+            step_ms = self._dynamo_step_ms(batch, context) + onboard_ms
         self.clock.now_ms += step_ms
         self.onboard_ms += onboard_ms
         self.steps += 1
         if self.on_step is not None:
-            tokens = sum(n for _, n in batch)
-            self.on_step(StepRecord(self.clock.now_ms, step_ms, len(batch), tokens, prefill_tokens))
+            tokens = sum(n for _, n in batch) + parked
+            self.on_step(
+                StepRecord(self.clock.now_ms, step_ms, len(batch) + parked, tokens, prefill_tokens)
+            )
         done: list[_Sequence] = []
         for s, n in batch:
             computed = s.computed = s.computed + n
@@ -325,60 +407,79 @@ class MockEngine:
             if s.generated >= s.output_length:
                 done.append(s)
         self._finish(done, running)
+        if steady is not None:
+            for s, _ in batch:
+                if s.admission is not None and s.parked_at < 0:
+                    steady.park(s, self.steps)
         return done
+
+    def _dynamo_step_ms(self, batch: list[tuple[_Sequence, int]], context: int = 0) -> float:
+        """Dynamo's pass cost: prefill on the uncached prompt tokens computed, plus decode over
+        the context of the sequences that sample a token in this pass (``context``: that of
+        the parked ones, which are not in ``batch``)."""
+        timing = self.config.timing
+        assert timing is not None
+        prompt_tokens = 0
+        for s, n in batch:
+            before = s.computed
+            prompt = s.req.input_length
+            if before < prompt:
+                prompt_tokens += min(before + n, prompt) - before
+            if before + n >= s.tokens:
+                context += s.tokens
+        step_ms = timing.prefill_ms(prompt_tokens)
+        if context:
+            step_ms += timing.decode_ms(context, self._capacity_tokens)
+        return step_ms
 
     def _decode_ahead(
-        self, running: list[_Sequence], next_arrival_ms: float | None
-    ) -> list[_Sequence] | None:
-        """Take several pure-decode steps at once, or None when the next step is not one.
+        self, steady: SteadyDecoders[_Sequence], next_arrival_ms: float | None
+    ) -> bool:
+        """Take the pure-decode steps before the next event at once; False if there are none.
 
-        While nobody waits, every running sequence decodes, none needs a new block or
-        finishes, and no request arrives, consecutive steps are identical: same batch, same
-        cost, no cache change. Applying k of them in one go gives exactly what k calls of
-        ``_step`` would, at a fraction of the cost (the step hook still sees each one).
+        While nobody waits and every running sequence is parked, steps change nothing but
+        the clock and the parked counters until a parked sequence's event step or an
+        arrival. Taking them in one go gives exactly what that many calls of ``_step`` would
+        (the step hook still sees each one).
         """
-        if len(running) > self.config.max_num_batched_tokens:
-            return None
-        bs = self.config.block_size
-        k = 1 << 62
-        for s in running:
-            if s.computed != s.tokens - 1:
-                return None  # still prefilling
-            assert s.admission is not None
-            room = len(s.admission.slots) * bs - s.computed  # tokens its blocks still take
-            k = min(k, room, s.output_length - s.generated)
+        n = steady.count
+        event = steady.next_event()
+        if event is None or n > self.config.max_num_batched_tokens:
+            return False
+        quiet = event - self.steps
+        timing = self.config.timing
         costs = self.config.costs
-        step_ms = costs.step_ms + costs.per_seq_ms * len(running)
-        if next_arrival_ms is not None:
-            k = min(k, math.ceil((next_arrival_ms - self.clock.now_ms) / step_ms))
-        if k < 2:
-            return None
-        if self.on_step is not None:
-            for j in range(1, k + 1):
-                self.on_step(
-                    StepRecord(
-                        self.clock.now_ms + j * step_ms, step_ms, len(running), len(running), 0
-                    )
-                )
-        self.clock.now_ms += k * step_ms
-        self.steps += k
-        done: list[_Sequence] = []
-        for s in running:
-            s.computed += k
-            s.generated += k
-            s.tokens += k
-            if s.generated >= s.output_length:
-                done.append(s)
-        self._finish(done, running)
-        return done
+        capacity = self._capacity_tokens
+        on_step = self.on_step
+        now = self.clock.now_ms
+        j = 0
+        while j < quiet and (next_arrival_ms is None or now < next_arrival_ms):
+            if timing is None:
+                step_ms = costs.step_ms + costs.per_seq_ms * n
+            else:
+                step_ms = timing.decode_ms(steady.context(self.steps + j), capacity)
+            now += step_ms
+            j += 1
+            if on_step is not None:
+                on_step(StepRecord(now, step_ms, n, n, 0))
+        if not j:
+            return False
+        self.clock.now_ms = now
+        self.steps += j
+        self._pace()
+        return True
 
     def _finish(self, done: list[_Sequence], running: list[_Sequence]) -> None:
         for s in done:
             running.remove(s)
+            if self._steady is not None:
+                self._steady.leave(s, self.steps)
             assert s.admission is not None
             self.cache.finish(s.admission)
             s.admission = None
             self.latency_ms.append(self.clock.now_ms - s.req.arrival_ms)
+            if s.generated > 1 and s.first_token_ms is not None:
+                self.tpot_ms.append((self.clock.now_ms - s.first_token_ms) / (s.generated - 1))
         self._pace()
 
     def _admit(
@@ -388,19 +489,46 @@ class MockEngine:
         bs = self.config.block_size
         cache = self.cache
         g1 = cache.registry.g1
+        whole_prompt = self.config.admission == "whole_prompt"
+        if whole_prompt and self._refused is not None:
+            # Refused before, and nothing that could change the answer happened since: no
+            # block was freed or became evictable (room did not grow), and the block after
+            # its cached prefix is still not cached (hits did not grow). An eviction of one of
+            # its hits takes as much room as it gives.
+            index, room, after = self._refused
+            if (
+                index == s.index
+                and g1.num_free + g1.num_inactive <= room
+                and (after is None or after not in g1)
+            ):
+                return None
         prompt_blocks = -(-s.tokens // bs)
         self._grow_hashes(s, prompt_blocks)
         hashes, local = s.seq[:prompt_blocks], s.local[:prompt_blocks]
         probe = cache.registry.match(hashes)
         cached = min(probe.total * bs, s.tokens - 1)
-        need = -(-(cached + min(budget, s.tokens - cached)) // bs)
+        upto = cached + min(budget, s.tokens - cached)
+        need = -(-upto // bs)
         limit = max(need, probe.total)
-        if others_run:
+        if whole_prompt:
+            # Dynamo: the whole uncached prompt must fit in free or evictable blocks now;
+            # cached blocks nobody holds are not evictable for it (it is about to use them)
+            hit_slots = [g1.lookup(h) for h in hashes[: probe.g1]]
+            idle_hits = sum(1 for slot in hit_slots if slot is not None and not g1.refcount(slot))
+            room = g1.num_free + g1.num_inactive
+            if prompt_blocks - probe.g1 > room - idle_hits:
+                after = hashes[probe.g1] if probe.g1 < prompt_blocks else None
+                self._refused = (s.index, room, after)
+                return None
+        elif others_run:
             # keep a fraction of G1 free for the running sequences' next blocks
             spare = g1.num_free + g1.num_inactive - (limit - probe.g1)
             if spare < self.config.watermark * g1.capacity:
                 return None
-        admission = cache.admit(hashes, local, limit=limit)
+        full = None if self.config.cache_partial_blocks else upto // bs
+        admission = cache.admit(
+            hashes, local, limit=limit, full=full, match=probe, num_tokens=s.tokens
+        )
         copy_ms = sum(
             self.config.bandwidth.copy_ms(src, Tier.G1, n) for src, n in admission.onboarded.items()
         )
@@ -411,6 +539,8 @@ class MockEngine:
             s.computed = 0
             return None
         s.admission = admission
+        self.admitted_tokens += s.req.input_length
+        self.reused_tokens += min(s.computed, s.req.input_length)
         if not s.recorded:
             s.recorded = True
             stats.record(s.req, admission, bs, prompt_blocks)
@@ -423,14 +553,16 @@ class MockEngine:
     ) -> bool:
         """Hold G1 blocks for ``s``'s first ``upto`` tokens, preempting the newest running
         sequence until they fit. False when ``s`` itself had to go."""
-        need = -(-upto // self.config.block_size)
+        bs = self.config.block_size
+        need = -(-upto // bs)
         admission = s.admission
         assert admission is not None
-        if len(admission.slots) >= need:
+        full = None if self.config.cache_partial_blocks else upto // bs
+        if len(admission.slots) >= need and (full is None or admission.registered >= full):
             return True
         self._grow_hashes(s, need)
         while True:
-            self.cache.extend(admission, s.seq[:need], s.local[:need])
+            self.cache.extend(admission, s.seq[:need], s.local[:need], full=full)
             if len(admission.slots) >= need:
                 return True
             victim = running[-1]
@@ -440,6 +572,8 @@ class MockEngine:
 
     def _preempt(self, s: _Sequence, running: list[_Sequence], waiting: deque[_Sequence]) -> None:
         running.remove(s)
+        if self._steady is not None:
+            self._steady.leave(s, self.steps)
         assert s.admission is not None
         self.cache.finish(s.admission)
         s.admission = None
@@ -452,7 +586,7 @@ class MockEngine:
         chained onto the request's last block like any other block."""
         while len(s.seq) < blocks:
             local = xxh3_64_intdigest(_PACK_DECODE(s.index, len(s.seq)))
-            s.seq.append(sequence_hash(s.seq[-1], local))
+            s.seq.append(sequence_hash(s.seq[-1], local) if s.seq else local)
             s.local.append(local)
 
     # -- time -----------------------------------------------------------------------------
@@ -474,6 +608,12 @@ class MockEngine:
             "preemptions": self.preemptions,
             "onboard_ms": round(self.onboard_ms, 3),
         }
+        if self.admitted_tokens:
+            out["token_hit_rate_all_admissions"] = round(
+                self.reused_tokens / self.admitted_tokens, 6
+            )
+        if self.tpot_ms:
+            out["tpot_ms_mean"] = round(sum(self.tpot_ms) / len(self.tpot_ms), 3)
         if self.latency_ms:
             ordered = sorted(self.latency_ms)
             out["latency_ms_p50"] = round(ordered[len(ordered) // 2], 3)

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from kvledger.events.types import Tier
 from kvledger.metrics import Metrics
 from kvledger.mocker.cache import Admission, SimulatedCache
-from kvledger.registry.tiered import TieredRegistry
+from kvledger.registry.tiered import MatchResult, TieredRegistry
 
 
 class MeteredCache(SimulatedCache):
@@ -25,10 +25,19 @@ class MeteredCache(SimulatedCache):
         local_hashes: Sequence[int],
         *,
         limit: int | None = None,
+        full: int | None = None,
+        match: MatchResult | None = None,
         num_tokens: int = 0,
     ) -> Admission:
         start = time.perf_counter()
-        admission = super().admit(sequence_hashes, local_hashes, limit=limit, num_tokens=num_tokens)
+        admission = super().admit(
+            sequence_hashes,
+            local_hashes,
+            limit=limit,
+            full=full,
+            match=match,
+            num_tokens=num_tokens,
+        )
         self.metrics.alloc_latency.observe(time.perf_counter() - start)
         wanted = len(sequence_hashes) if limit is None else min(limit, len(sequence_hashes))
         self.metrics.observe_match({Tier.G1: admission.match.g1, **admission.onboarded}, wanted)

@@ -7,13 +7,22 @@ the mock engine (``kvledger.mocker.engine``).
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
-from kvledger.events.types import AnyEvent, Offloaded, Onboarded, Removed, Stored, Tier
+from kvledger.events.types import (
+    AnyEvent,
+    BlockInfo,
+    Offloaded,
+    Onboarded,
+    Removed,
+    Stored,
+    Tier,
+)
 from kvledger.mocker.cache import Admission, SimulatedCache
 from kvledger.mocker.traces import TraceRequest
+from kvledger.registry.emitter import EventEmitter, EventSink
 
 TIERS = (Tier.G1, Tier.G2, Tier.G3)
 
@@ -41,6 +50,69 @@ class EventCounter:
             self.onboarded_blocks[event.src_tier] += len(event.blocks)
         if self.downstream is not None:
             self.downstream(event)
+
+
+class EventTally(Protocol):
+    """Events reported by a run, counted by kind and tier (what ``summary`` prints)."""
+
+    @property
+    def events(self) -> int: ...
+
+    removed_blocks: Counter[Tier]
+    stored_blocks: Counter[Tier]
+    offloaded_blocks: Counter[Tier]
+    onboarded_blocks: Counter[Tier]
+
+
+class CountingEmitter(EventEmitter):
+    """An ``EventEmitter`` that counts what it reports, as ``EventCounter`` does, without
+    building an event when it has no sink: a run with no log pays for no event objects."""
+
+    __slots__ = (
+        "removed_blocks",
+        "stored_blocks",
+        "offloaded_blocks",
+        "onboarded_blocks",
+        "_first",
+    )
+
+    def __init__(self, sink: EventSink | None = None, **kwargs: Any) -> None:
+        super().__init__(sink, **kwargs)
+        self.removed_blocks: Counter[Tier] = Counter()
+        self.stored_blocks: Counter[Tier] = Counter()
+        self.offloaded_blocks: Counter[Tier] = Counter()
+        self.onboarded_blocks: Counter[Tier] = Counter()
+        self._first = self.next_event_id
+
+    @property
+    def events(self) -> int:
+        return self.next_event_id - self._first
+
+    def stored(
+        self,
+        tier: Tier,
+        parent_hash: int | None,
+        blocks: Sequence[tuple[int, int]],
+        token_ids: Sequence[Sequence[int]] | None = None,
+    ) -> None:
+        self.stored_blocks[tier] += len(blocks)
+        super().stored(tier, parent_hash, blocks, token_ids)
+
+    def removed(self, tier: Tier, sequence_hashes: Iterable[int]) -> None:
+        hashes = tuple(sequence_hashes)
+        self.removed_blocks[tier] += len(hashes)
+        super().removed(tier, hashes)
+
+    def copied(self, src_tier: Tier, dst_tier: Tier, blocks: Sequence[BlockInfo]) -> None:
+        if blocks and src_tier != dst_tier:
+            (self.offloaded_blocks if dst_tier > src_tier else self.onboarded_blocks)[
+                dst_tier if dst_tier > src_tier else src_tier
+            ] += len(blocks)
+        super().copied(src_tier, dst_tier, blocks)
+
+    def resume(self, last_event_id: int, clear: Iterable[Tier] = ()) -> None:
+        super().resume(last_event_id, clear)
+        self._first = last_event_id + 1  # the Cleared events of a restart count as this run's
 
 
 @dataclass
@@ -81,7 +153,7 @@ class SimStats:
     def token_hit_rate(self) -> float:
         return self.tokens_hit / self.tokens_requested if self.tokens_requested else 0.0
 
-    def summary(self, cache: SimulatedCache, counter: EventCounter) -> dict[str, Any]:
+    def summary(self, cache: SimulatedCache, counter: EventTally) -> dict[str, Any]:
         pools = cache.registry.pools
         out: dict[str, Any] = {
             "requests": self.requests,
