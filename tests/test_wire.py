@@ -272,12 +272,16 @@ def test_vllm_batch_decodes_and_matches_msgspec_bytes() -> None:
             lora_name=None,
         ),
         BlockRemoved(block_hashes=[9], medium="STORAGE"),
-        AllBlocksCleared(),
+        # G2 still holds block 5: clearing G1 is removing what G1 held, children first
+        BlockRemoved(block_hashes=[6, 5, 2**64 - 1], medium="GPU"),
     ]
     assert batch.events == expected
     assert (
         msgspec.msgpack.encode(KVEventBatch(ts=12.5, events=expected, data_parallel_rank=1)) == data
     )
+    # when no other tier holds anything, clearing G1 is vLLM's AllBlocksCleared
+    alone = encode_vllm_batch([events[0], Cleared(event_id=5, **g1)], block_size=2)
+    assert msgspec.msgpack.decode(alone, type=KVEventBatch).events[1:] == [AllBlocksCleared()]
     # an empty batch has no rank: nil, as vLLM writes it
     plain = encode_vllm_batch([], block_size=2, ts=1.0)
     assert plain == msgspec.msgpack.encode(KVEventBatch(ts=1.0, events=[]))
@@ -285,7 +289,7 @@ def test_vllm_batch_decodes_and_matches_msgspec_bytes() -> None:
 
 def test_vllm_refuses_what_it_cannot_express() -> None:
     g2 = {**COMMON}
-    with pytest.raises(ValueError, match="AllBlocksCleared means the GPU cache"):
+    with pytest.raises(ValueError, match=r"Cleared on G2 .* pass the VllmMapper"):
         encode_vllm_batch([Cleared(event_id=0, **g2)], block_size=2)
     assert encode_vllm_batch(
         [Cleared(event_id=0, **g2)], block_size=2, tiers=[Tier.G1]
@@ -296,7 +300,7 @@ def test_vllm_refuses_what_it_cannot_express() -> None:
     stored = Stored(
         event_id=0, **COMMON, parent_hash=None, blocks=((1, 1),), token_ids=((1, 2, 3),)
     )
-    with pytest.raises(ValueError, match="block 0 has 3 token ids, block_size is 2"):
+    with pytest.raises(ValueError, match=r"blocks of \[3\] token ids, block_size is 2"):
         encode_vllm_batch([stored], block_size=2)
     other_rank = Removed(event_id=1, **{**COMMON, "dp_rank": 0}, sequence_hashes=(1,))
     with pytest.raises(ValueError, match="one dp rank"):
