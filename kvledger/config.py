@@ -111,6 +111,9 @@ class Settings(BaseSettings):
         None, description="bind the ZMQ replay (ROUTER) socket here; needs zmq_endpoint"
     )
     zmq_topic: str = Field("", description="topic frame of every ZMQ message")
+    zmq_ring_size: int = Field(
+        10_000, gt=0, description="newest ZMQ batches replayed from memory (older: from the log)"
+    )
     worker_id: int = Field(0, ge=0)
     dp_rank: int = Field(0, ge=0)
     chain_seed: int = Field(1337, ge=0, lt=1 << 64, description="seed of the sequence-hash chain")

@@ -348,6 +348,7 @@ class BlockManager:
             replay_endpoint=s.zmq_replay_endpoint,
             topic=s.zmq_topic,
             dp_rank=s.dp_rank,
+            ring_size=s.zmq_ring_size,
             metrics_registry=metrics.registry if metrics is not None else None,
         )
 

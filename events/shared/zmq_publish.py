@@ -279,6 +279,7 @@ def open_publisher(
     replay_endpoint: str | None = None,
     topic: str = "",
     dp_rank: int = 0,
+    ring_size: int = 10_000,
     metrics_registry: object | None = None,
 ) -> ZmqPublisher:
     """A publisher for a worker that writes ``log``: replay reaches back through the log,
@@ -293,5 +294,6 @@ def open_publisher(
         dp_rank=dp_rank,
         log=log,
         held=held,
+        ring_size=ring_size,
         metrics_registry=metrics_registry,
     )
