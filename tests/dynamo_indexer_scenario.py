@@ -131,7 +131,9 @@ def mismatches(mgrs: dict[int, BlockManager], probes: list[list[int]]) -> list[s
     return bad
 
 
-def converged(mgrs: dict[int, BlockManager], probes: list[list[int]], wait: float = 15) -> list[str]:
+def converged(
+    mgrs: dict[int, BlockManager], probes: list[list[int]], wait: float = 15
+) -> list[str]:
     deadline = time.monotonic() + wait
     while True:
         bad = mismatches(mgrs, probes)

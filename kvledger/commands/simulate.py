@@ -33,6 +33,7 @@ from kvledger.config import Settings, ensure_log_folder
 from kvledger.events.log import EventLog
 from kvledger.events.log.replay import replay, save_state
 from kvledger.events.log.schema import database_url, shown_url
+from kvledger.events.shared.zmq_publish import ZmqPublisher, open_publisher
 from kvledger.events.types import AnyEvent
 from kvledger.metrics import Metrics
 from kvledger.mocker.cache import SimulatedCache
@@ -101,6 +102,14 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     )
     p.add_argument("--metrics-port", type=port, metavar="N", help="serve kvbm_* metrics on N")
     p.add_argument(
+        "--zmq-endpoint",
+        metavar="ENDPOINT",
+        help="publish every event as vLLM KVEventBatch on a ZMQ PUB socket bound here",
+    )
+    p.add_argument(
+        "--zmq-replay-endpoint", metavar="ENDPOINT", help="bind the ZMQ replay socket here"
+    )
+    p.add_argument(
         "--dump-state",
         metavar="FILE",
         type=output_file,
@@ -126,6 +135,8 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         ("g3_blocks", "g3_blocks"),
         ("policy", "eviction_policy"),
         ("offload_filter", "offload_filter"),
+        ("zmq_endpoint", "zmq_endpoint"),
+        ("zmq_replay_endpoint", "zmq_replay_endpoint"),
     ):
         value = getattr(args, arg, None)
         if value is not None:
@@ -217,8 +228,22 @@ def simulate(args: argparse.Namespace, note: Callable[[str], None]) -> Outcome:
     worker = settings.worker_id
     metrics = Metrics(bytes_per_block=settings.bytes_per_block) if args.metrics_port else None
     log = _open_log(url)
+    zmq_publisher: ZmqPublisher | None = None
     try:
         sinks: list[Callable[[AnyEvent], None]] = [log.append]
+        if settings.zmq_endpoint is not None:
+            zmq_publisher = open_publisher(
+                settings.zmq_endpoint,
+                log=log,
+                worker_id=worker,
+                block_size=settings.block_size,
+                replay_endpoint=settings.zmq_replay_endpoint,
+                topic=settings.zmq_topic,
+                dp_rank=settings.dp_rank,
+                ring_size=settings.zmq_ring_size,
+            )
+            sinks.append(zmq_publisher)
+            note(f"publishing KV events on {zmq_publisher.endpoint}")
         if metrics is not None:
             sinks.append(metrics.observe_event)
             metrics.serve(args.metrics_port)
@@ -269,6 +294,8 @@ def simulate(args: argparse.Namespace, note: Callable[[str], None]) -> Outcome:
         if metrics is not None:
             metrics.refresh(cache.registry.pools)
     finally:
+        if zmq_publisher is not None:
+            zmq_publisher.close()
         log.close()
 
     replayed = replay(url)
