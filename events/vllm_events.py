@@ -65,6 +65,16 @@ _REMOVED_HEAD = b"\x83" + _REMOVED
 _CLEARED = _pack({"type": "AllBlocksCleared"})
 
 
+def _plain(blocks: Sequence[tuple[int, int]], tokens: Sequence[Sequence[int]]) -> bool:
+    """Whether every block's tokens hash to its local hash with no LoRA name or salt."""
+    from kvledger.registry.hashing import names_plain_block, token_bytes
+
+    return all(
+        names_plain_block(token_bytes(ids), local)
+        for (_, local), ids in zip(blocks, tokens, strict=True)
+    )
+
+
 def _extra_keys(key: HashKey | None) -> tuple[str, ...] | None:
     """vLLM's per-block extra keys: the LoRA name (if any), then the cache salt (if any)."""
     if key is None:
@@ -117,10 +127,16 @@ class VllmMapper:
                     f"event {event.event_id}: blocks of {sizes} token ids, block_size is "
                     f"{self.block_size}"
                 )
-            if self._tokens is not None and tokens is not None:
-                self._tokens.update(zip(seqs, tokens, strict=True))
-            flat = list(chain.from_iterable(tokens)) if tokens is not None else []
             key = (event.lora_name, event.salt) if event.lora_name or event.salt else None
+            if self._tokens is not None and tokens is not None:
+                # read back from the log, which keeps no LoRA name or salt: tokens that do not
+                # name the block plainly had one, so they are not sent (a router then skips
+                # the block rather than indexing it under the wrong name)
+                if key is None and not _plain(event.blocks, tokens):
+                    tokens = None
+                else:
+                    self._tokens.update(zip(seqs, tokens, strict=True))
+            flat = list(chain.from_iterable(tokens)) if tokens is not None else []
             return [self._stored(seqs, event.parent_hash, flat, medium, key, len(seqs))]
         if isinstance(event, Offloaded | Onboarded):
             held.update(dict.fromkeys(b.sequence_hash for b in event.blocks))

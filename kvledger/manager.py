@@ -43,7 +43,7 @@ from kvledger.events.types import AnyEvent, BlockInfo, Stored, Tier
 from kvledger.metrics import Metrics
 from kvledger.registry.emitter import EventEmitter
 from kvledger.registry.errors import PoolExhausted
-from kvledger.registry.hashing import TokenBlockSequence
+from kvledger.registry.hashing import TokenBlockSequence, names_plain_block
 from kvledger.registry.pool import token_bytes
 from kvledger.registry.state import RegistryState
 from kvledger.registry.tiered import CopyPlan, MatchResult, TieredRegistry
@@ -249,9 +249,12 @@ class BlockManager:
         found: dict[int, bytes] = {}
         for event in self._event_log.read(worker_id=self.settings.worker_id):
             if isinstance(event, Stored) and event.token_ids is not None:
-                for (seq, _), ids in zip(event.blocks, event.token_ids, strict=True):
+                for (seq, local), ids in zip(event.blocks, event.token_ids, strict=True):
                     if seq in wanted:
-                        found[seq] = token_bytes(ids)
+                        packed = token_bytes(ids)
+                        # a LoRA or salted block's tokens would name another block to routers
+                        if names_plain_block(packed, local):
+                            found[seq] = packed
         return found
 
     def _adopt_g3(self, g3: DiskTier, known: KnownBlocks) -> tuple[G3Recovery, list[int]]:

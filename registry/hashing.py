@@ -68,6 +68,13 @@ def block_seed(*, lora_name: str | None = None, salt: str | None = None) -> int:
     return seed & _U64_MASK
 
 
+def names_plain_block(tokens: bytes, local_hash: int) -> bool:
+    """Whether ``tokens`` (little-endian u32 bytes) hash to ``local_hash`` with no LoRA name
+    and no salt. The durable log keeps a block's tokens but not what seeded its hash: a block
+    that fails this had one, and its tokens alone would name another block to a router."""
+    return xxh3_64_intdigest(tokens, BLOCK_HASH_SEED) == local_hash
+
+
 def _check_block_size(block_size: int) -> None:
     if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
         raise ValueError(f"block_size must be a positive integer, got {block_size!r}")

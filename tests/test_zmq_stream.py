@@ -222,6 +222,30 @@ def test_replay_reaches_back_through_the_log_and_numbers_continue_after_restart(
     assert {e.medium for e in restart if isinstance(e, BlockRemoved)} >= {"GPU", "CPU"}
 
 
+def test_lora_blocks_read_back_from_the_log_go_out_without_tokens(tmp_path: Path) -> None:
+    """The log keeps no LoRA names: a LoRA block replayed from it goes out without tokens (a
+    router skips it) rather than under the name its tokens have without the LoRA."""
+    settings = _settings(tmp_path, g2_blocks=0, g3_blocks=0, zmq_ring_size=1)
+    lora_tokens, plain_tokens = [7] * BLOCK * 2, [8] * BLOCK * 2
+    with BlockManager(settings) as mgr:
+        _serve(mgr, lora_tokens, lora_name="adapter-a")
+        _serve(mgr, plain_tokens)
+        _serve(mgr, [9] * BLOCK)  # the one batch the ring keeps
+        publisher = _publisher(mgr)
+        assert publisher.wait_sent()
+        replayed = _replayed(publisher.replay_endpoint or "", 0)
+    stored = [
+        e
+        for _, _, payload in replayed[:-1]
+        for e in msgspec.msgpack.decode(payload, type=KVEventBatch).events
+    ]
+    lora = TokenBlockSequence(lora_tokens, BLOCK, lora_name="adapter-a").sequence_hashes
+    assert [(e.block_hashes, e.token_ids) for e in stored] == [
+        (lora, []),
+        (TokenBlockSequence(plain_tokens, BLOCK).sequence_hashes, plain_tokens),
+    ]
+
+
 def test_a_slow_subscriber_costs_counted_drops_that_replay_recovers() -> None:
     from prometheus_client import CollectorRegistry
 
