@@ -13,10 +13,10 @@ transitions have no direct counterpart, and both need to know what a tier held:
   So a ``Cleared`` becomes ``BlockRemoved`` of the blocks that tier held, or
   ``AllBlocksCleared`` when no other tier holds anything.
 
-``VllmMapper`` keeps, per tier, the sequence hashes the stream has stored and not removed
-(about 100 bytes per live block and tier: a dict entry and its int), which is what the second
-rule needs. One mapper follows one worker's stream from its first event, or from a registry
-state that the events before were folded to (``seed``).
+``VllmMapper`` keeps, per tier, the sequence hashes the stream has stored and not removed (a
+set entry and an int per live block and tier; ``bench/zmq_bench.py`` measures it), which is
+what the second rule needs. One mapper follows one worker's stream from its first event, or
+from a registry state that the events before were folded to (``seed``).
 
 Payloads are packed with precomputed key bytes rather than through dicts: the publisher packs
 one per event on its own thread, and this is its whole cost besides the send.
@@ -32,7 +32,6 @@ import msgpack
 
 from kvledger.events.types import (
     AnyEvent,
-    BlockInfo,
     Cleared,
     HashKey,
     Offloaded,
@@ -49,17 +48,7 @@ TIER_OF_MEDIUM: Mapping[str, Tier] = {"GPU": Tier.G1, "CPU": Tier.G2, "STORAGE":
 _MEDIUM_ALIASES = {"DISK": Tier.G3, "CPU_PINNED": Tier.G2}
 
 _pack = msgpack.Packer(use_bin_type=True).pack
-# msgspec sizes a struct's map header by how many fields it could have: BlockStored has 16 with
-# the tag, so vLLM always writes a map16 header, however few fields are set.
-_STORED_8 = b"\xde\x00\x08" + _pack("type") + _pack("BlockStored") + _pack("block_hashes")
-_STORED_9 = b"\xde\x00\x09" + _STORED_8[3:]
-_PARENT = _pack("parent_block_hash")
-_TOKENS = _pack("token_ids")
-_BLOCK_SIZE = _pack("block_size")
-_LORA_ID_NIL = _pack("lora_id") + b"\xc0"
 _MEDIUM = _pack("medium")
-_LORA_NAME = _pack("lora_name")
-_EXTRA_KEYS = _pack("extra_keys")
 _REMOVED = _pack("type") + _pack("BlockRemoved") + _pack("block_hashes")
 _REMOVED_HEAD = b"\x83" + _REMOVED
 _CLEARED = _pack({"type": "AllBlocksCleared"})
@@ -97,8 +86,8 @@ class VllmMapper:
     ) -> None:
         self.block_size = block_size
         self.media = media
-        #: tier -> sequence hashes stored there and not removed since, oldest first
-        self.held: dict[Tier, dict[int, None]] = {tier: {} for tier in media}
+        #: tier -> sequence hashes stored there and not removed since
+        self.held: dict[Tier, set[int]] = {tier: set() for tier in media}
         # block -> its token ids, for copies read back from the durable log (which keeps the
         # tokens of Stored events only); only when asked, since it grows with the stream
         self._tokens: dict[int, tuple[int, ...]] | None = {} if remember_tokens else None
@@ -107,7 +96,7 @@ class VllmMapper:
         """Start from a state the earlier events were folded to (a restart)."""
         for tier, seqs in held.items():
             if tier in self.held:
-                self.held[tier].update(dict.fromkeys(seqs))
+                self.held[tier].update(seqs)
 
     # -- one event -> packed vLLM events -----------------------------------------------------
 
@@ -117,118 +106,125 @@ class VllmMapper:
         if medium is None:
             return []
         held = self.held[event.tier]
-        if isinstance(event, Stored):
-            seqs = [seq for seq, _ in event.blocks]
-            held.update(dict.fromkeys(seqs))
-            tokens = event.token_ids
-            if tokens is not None and any(len(t) != self.block_size for t in tokens):
-                sizes = sorted({len(t) for t in tokens})
-                raise ValueError(
-                    f"event {event.event_id}: blocks of {sizes} token ids, block_size is "
-                    f"{self.block_size}"
-                )
-            key = (event.lora_name, event.salt) if event.lora_name or event.salt else None
-            if self._tokens is not None and tokens is not None:
-                # read back from the log, which keeps no LoRA name or salt: tokens that do not
-                # name the block plainly had one, so they are not sent (a router then skips
-                # the block rather than indexing it under the wrong name)
-                if key is None and not _plain(event.blocks, tokens):
-                    tokens = None
-                else:
-                    self._tokens.update(zip(seqs, tokens, strict=True))
-            flat = list(chain.from_iterable(tokens)) if tokens is not None else []
-            return [self._stored(seqs, event.parent_hash, flat, medium, key, len(seqs))]
-        if isinstance(event, Offloaded | Onboarded):
-            held.update(dict.fromkeys(b.sequence_hash for b in event.blocks))
+        cls = type(event)
+        if cls is Stored:
+            return self._stored_event(event, held, medium)  # type: ignore[arg-type]
+        if cls is Offloaded or cls is Onboarded:
+            seqs, _, parents = zip(*event.blocks, strict=True)  # type: ignore[union-attr]
+            held.update(seqs)
+            tokens = event.token_ids  # type: ignore[union-attr]
+            keys = event.hash_keys  # type: ignore[union-attr]
+            if tokens is None and self._tokens is not None:
+                known = self._tokens
+                tokens = tuple(known.get(seq, ()) for seq in seqs)
+            if keys is None and parents[1:] == seqs[:-1]:  # one chain: the common case
+                flat = self._flat(tokens, len(seqs))
+                return [self._stored(seqs, parents[0], flat, medium, None)]
             return [
-                self._stored([b.sequence_hash for b in run], parent, flat, medium, key, len(run))
-                for parent, run, flat, key in self._runs(event)
+                self._stored(run_seqs, parent, flat, medium, key)
+                for parent, run_seqs, flat, key in self._runs(seqs, parents, tokens, keys)
             ]
-        if isinstance(event, Removed):
-            for seq in event.sequence_hashes:
-                held.pop(seq, None)
-            return [self._removed(list(event.sequence_hashes), medium)]
-        if isinstance(event, Cleared):
-            gone = list(reversed(held))  # children before their parents
+        if cls is Removed:
+            hashes = event.sequence_hashes  # type: ignore[union-attr]
+            held.difference_update(hashes)
+            return [self._removed(hashes, medium)]
+        if cls is Cleared:
+            gone = list(held)
             held.clear()
             if not any(self.held.values()):
                 return [_CLEARED]
             return [self._removed(gone, medium)] if gone else []
         raise TypeError(f"not an event: {event!r}")
 
+    def _stored_event(self, event: Stored, held: set[int], medium: str) -> list[bytes]:
+        seqs = next(zip(*event.blocks, strict=True))
+        held.update(seqs)
+        tokens = event.token_ids
+        size = self.block_size
+        if tokens is not None and set(map(len, tokens)) != {size}:
+            raise ValueError(
+                f"event {event.event_id}: blocks of {sorted(set(map(len, tokens)))} token ids, "
+                f"block_size is {size}"
+            )
+        key = (event.lora_name, event.salt) if event.lora_name or event.salt else None
+        if self._tokens is not None and tokens is not None:
+            # read back from the log, which keeps no LoRA name or salt: tokens that do not name
+            # the block plainly had one, so they are not sent (a router then skips the block
+            # rather than indexing it under the wrong name)
+            if key is None and not _plain(event.blocks, tokens):
+                tokens = None
+            else:
+                self._tokens.update(zip(seqs, tokens, strict=True))
+        flat = list(chain.from_iterable(tokens)) if tokens is not None else []
+        return [self._stored(seqs, event.parent_hash, flat, medium, key)]
+
+    def _flat(self, tokens: Sequence[Sequence[int]] | None, n_blocks: int) -> list[int]:
+        """A chain's token ids in one list; none unless every block's are known."""
+        if tokens is None:
+            return []
+        flat = list(chain.from_iterable(tokens))
+        return flat if len(flat) == n_blocks * self.block_size and all(tokens) else []
+
     def payload(self, event: AnyEvent, dp_rank: int | None = None) -> bytes:
         """One ``KVEventBatch`` holding what ``event`` becomes: ``[ts, [events], dp_rank]``."""
         parts = self.packed(event)
-        return b"".join(
-            [
-                b"\x93",
-                _pack(float(event.ts)),
-                _array_header(len(parts)),
-                *parts,
-                _pack(event.dp_rank if dp_rank is None else dp_rank),
-            ]
-        )
+        rank = _pack(event.dp_rank if dp_rank is None else dp_rank)
+        if len(parts) == 1:
+            return b"".join((b"\x93", _pack(float(event.ts)), b"\x91", parts[0], rank))
+        return b"".join([b"\x93", _pack(float(event.ts)), _array_header(len(parts)), *parts, rank])
 
     def _runs(
-        self, event: Offloaded | Onboarded
-    ) -> Iterator[tuple[int | None, list[BlockInfo], list[int], HashKey | None]]:
+        self,
+        seqs: Sequence[int],
+        parents: Sequence[int | None],
+        tokens: Sequence[Sequence[int]] | None,
+        keys: Sequence[HashKey | None] | None,
+    ) -> Iterator[tuple[int | None, list[int], list[int], HashKey | None]]:
         """Copied blocks as chains (each block the child of the one before, one hash key),
-        with the chain's tokens flattened."""
-        infos = event.blocks
-        tokens = event.token_ids
-        if tokens is None and self._tokens is not None:
-            known = self._tokens
-            tokens = tuple(known.get(b.sequence_hash, ()) for b in infos)
-        keys = event.hash_keys
-        run: list[BlockInfo] = []
-        run_tokens: list[int] = []
-        complete = True
-        key: HashKey | None = None
-        for i, info in enumerate(infos):
-            block_key = None if keys is None else keys[i]
-            if run and (run[-1].sequence_hash != info.parent_hash or block_key != key):
-                yield run[0].parent_hash, run, run_tokens if complete else [], key
-                run, run_tokens, complete = [], [], True
-            key = block_key
-            run.append(info)
-            block_tokens = () if tokens is None else tokens[i]
-            complete = complete and len(block_tokens) == self.block_size
-            run_tokens.extend(block_tokens)
-        if run:
-            yield run[0].parent_hash, run, run_tokens if complete else [], key
+        with each chain's token ids."""
+        start = 0
+        for i in range(1, len(seqs) + 1):
+            chained = i < len(seqs) and parents[i] == seqs[i - 1]
+            if chained and (keys is None or keys[i] == keys[i - 1]):
+                continue
+            run_tokens = None if tokens is None else tokens[start:i]
+            yield (
+                parents[start],
+                list(seqs[start:i]),
+                self._flat(run_tokens, i - start),
+                None if keys is None else keys[start],
+            )
+            start = i
 
     def _stored(
         self,
-        seqs: list[int],
+        seqs: Sequence[int],
         parent: int | None,
         tokens: list[int],
         medium: str,
         key: HashKey | None,
-        n_blocks: int,
     ) -> bytes:
         extra = _extra_keys(key)
-        parts = [
-            _STORED_8 if extra is None else _STORED_9,
-            _pack(seqs),
-            _PARENT,
-            _pack(parent),
-            _TOKENS,
-            _pack(tokens),
-            _BLOCK_SIZE,
-            _pack(self.block_size),
-            _LORA_ID_NIL,
-            _MEDIUM,
-            _pack(medium),
-            _LORA_NAME,
-            _pack(None if key is None else key[0]),
-        ]
-        if extra is not None:
-            parts += [_EXTRA_KEYS, _pack([list(extra)] * n_blocks)]
-        return b"".join(parts)
+        fields = {
+            "type": "BlockStored",
+            "block_hashes": seqs,
+            "parent_block_hash": parent,
+            "token_ids": tokens,
+            "block_size": self.block_size,
+            "lora_id": None,
+            "medium": medium,
+            "lora_name": None if key is None else key[0],
+        }
+        if extra is None:
+            # msgspec sizes a struct's map header by how many fields it could have:
+            # BlockStored has 16 with the tag, so vLLM writes a map16 header (0xde)
+            return b"\xde\x00\x08" + _pack(fields)[1:]
+        fields["extra_keys"] = [list(extra)] * len(seqs)
+        return b"\xde\x00\x09" + _pack(fields)[1:]
 
     @staticmethod
-    def _removed(seqs: list[int], medium: str) -> bytes:
-        return b"".join([_REMOVED_HEAD, _pack(seqs), _MEDIUM, _pack(medium)])
+    def _removed(seqs: Sequence[int], medium: str) -> bytes:
+        return b"".join((_REMOVED_HEAD, _pack(seqs), _MEDIUM, _pack(medium)))
 
 
 def _array_header(n: int) -> bytes:
