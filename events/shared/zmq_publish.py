@@ -19,6 +19,9 @@ Where this differs from vLLM's publisher, on purpose:
   blocking, so a subscriber that cannot keep up costs a dropped message, counted in
   ``dropped`` (and ``kvledger_zmq_dropped_messages_total``), which the subscriber sees as a
   gap and recovers by replay, instead of a silent drop.
+- When a subscriber joins, the newest batch is sent again, so that one which missed batches
+  (a restarted router, or one reconnecting to a restarted worker) sees its gap and asks for
+  them at once, rather than at the worker's next event. Others skip it by its number.
 """
 
 from __future__ import annotations
@@ -87,6 +90,7 @@ class ZmqPublisher:
         self._replay: zmq.Socket[Any] | None = None
         try:
             self._pub.setsockopt(zmq.XPUB_NODROP, 1)
+            self._pub.setsockopt(zmq.XPUB_VERBOSE, 1)  # every subscription, not only the first
             self._pub.setsockopt(zmq.SNDHWM, hwm)
             self._pub.setsockopt(zmq.LINGER, 500)
             self._pub.bind(endpoint)
@@ -191,11 +195,28 @@ class ZmqPublisher:
                     self._dropped_metric.inc()
 
     def _drain_subscriptions(self) -> None:
+        """Read the subscriptions XPUB reports; on a new one, send the newest batch again.
+
+        A subscriber learns it missed batches only from the next one it gets, so one that
+        connects after a burst (a router restarting, or reconnecting to a restarted worker)
+        would wait for the worker's next event to ask for them. The repeat tells it at once;
+        subscribers that have it already skip it by its sequence number.
+        """
+        subscribed = False
         while True:
             try:
-                self._pub.recv(zmq.NOBLOCK)
+                message = self._pub.recv(zmq.NOBLOCK)
             except zmq.Again:
-                return
+                break
+            subscribed = subscribed or message[:1] == b"\x01"
+        if subscribed and self._ring:
+            seq, payload = self._ring[-1]
+            try:
+                self._pub.send_multipart(
+                    (self._topic, seq.to_bytes(8, "big"), payload), flags=zmq.NOBLOCK
+                )
+            except zmq.Again:
+                pass  # a subscriber that is full now learns of the gap from the next batch
 
     def _serve_replay(self) -> None:
         assert self._replay is not None
