@@ -26,6 +26,7 @@ Where this differs from vLLM's publisher, on purpose:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 from collections import deque
@@ -211,12 +212,11 @@ class ZmqPublisher:
             subscribed = subscribed or message[:1] == b"\x01"
         if subscribed and self._ring:
             seq, payload = self._ring[-1]
-            try:
+            # a subscriber that is full now learns of the gap from the next batch instead
+            with contextlib.suppress(zmq.Again):
                 self._pub.send_multipart(
                     (self._topic, seq.to_bytes(8, "big"), payload), flags=zmq.NOBLOCK
                 )
-            except zmq.Again:
-                pass  # a subscriber that is full now learns of the gap from the next batch
 
     def _serve_replay(self) -> None:
         assert self._replay is not None
@@ -242,6 +242,9 @@ class ZmqPublisher:
         its first; copies get their tokens from the ``Stored`` events before them."""
         mapper = VllmMapper(self.block_size, remember_tokens=True)
         last = None if until is None else until - 1
+        # the log takes every event before this publisher does, but may not have committed
+        # those just older than the ring yet
+        self._log.flush()
         for event in self._log.read(worker_id=self.worker_id, until_event_id=last):
             payload = mapper.payload(event, self.dp_rank)
             if event.event_id >= start:
