@@ -24,7 +24,7 @@ one per event on its own thread, and this is its whole cost besides the send.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from itertools import chain
 from typing import Any
 
@@ -47,7 +47,7 @@ maps them to its gpu, cpu and disk tiers (it takes ``DISK`` for the last as well
 TIER_OF_MEDIUM: Mapping[str, Tier] = {"GPU": Tier.G1, "CPU": Tier.G2, "STORAGE": Tier.G3}
 _MEDIUM_ALIASES = {"DISK": Tier.G3, "CPU_PINNED": Tier.G2}
 
-_pack = msgpack.Packer(use_bin_type=True).pack
+_pack: Callable[[Any], bytes] = msgpack.Packer(use_bin_type=True).pack
 _MEDIUM = _pack("medium")
 _REMOVED = _pack("type") + _pack("BlockRemoved") + _pack("block_hashes")
 _REMOVED_HEAD = b"\x83" + _REMOVED
@@ -205,7 +205,7 @@ class VllmMapper:
         key: HashKey | None,
     ) -> bytes:
         extra = _extra_keys(key)
-        fields = {
+        fields: dict[str, Any] = {
             "type": "BlockStored",
             "block_hashes": seqs,
             "parent_block_hash": parent,

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from kvledger import BlockManager, Settings
+from kvledger.events.shared.zmq_publish import ZmqPublisher
 from kvledger.registry.hashing import TokenBlockSequence
 
 BLOCK = 4
@@ -29,7 +30,7 @@ WORKERS = (11, 12)
 
 
 def settings(work: Path, worker: int) -> Settings:
-    return Settings(
+    return Settings.load(
         block_size=BLOCK,
         num_layers=1,
         outer_dim=1,
@@ -105,9 +106,13 @@ def workload(mgrs: dict[int, BlockManager], prompts: list[list[int]], n: int, se
         serve(mgrs[worker], prompt + tail)
     for mgr in mgrs.values():
         mgr.wait_idle(30)
-        publisher = mgr.zmq_publisher
-        assert publisher is not None
-        publisher.wait_sent()
+        _publisher(mgr).wait_sent()
+
+
+def _publisher(mgr: BlockManager) -> ZmqPublisher:
+    publisher = mgr.zmq_publisher
+    assert publisher is not None
+    return publisher
 
 
 def indexer_view(tokens: list[int]) -> dict[int, tuple[int, int, int]]:
@@ -174,7 +179,7 @@ def main(work: Path) -> None:
         workload(mgrs, prompts, 60, seed=5)  # onboards from the recovered G3 among them
         report["after_restart"] = converged(mgrs, probes)
         report["events"] = {w: m.next_event_id for w, m in mgrs.items()}
-        report["dropped"] = sum(m.zmq_publisher.dropped for m in mgrs.values())  # type: ignore[union-attr]
+        report["dropped"] = sum(_publisher(m).dropped for m in mgrs.values())
     finally:
         for mgr in mgrs.values():
             mgr.close()

@@ -11,6 +11,7 @@ import pytest
 from event_streams import prompt_pool, worker_events
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from vllm_schema import vllm_classes
 
 from kvledger.events.types import BlockInfo, Cleared, Offloaded, Removed, Stored, Tier
 from kvledger.events.wire import (
@@ -168,64 +169,8 @@ def test_dynamo_radix_tree_scores_match_our_index() -> None:
 # -- vLLM --------------------------------------------------------------------------------
 
 
-# vLLM's documented schema (vLLM 0.33 ``vllm/distributed/kv_events.py``: field names, order and
-# defaults), used when vllm itself does not import here.
-class _KVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
-    pass
-
-
-class BlockStored(_KVCacheEvent):
-    block_hashes: list[bytes | int]
-    parent_block_hash: bytes | int | None
-    token_ids: list[int]
-    block_size: int
-    lora_id: int | None
-    medium: str | None
-    lora_name: str | None
-    extra_keys: list[tuple | None] | None = None
-    group_idx: int | None = None
-    kv_cache_spec_kind: str | None = None
-    kv_cache_spec_sliding_window: int | None = None
-    locality: str | None = None
-    ownership: str | None = None
-    session_id: str | None = None
-    lookahead_token_ids: list[list[int]] | None = None
-
-
-class BlockRemoved(_KVCacheEvent):
-    block_hashes: list[bytes | int]
-    medium: str | None
-    group_idx: int | None = None
-    locality: str | None = None
-    ownership: str | None = None
-
-
-class AllBlocksCleared(_KVCacheEvent):
-    pass
-
-
-class KVEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
-    ts: float
-    events: list[BlockStored | BlockRemoved | AllBlocksCleared]
-    data_parallel_rank: int | None = None
-
-
-def _vllm_classes():
-    """vLLM's own msgspec classes when vllm imports here, otherwise the schema above."""
-    try:
-        from vllm.distributed.kv_events import (  # type: ignore[import-not-found]
-            AllBlocksCleared as VAllBlocksCleared,
-        )
-        from vllm.distributed.kv_events import BlockRemoved as VBlockRemoved
-        from vllm.distributed.kv_events import BlockStored as VBlockStored
-        from vllm.distributed.kv_events import KVEventBatch as VKVEventBatch
-    except Exception:
-        return KVEventBatch, BlockStored, BlockRemoved, AllBlocksCleared
-    return VKVEventBatch, VBlockStored, VBlockRemoved, VAllBlocksCleared
-
-
 def test_vllm_batch_decodes_and_matches_msgspec_bytes() -> None:
-    KVEventBatch, BlockStored, BlockRemoved, AllBlocksCleared = _vllm_classes()
+    KVEventBatch, BlockStored, BlockRemoved, AllBlocksCleared = vllm_classes()
     g1 = {**COMMON, "tier": Tier.G1}
     events = [
         Stored(

@@ -15,7 +15,10 @@ import msgpack
 import pytest
 
 zmq = pytest.importorskip("zmq", reason="needs pyzmq")
-msgspec = pytest.importorskip("msgspec", reason="decodes like vLLM with msgspec (dev extra)")
+pytest.importorskip("msgspec", reason="decodes like vLLM with msgspec (dev extra)")
+
+import msgspec  # noqa: E402
+from vllm_schema import vllm_classes  # noqa: E402
 
 from kvledger import BlockManager, Settings  # noqa: E402
 from kvledger.events.shared.zmq_publish import ZmqPublisher  # noqa: E402
@@ -26,47 +29,7 @@ from kvledger.registry.hashing import TokenBlockSequence  # noqa: E402
 from kvledger.registry.index import RouterIndex  # noqa: E402
 
 BLOCK = 4
-
-
-# vLLM 0.33's vllm/distributed/kv_events.py, field for field (vllm is not a dependency)
-class _Event(msgspec.Struct, omit_defaults=True, gc=False, tag=True):  # type: ignore[call-arg,misc]
-    pass
-
-
-class BlockStored(_Event):  # type: ignore[misc]
-    block_hashes: list[int]
-    parent_block_hash: int | None
-    token_ids: list[int]
-    block_size: int
-    lora_id: int | None
-    medium: str | None
-    lora_name: str | None
-    extra_keys: list[tuple[Any, ...] | None] | None = None
-    group_idx: int | None = None
-    kv_cache_spec_kind: str | None = None
-    kv_cache_spec_sliding_window: int | None = None
-    locality: str | None = None
-    ownership: str | None = None
-    session_id: str | None = None
-    lookahead_token_ids: list[list[int]] | None = None
-
-
-class BlockRemoved(_Event):  # type: ignore[misc]
-    block_hashes: list[int]
-    medium: str | None
-    group_idx: int | None = None
-    locality: str | None = None
-    ownership: str | None = None
-
-
-class AllBlocksCleared(_Event):  # type: ignore[misc]
-    pass
-
-
-class KVEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):  # type: ignore[call-arg,misc]
-    ts: float
-    events: list[BlockStored | BlockRemoved | AllBlocksCleared]
-    data_parallel_rank: int | None = None
+KVEventBatch, BlockStored, BlockRemoved, AllBlocksCleared = vllm_classes()
 
 
 def _settings(tmp_path: Path, **extra: Any) -> Settings:
@@ -87,7 +50,7 @@ def _settings(tmp_path: Path, **extra: Any) -> Settings:
         "zmq_topic": "kv",
     }
     values.update(extra)
-    return Settings(**values)
+    return Settings.load(**values)
 
 
 def _serve(mgr: BlockManager, tokens: list[int], **keys: str) -> None:
@@ -113,7 +76,7 @@ def _replayed(endpoint: str, start: int) -> list[tuple[bytes, int, bytes]]:
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(endpoint)
     sock.send_multipart([b"", start.to_bytes(8, "big")])
-    out = []
+    out: list[tuple[bytes, int, bytes]] = []
     try:
         while True:
             assert sock.poll(5000), "no replay answer"
@@ -354,6 +317,6 @@ def test_bad_input_is_refused_with_a_clear_error(tmp_path: Path) -> None:
     with pytest.raises(VllmStreamError, match="unknown medium 'TAPE'"):
         to_events(0, 0, decode_batch(bad_medium))
     with pytest.raises(ValueError, match="zmq_replay_endpoint needs zmq_endpoint"):
-        Settings(zmq_replay_endpoint="tcp://127.0.0.1:*")
+        Settings.load(zmq_replay_endpoint="tcp://127.0.0.1:*")
     with pytest.raises(ValueError, match="cannot bind the ZMQ publisher"):
         ZmqPublisher("nonsense://x", worker_id=0, block_size=BLOCK)
