@@ -30,7 +30,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import tracemalloc
 from pathlib import Path
@@ -44,22 +43,32 @@ BLOCK = 16
 # -- both sides: a subscriber that drains a PUB socket -------------------------------------
 
 
-def _drain(zmq: Any, endpoint: str, expected: int, ready: threading.Event) -> threading.Thread:
-    def run() -> None:
-        sub = zmq.Context.instance().socket(zmq.SUB)
-        sub.setsockopt(zmq.SUBSCRIBE, b"")
-        sub.setsockopt(zmq.RCVHWM, 0)
-        sub.connect(endpoint)
-        ready.set()
-        got = 0
-        while got < expected and sub.poll(3000):
-            sub.recv_multipart()
-            got += 1
-        sub.close(0)
+def _drain(endpoint: str, expected: int) -> subprocess.Popen[str]:
+    """A subscriber in its own process (as a router is) that reads ``expected`` messages."""
+    proc = subprocess.Popen(
+        [sys.executable, __file__, "--drain", endpoint, "--expected", str(expected)],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stdout is not None
+    proc.stdout.readline()  # "ready": connected and subscribed
+    time.sleep(0.3)  # the subscription reaches the publisher
+    return proc
 
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    return thread
+
+def drain_side(endpoint: str, expected: int) -> None:
+    import zmq
+
+    sub = zmq.Context.instance().socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.setsockopt(zmq.RCVHWM, 0)
+    sub.connect(endpoint)
+    print("ready", flush=True)
+    got = 0
+    while got < expected and sub.poll(5000):
+        sub.recv_multipart()
+        got += 1
+    sub.close(0)
 
 
 # -- the vLLM side (runs under .bench-venv/bin/python; imports nothing of kvledger) ---------
@@ -89,16 +98,14 @@ def vllm_side(events_path: str, rounds: int) -> None:
     for _ in range(rounds):
         publisher = ZmqEventPublisher(0, endpoint="tcp://127.0.0.1:*")
         endpoint = publisher._pub.getsockopt_string(zmq.LAST_ENDPOINT)
-        ready = threading.Event()
-        drainer = _drain(zmq, endpoint, len(batches), ready)
-        ready.wait()
-        time.sleep(0.3)
-        started = time.perf_counter()
+        drainer = _drain(endpoint, len(batches))
+        started, cpu = time.perf_counter(), time.process_time()
         for batch in batches:
             publisher.publish(batch)
         publisher._event_queue.join()
-        rates.append(len(batches) / (time.perf_counter() - started))
-        drainer.join(10)
+        n = len(batches)
+        rates.append((n / (time.perf_counter() - started), n / (time.process_time() - cpu)))
+        drainer.wait(30)
         publisher.shutdown()
     print(json.dumps({"rates": rates}))
 
@@ -159,22 +166,18 @@ def make_events(requests: int, seed: int = 0) -> list[Any]:
     return events
 
 
-def kvledger_round(events: list[Any]) -> float:
-    import zmq
-
+def kvledger_round(events: list[Any]) -> tuple[float, float]:
     from kvledger.events.shared.zmq_publish import ZmqPublisher
 
     publisher = ZmqPublisher("tcp://127.0.0.1:*", worker_id=0, block_size=BLOCK)
-    ready = threading.Event()
-    drainer = _drain(zmq, publisher.endpoint, len(events), ready)
-    ready.wait()
-    time.sleep(0.3)
-    started = time.perf_counter()
+    drainer = _drain(publisher.endpoint, len(events))
+    started, cpu = time.perf_counter(), time.process_time()
     for event in events:
         publisher(event)
     publisher.wait_sent(60)
-    rate = len(events) / (time.perf_counter() - started)
-    drainer.join(10)
+    n = len(events)
+    rate = (n / (time.perf_counter() - started), n / (time.process_time() - cpu))
+    drainer.wait(30)
     publisher.close()
     return rate
 
@@ -353,7 +356,7 @@ def memory_per_block(blocks: int = 20_000) -> dict[str, float]:
     tracemalloc.start()
     before = tracemalloc.get_traced_memory()[0]
     for i, seq in enumerate(seqs):
-        blocks = tuple(zip(seq.sequence_hashes, seq.local_hashes, strict=True))
+        chain_ = tuple(zip(seq.sequence_hashes, seq.local_hashes, strict=True))
         mapper.packed(
             Stored(
                 event_id=i,
@@ -362,7 +365,7 @@ def memory_per_block(blocks: int = 20_000) -> dict[str, float]:
                 tier=Tier.G1,
                 ts=0.0,
                 parent_hash=None,
-                blocks=blocks,
+                blocks=chain_,
             )
         )
     view = tracemalloc.get_traced_memory()[0] - before
@@ -382,7 +385,12 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--vllm-side", metavar="EVENTS")
     p.add_argument("--dynamo-side", action="store_true")
+    p.add_argument("--drain", metavar="ENDPOINT")
+    p.add_argument("--expected", type=int, default=0)
     args = p.parse_args()
+    if args.drain:
+        drain_side(args.drain, args.expected)
+        return
     if args.vllm_side:
         vllm_side(args.vllm_side, args.rounds)
         return
@@ -401,16 +409,20 @@ def main() -> None:
     if "skipped" in pub:
         print(f"publish: skipped ({pub['skipped']})")
     else:
-        ours, theirs = statistics.median(pub["kvledger"]), statistics.median(pub["vllm"])
-        print(
-            f"kvledger ZmqPublisher: {ours:,.0f} events/s median "
-            f"(min {min(pub['kvledger']):,.0f}, max {max(pub['kvledger']):,.0f})"
-        )
-        print(
-            f"vLLM ZmqEventPublisher: {theirs:,.0f} events/s median "
-            f"(min {min(pub['vllm']):,.0f}, max {max(pub['vllm']):,.0f})"
-        )
-        print(f"ratio kvledger / vLLM: {ours / theirs:.2f}x")
+        for i, what in enumerate(("wall clock", "CPU time of the publishing process")):
+            ours = [r[i] for r in pub["kvledger"]]
+            theirs = [r[i] for r in pub["vllm"]]
+            print(f"by {what}:")
+            for name, rates in (
+                ("kvledger ZmqPublisher", ours),
+                ("vLLM ZmqEventPublisher", theirs),
+            ):
+                print(
+                    f"  {name}: {statistics.median(rates):,.0f} events/s median "
+                    f"(min {min(rates):,.0f}, max {max(rates):,.0f})"
+                )
+            ratio = statistics.median(ours) / statistics.median(theirs)
+            print(f"  ratio kvledger / vLLM: {ratio:.2f}x")
     dyn = dynamo_bench(args.requests, max(1, args.rounds // 2))
     if "skipped" in dyn:
         print(f"dynamo ingest: skipped ({dyn['skipped']})")

@@ -81,6 +81,7 @@ class ZmqPublisher:
         self._ring: deque[tuple[int, bytes]] = deque(maxlen=ring_size)
         self._queue: deque[AnyEvent] = deque()
         self._wake = threading.Event()
+        self._idle = False
         self._closing = False
         self.dropped = 0
         self.published = 0
@@ -117,7 +118,8 @@ class ZmqPublisher:
         """Queue ``event`` (events of other workers are not this publisher's)."""
         if event.worker_id == self.worker_id:
             self._queue.append(event)
-            self._wake.set()
+            if self._idle:  # waking a busy thread would cost the engine a lock for nothing
+                self._wake.set()
 
     def close(self, timeout: float = 5.0) -> None:
         """Send what is queued, then close the sockets."""
@@ -166,13 +168,16 @@ class ZmqPublisher:
             if self._closing:
                 return
             wake.clear()
+            self._idle = True  # before the check: an event appended after it wakes the wait
             if not queue:
                 wake.wait(0.05)
+            self._idle = False
 
     def _send_queued(self) -> None:
         queue, ring, mapper = self._queue, self._ring, self._mapper
-        send = self._pub.send_multipart
+        send = self._pub.send
         topic, rank = self._topic, self.dp_rank
+        more = zmq.NOBLOCK | zmq.SNDMORE
         while queue:
             event = queue.popleft()
             if isinstance(event, _Marker):
@@ -188,7 +193,10 @@ class ZmqPublisher:
                 self._next_seq = seq
             ring.append((seq, payload))
             try:
-                send((topic, seq.to_bytes(8, "big"), payload), flags=zmq.NOBLOCK)
+                # the first frame either goes to every subscriber or fails; the rest follow it
+                send(topic, more)
+                send(seq.to_bytes(8, "big"), zmq.SNDMORE)
+                send(payload)
                 self.published += 1
             except zmq.Again:
                 self.dropped += 1
