@@ -27,6 +27,7 @@ from kvledger.registry.hashing import TokenBlockSequence
 BLOCK = 4
 HTTP = "http://127.0.0.1:8090"
 WORKERS = (11, 12)
+LORA = "adapter-a"
 
 
 def settings(work: Path, worker: int) -> Settings:
@@ -88,9 +89,9 @@ def start_indexer(log_path: Path) -> subprocess.Popen[bytes]:
     return proc
 
 
-def serve(mgr: BlockManager, tokens: list[int]) -> None:
+def serve(mgr: BlockManager, tokens: list[int], lora: str | None = None) -> None:
     """One request as an engine runs it: onboard the cached prefix, compute the rest."""
-    seq = mgr.sequence(tokens)
+    seq = mgr.sequence(tokens, lora_name=lora)
     held = mgr.onboard(seq)
     fresh = mgr.allocate(len(seq) - len(held))
     held += mgr.register(fresh, seq, start=len(held))
@@ -103,7 +104,7 @@ def workload(mgrs: dict[int, BlockManager], prompts: list[list[int]], n: int, se
         worker = rng.choice(WORKERS)
         prompt = rng.choice(prompts)
         tail = [rng.randrange(1000) for _ in range(BLOCK * rng.randrange(0, 3))]
-        serve(mgrs[worker], prompt + tail)
+        serve(mgrs[worker], prompt + tail, LORA if rng.random() < 0.2 else None)
     for mgr in mgrs.values():
         mgr.wait_idle(30)
         _publisher(mgr).wait_sent()
@@ -115,8 +116,11 @@ def _publisher(mgr: BlockManager) -> ZmqPublisher:
     return publisher
 
 
-def indexer_view(tokens: list[int]) -> dict[int, tuple[int, int, int]]:
-    answer = post("/query", {"token_ids": tokens, "model_name": "default"})
+def indexer_view(tokens: list[int], lora: str | None) -> dict[int, tuple[int, int, int]]:
+    query: dict[str, Any] = {"token_ids": tokens, "model_name": "default"}
+    if lora is not None:
+        query["lora_name"] = lora
+    answer = post("/query", query)
     out = {}
     for worker in WORKERS:
         got = answer.get("instances", {}).get(str(worker))
@@ -124,21 +128,22 @@ def indexer_view(tokens: list[int]) -> dict[int, tuple[int, int, int]]:
     return out
 
 
-def mismatches(mgrs: dict[int, BlockManager], probes: list[list[int]]) -> list[str]:
+Probe = tuple[list[int], str | None]
+
+
+def mismatches(mgrs: dict[int, BlockManager], probes: list[Probe]) -> list[str]:
     bad = []
-    for i, tokens in enumerate(probes):
-        seen = indexer_view(tokens)
+    for i, (tokens, lora) in enumerate(probes):
+        seen = indexer_view(tokens, lora)
         for worker, mgr in mgrs.items():
-            m = mgr.match(TokenBlockSequence(tokens, BLOCK))
+            m = mgr.match(TokenBlockSequence(tokens, BLOCK, lora_name=lora))
             want = (m.g1 * BLOCK, (m.g1 + m.g2) * BLOCK, m.total * BLOCK)
             if seen[worker] != want:
                 bad.append(f"probe {i} worker {worker}: indexer {seen[worker]} worker {want}")
     return bad
 
 
-def converged(
-    mgrs: dict[int, BlockManager], probes: list[list[int]], wait: float = 15
-) -> list[str]:
+def converged(mgrs: dict[int, BlockManager], probes: list[Probe], wait: float = 15) -> list[str]:
     deadline = time.monotonic() + wait
     while True:
         bad = mismatches(mgrs, probes)
@@ -150,14 +155,24 @@ def converged(
 def main(work: Path) -> None:
     rng = random.Random(7)
     prompts = [[rng.randrange(1000) for _ in range(BLOCK * rng.randrange(2, 7))] for _ in range(9)]
-    probes = prompts + [p[: BLOCK * 2] for p in prompts] + [[999] * BLOCK * 3]
+    plain = prompts + [p[: BLOCK * 2] for p in prompts] + [[999] * BLOCK * 3]
+    probes: list[Probe] = [(p, None) for p in plain]
+    # LoRA blocks go out with their LoRA name: checked live, since the durable log does not
+    # keep the name (a router replaying from it gets them without tokens, and skips them)
+    with_lora: list[Probe] = probes + [(p, LORA) for p in prompts]
     indexer_log = work / "indexer.log"
     report: dict[str, Any] = {}
     mgrs = {w: BlockManager(settings(work, w)) for w in WORKERS}
     indexer = start_indexer(indexer_log)
     try:
         workload(mgrs, prompts, 120, seed=1)
-        report["live"] = converged(mgrs, probes)
+        report["live"] = converged(mgrs, with_lora)
+        report["lora_cached"] = sum(
+            1
+            for tokens, lora in with_lora
+            for mgr in mgrs.values()
+            if lora and mgr.match(TokenBlockSequence(tokens, BLOCK, lora_name=lora)).total
+        )
         report["counts"] = {w: {t.name: n for t, n in m.counts().items()} for w, m in mgrs.items()}
 
         # the indexer goes down; the workers go on; a new one catches up by replay

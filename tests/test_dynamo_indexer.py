@@ -6,8 +6,9 @@ longest match per tier. Its HTTP server binds every interface, so the scenario r
 private network namespace (``unshare -rn``: only a loopback interface, nothing reachable from
 outside) and talks to it on loopback. The scenario itself is tests/dynamo_indexer_scenario.py:
 two workers with G1+G2+G3 and the lineage policy, a workload with evictions, offloads and
-onboards, the indexer killed and restarted (it catches up from the replay sockets, which read
-the durable log), and a worker restart (``Cleared`` of G1 and G2, G3 recovered).
+onboards (some requests under a LoRA adapter, queried by its name), the indexer killed and
+restarted (it catches up from the replay sockets, which read the durable log), and a worker
+restart (``Cleared`` of G1 and G2, G3 recovered).
 """
 
 from __future__ import annotations
@@ -49,5 +50,6 @@ def test_dynamo_indexer_agrees_with_every_worker_per_tier(tmp_path: Path) -> Non
     for counts in report["counts"].values():
         assert counts == {"G1": 24, "G2": 24, "G3": 48}
     assert report["g3_recovered"] > 0
+    assert report["lora_cached"] > 0  # LoRA blocks were among those compared
     for phase in ("live", "indexer_restart", "worker_restart", "after_restart"):
         assert report[phase] == [], (phase, report[phase][:5])
