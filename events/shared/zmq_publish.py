@@ -178,7 +178,8 @@ class ZmqPublisher:
         send = self._pub.send
         topic, rank = self._topic, self.dp_rank
         more = zmq.NOBLOCK | zmq.SNDMORE
-        while queue:
+        # a bounded pass, so that replay requests and subscriptions are served under load too
+        for _ in range(min(len(queue), 4096)):
             event = queue.popleft()
             if isinstance(event, _Marker):
                 event.done.set()
