@@ -9,7 +9,7 @@ them) can all depend on this module without depending on each other.
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple, TypeAlias
 
 
@@ -32,6 +32,10 @@ class Tier(enum.IntEnum):
             return cls[value.strip().upper()]
         except KeyError:
             raise ValueError(f"unknown tier {value!r}; expected one of G1, G2, G3, G4") from None
+
+
+HashKey: TypeAlias = tuple[str | None, str | None]
+"""``(lora_name, salt)``: what besides the tokens names a block (``hashing.block_seed``)."""
 
 
 class BlockInfo(NamedTuple):
@@ -69,6 +73,11 @@ class Stored(Event):
     parent_hash: int | None
     blocks: tuple[tuple[int, int], ...]
     token_ids: tuple[tuple[int, ...], ...] | None = None
+    #: what moved the local-hash seed (``hashing.block_seed``): routers that hash tokens
+    #: themselves need them to name the blocks as the worker does. Not kept by the durable
+    #: log, so not part of an event's equality (nor are a copy's token ids below).
+    lora_name: str | None = field(default=None, compare=False)
+    salt: str | None = field(default=None, compare=False)
 
     @property
     def sequence_hashes(self) -> tuple[int, ...]:
@@ -102,6 +111,10 @@ class Offloaded(Event):
 
     src_tier: Tier
     blocks: tuple[BlockInfo, ...]
+    #: each block's token ids (empty where unknown) and ``(lora_name, salt)`` (None: neither),
+    #: for routers that hash tokens themselves; the durable log keeps neither
+    token_ids: tuple[tuple[int, ...], ...] | None = field(default=None, compare=False)
+    hash_keys: tuple[HashKey | None, ...] | None = field(default=None, compare=False)
 
     @property
     def sequence_hashes(self) -> tuple[int, ...]:
@@ -114,6 +127,10 @@ class Onboarded(Event):
 
     src_tier: Tier
     blocks: tuple[BlockInfo, ...]
+    #: each block's token ids (empty where unknown) and ``(lora_name, salt)`` (None: neither),
+    #: for routers that hash tokens themselves; the durable log keeps neither
+    token_ids: tuple[tuple[int, ...], ...] | None = field(default=None, compare=False)
+    hash_keys: tuple[HashKey | None, ...] | None = field(default=None, compare=False)
 
     @property
     def sequence_hashes(self) -> tuple[int, ...]:

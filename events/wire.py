@@ -30,6 +30,7 @@ from kvledger.events.types import (
     Stored,
     Tier,
 )
+from kvledger.events.vllm_events import VLLM_MEDIA, VllmMapper, encode_events
 
 STREAM_RECORD_VERSION = 1
 """The Redis stream record layout (``encode_record``); the durable log's records have their own,
@@ -224,54 +225,6 @@ def encode_dynamo(event: AnyEvent, *, tier: Tier = Tier.G1) -> list[bytes]:
 
 # -- vLLM KVEventBatch msgpack -----------------------------------------------------------
 
-VLLM_MEDIA: Mapping[Tier, str] = {Tier.G1: "GPU", Tier.G2: "CPU", Tier.G3: "STORAGE"}
-
-
-def _vllm_events(
-    event: AnyEvent, block_size: int, media: Mapping[Tier, str]
-) -> list[dict[str, Any]]:
-    medium = media.get(event.tier)
-    if medium is None:
-        raise ValueError(
-            f"vLLM has no medium for tier {event.tier.name} (event {event.event_id}); "
-            f"known: {', '.join(t.name for t in media)} -- filter it out with tiers="
-        )
-    if isinstance(event, Removed):
-        return [
-            {"type": "BlockRemoved", "block_hashes": list(event.sequence_hashes), "medium": medium}
-        ]
-    if isinstance(event, Cleared):
-        if event.tier != Tier.G1:
-            # AllBlocksCleared carries no medium: a vLLM router would drop its GPU view too.
-            raise ValueError(
-                f"vLLM's AllBlocksCleared means the GPU cache; cannot express Cleared on "
-                f"{event.tier.name} (event {event.event_id}) -- filter it out with tiers="
-            )
-        return [{"type": "AllBlocksCleared"}]
-    tokens: list[int] = []
-    if isinstance(event, Stored) and event.token_ids is not None:
-        for i, block_tokens in enumerate(event.token_ids):
-            if len(block_tokens) != block_size:
-                raise ValueError(
-                    f"event {event.event_id}: block {i} has {len(block_tokens)} token ids, "
-                    f"block_size is {block_size}"
-                )
-            tokens.extend(block_tokens)
-    # Copies carry no token ids; vLLM's own offload events then send an empty list too.
-    return [
-        {
-            "type": "BlockStored",
-            "block_hashes": [b.sequence_hash for b in run],
-            "parent_block_hash": parent,
-            "token_ids": tokens,
-            "block_size": block_size,
-            "lora_id": None,
-            "medium": medium,
-            "lora_name": None,
-        }
-        for parent, run in _stored_runs(event)
-    ]
-
 
 def encode_vllm_batch(
     events: Iterable[AnyEvent],
@@ -281,6 +234,7 @@ def encode_vllm_batch(
     dp_rank: int | None = None,
     tiers: Iterable[Tier] | None = None,
     media: Mapping[Tier, str] = VLLM_MEDIA,
+    mapper: VllmMapper | None = None,
 ) -> bytes:
     """One ``KVEventBatch`` (``[ts, [events...], dp_rank]``) as vLLM's msgspec writes it.
 
@@ -288,33 +242,40 @@ def encode_vllm_batch(
     purpose. By default every event is published, and one vLLM cannot express is an error.
     ``ts`` defaults to the newest event's time and ``dp_rank`` to the events' own (they must
     agree); an empty batch has none (nil).
+
+    ``mapper`` is the ``VllmMapper`` following this worker's stream: a ``Cleared`` of G2 or G3
+    becomes the removal of what that tier held, which only a mapper that has seen the stream
+    (or was seeded with the state) knows. Without one, such a ``Cleared`` is an error.
     """
     wanted = None if tiers is None else set(tiers)
-    out: list[dict[str, Any]] = []
+    stateless = mapper is None
+    if mapper is None:
+        published = {t: m for t, m in media.items() if wanted is None or t in wanted}
+        mapper = VllmMapper(block_size, media=published)
+    elif mapper.block_size != block_size:
+        raise ValueError(f"the mapper packs blocks of {mapper.block_size}, not {block_size}")
+    chosen: list[AnyEvent] = []
     newest = 0.0
     ranks: set[int] = set()
     for event in events:
         newest = max(newest, event.ts)
         ranks.add(event.dp_rank)
-        if wanted is None or event.tier in wanted:
-            out.extend(_vllm_events(event, block_size, media))
+        if wanted is not None and event.tier not in wanted:
+            continue
+        if event.tier not in mapper.media:
+            raise ValueError(
+                f"vLLM has no medium for tier {event.tier.name} (event {event.event_id}); "
+                f"known: {', '.join(t.name for t in mapper.media)} -- filter it out with tiers="
+            )
+        if stateless and isinstance(event, Cleared) and event.tier != Tier.G1:
+            raise ValueError(
+                f"Cleared on {event.tier.name} (event {event.event_id}) becomes the removal of "
+                "what that tier held: pass the VllmMapper that followed this worker's stream "
+                "(mapper=), or filter the tier out with tiers="
+            )
+        chosen.append(event)
     if dp_rank is None and ranks:
         if len(ranks) > 1:
             raise ValueError(f"a vLLM batch has one dp rank; events carry {sorted(ranks)}")
         dp_rank = ranks.pop()
-    packer = msgpack.Packer(use_bin_type=True)
-    parts = [
-        packer.pack_array_header(3),
-        packer.pack(float(newest if ts is None else ts)),
-        packer.pack_array_header(len(out)),
-    ]
-    for obj in out:
-        if obj["type"] == "BlockStored":
-            # msgspec sizes a struct's map header by how many fields it could have: BlockStored
-            # has 16 with the tag, so vLLM always writes a map16 header, however few are set.
-            parts.append(b"\xde" + len(obj).to_bytes(2, "big"))
-            parts.extend(packer.pack(k) + packer.pack(v) for k, v in obj.items())
-        else:
-            parts.append(packer.pack(obj))
-    parts.append(packer.pack(dp_rank))
-    return b"".join(parts)
+    return encode_events(chosen, mapper, ts=newest if ts is None else ts, dp_rank=dp_rank)

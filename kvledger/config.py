@@ -129,6 +129,18 @@ class Settings(BaseSettings):
         "(needs G2, redis_url and the remote extra)",
     )
     g4_timeout_s: float = Field(5.0, gt=0, description="longest wait for one remote read")
+    zmq_endpoint: str | None = Field(
+        None,
+        description="bind a vLLM-compatible ZMQ PUB socket here (e.g. tcp://*:5557) and publish "
+        "every event as a KVEventBatch",
+    )
+    zmq_replay_endpoint: str | None = Field(
+        None, description="bind the ZMQ replay (ROUTER) socket here; needs zmq_endpoint"
+    )
+    zmq_topic: str = Field("", description="topic frame of every ZMQ message")
+    zmq_ring_size: int = Field(
+        10_000, gt=0, description="newest ZMQ batches replayed from memory (older: from the log)"
+    )
     worker_id: int = Field(0, ge=0)
     dp_rank: int = Field(0, ge=0)
     chain_seed: int = Field(1337, ge=0, lt=1 << 64, description="seed of the sequence-hash chain")
@@ -139,6 +151,8 @@ class Settings(BaseSettings):
             raise ValueError(
                 f"event_log_url must be a URL such as sqlite:///path.db, got {self.event_log_url!r}"
             )
+        if self.zmq_replay_endpoint is not None and self.zmq_endpoint is None:
+            raise ValueError("zmq_replay_endpoint needs zmq_endpoint")
         if self.g4 and (not self.g2_capacity or self.redis_url is None):
             raise ValueError("g4 needs a G2 (g2_gb or g2_blocks) and redis_url")
         return self

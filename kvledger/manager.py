@@ -41,6 +41,7 @@ from kvledger.events.log.replay import replay
 from kvledger.events.shared.client import connect
 from kvledger.events.shared.publish import RedisPublisher
 from kvledger.events.shared.registry import SharedRegistry
+from kvledger.events.shared.zmq_publish import ZmqPublisher, open_publisher
 from kvledger.events.types import (
     AnyEvent,
     BlockInfo,
@@ -49,14 +50,16 @@ from kvledger.events.types import (
     LookupRecord,
     Released,
     RunInfo,
+    Stored,
     Tier,
     lookup_stream,
 )
 from kvledger.metrics import Metrics
 from kvledger.registry.emitter import EventEmitter
 from kvledger.registry.errors import PoolExhausted
-from kvledger.registry.hashing import TokenBlockSequence
+from kvledger.registry.hashing import TokenBlockSequence, names_plain_block
 from kvledger.registry.lookups import LookupRecorder
+from kvledger.registry.pool import token_bytes
 from kvledger.registry.state import RegistryState
 from kvledger.registry.tiered import CopyPlan, MatchResult, TieredRegistry
 from kvledger.tiers.base import StorageTier
@@ -140,6 +143,7 @@ class BlockManager:
             ensure_log_folder(s.log_url)  # a first run in an empty folder makes kvledger-data/
         self._event_log = EventLog(s.log_url) if self._own_log else event_log
         self._publisher: RedisPublisher | None = None
+        self._zmq: ZmqPublisher | None = None
         self._tiers: dict[Tier, StorageTier] = {}
         try:
             self._build(s, g1_layout, device, sinks, observers, metrics)
@@ -149,6 +153,8 @@ class BlockManager:
                 tier.close()
             if self._publisher is not None:
                 self._publisher.stop(drain_timeout=0)
+            if self._zmq is not None:
+                self._zmq.close()
             if self._own_log and self._event_log is not None:
                 self._event_log.close()
             raise
@@ -171,6 +177,9 @@ class BlockManager:
         all_sinks = ([self._event_log.append] if self._event_log is not None else []) + list(sinks)
         if self._publisher is not None:
             all_sinks.append(self._publisher)
+        if s.zmq_endpoint is not None:
+            self._zmq = self._zmq_publisher(s, metrics)
+            all_sinks.append(self._zmq)
         if metrics is not None:
             all_sinks.append(metrics.observe_event)
             if self._event_log is not None:
@@ -266,11 +275,33 @@ class BlockManager:
                 return columns.to_dict()
         return {}
 
+    def _logged_tokens(self, wanted: set[int]) -> dict[int, bytes]:
+        """Token ids of ``wanted`` blocks, from the ``Stored`` events the log kept of them
+        (a recovered G3 block is named to routers with its tokens, as before the restart)."""
+        if self._event_log is None:
+            return {}
+        found: dict[int, bytes] = {}
+        for event in self._event_log.read(worker_id=self.settings.worker_id):
+            if isinstance(event, Stored) and event.token_ids is not None:
+                for (seq, local), ids in zip(event.blocks, event.token_ids, strict=True):
+                    if seq in wanted:
+                        packed = token_bytes(ids)
+                        # a LoRA or salted block's tokens would name another block to routers
+                        if names_plain_block(packed, local):
+                            found[seq] = packed
+        return found
+
     def _adopt_g3(self, g3: DiskTier, known: KnownBlocks) -> tuple[G3Recovery, list[int]]:
         """Serve the slots the tier verified again; returns the report and the listed blocks
         that are gone (the caller emits their ``Removed``)."""
         kept = g3.recovered_blocks()
-        self._registry.adopt(Tier.G3, [slot for slot, _ in kept], [b for _, b in kept])
+        tokens = self._logged_tokens({b.sequence_hash for _, b in kept}) if kept else {}
+        self._registry.adopt(
+            Tier.G3,
+            [slot for slot, _ in kept],
+            [b for _, b in kept],
+            [tokens.get(b.sequence_hash) for _, b in kept],
+        )
         held = {b.sequence_hash for _, b in kept}
         dropped = [seq for seq in known if seq not in held]
         found = g3.recovery
@@ -339,6 +370,28 @@ class BlockManager:
     def g4(self) -> G4Link | None:
         """The remote link the ``g4`` setting built (None without it)."""
         return self._g4
+
+    def _zmq_publisher(self, s: Settings, metrics: Metrics | None) -> ZmqPublisher:
+        """Publish to vLLM-compatible routers on ``zmq_endpoint``; replay reads the log."""
+        if self._event_log is None:
+            raise ValueError("zmq_endpoint needs the event log: replay and restarts read it")
+        assert s.zmq_endpoint is not None
+        return open_publisher(
+            s.zmq_endpoint,
+            log=self._event_log,
+            worker_id=s.worker_id,
+            block_size=s.block_size,
+            replay_endpoint=s.zmq_replay_endpoint,
+            topic=s.zmq_topic,
+            dp_rank=s.dp_rank,
+            ring_size=s.zmq_ring_size,
+            metrics_registry=metrics.registry if metrics is not None else None,
+        )
+
+    @property
+    def zmq_publisher(self) -> ZmqPublisher | None:
+        """The ZMQ publisher the ``zmq_endpoint`` setting built (None without it)."""
+        return self._zmq
 
     def _redis_publisher(self, s: Settings) -> RedisPublisher:
         """Publish to the shared registry at ``redis_url``, catching up from the event log."""
@@ -475,10 +528,21 @@ class BlockManager:
 
     # -- sequences and lookups -----------------------------------------------------------
 
-    def sequence(self, tokens: Sequence[int]) -> TokenBlockSequence:
-        """Cut ``tokens`` into hashed blocks with this worker's block size and chain seed."""
+    def sequence(
+        self, tokens: Sequence[int], *, lora_name: str | None = None, salt: str | None = None
+    ) -> TokenBlockSequence:
+        """Cut ``tokens`` into hashed blocks with this worker's block size and chain seed.
+
+        A LoRA adapter name or a cache salt seeds the hashes (as Dynamo and vLLM do), and the
+        sequence keeps its token ids, so that ``register`` hands both to every event naming
+        its blocks: routers hash tokens themselves and need them.
+        """
         return TokenBlockSequence(
-            tokens, self.settings.block_size, chain_seed=self.settings.chain_seed
+            tokens,
+            self.settings.block_size,
+            lora_name=lora_name,
+            salt=salt,
+            chain_seed=self.settings.chain_seed,
         )
 
     def match(self, sequence: TokenBlockSequence) -> MatchResult:
@@ -601,8 +665,10 @@ class BlockManager:
                 BlockInfo(b.sequence_hash, b.local_hash, hashes[i - 1] if i else None)
                 for i, b in enumerate(sequence.blocks[start : start + n], start)
             ]
+            tokens: list[bytes | None] = list(sequence.block_tokens(start, start + n))
+            keys = [sequence.hash_key] * n
             with self._changing():
-                landed = self._registry.land_g4(slots, infos, held_back)
+                landed = self._registry.land_g4(slots, infos, held_back, tokens, keys)
         try:
             return self.onboard(sequence)
         finally:
@@ -695,7 +761,11 @@ class BlockManager:
         parent = seqs[start - 1] if start else None
         with self._changing():
             held = self._registry.g1.register(
-                slots, list(zip(seqs[start:end], locals_[start:end], strict=True)), parent
+                slots,
+                list(zip(seqs[start:end], locals_[start:end], strict=True)),
+                parent,
+                sequence.block_tokens(start, end),
+                sequence.hash_key,
             )
             for plan in self._registry.plan_offload(held):
                 self._start(plan)
@@ -816,6 +886,8 @@ class BlockManager:
             self._event_log.flush()
         if self._publisher is not None:
             self._publisher.stop(drain_timeout=10.0)
+        if self._zmq is not None:
+            self._zmq.close()
         if self._event_log is not None and self._own_log:
             self._event_log.close()
 

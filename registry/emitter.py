@@ -6,13 +6,16 @@ event ids form a single strictly increasing sequence no matter which tier change
 
 from __future__ import annotations
 
+import sys
 import time
+from array import array
 from collections.abc import Callable, Iterable, Sequence
 
 from kvledger.events.types import (
     AnyEvent,
     BlockInfo,
     Cleared,
+    HashKey,
     Offloaded,
     Onboarded,
     Removed,
@@ -21,6 +24,21 @@ from kvledger.events.types import (
 )
 
 EventSink = Callable[[AnyEvent], None]
+
+BlockTokens = bytes | Sequence[int]
+"""One block's token ids: as the little-endian u32 bytes the pools keep, or as integers."""
+
+
+def token_tuple(tokens: BlockTokens | None) -> tuple[int, ...]:
+    """One block's token ids as the tuple events carry (empty when unknown)."""
+    if tokens is None:
+        return ()
+    if isinstance(tokens, bytes):
+        ids = array("I", tokens)
+        if sys.byteorder == "big":  # pragma: no cover - kvledger runs on little-endian hosts
+            ids.byteswap()
+        return tuple(ids)
+    return tuple(tokens)
 
 
 class EventEmitter:
@@ -67,7 +85,8 @@ class EventEmitter:
         tier: Tier,
         parent_hash: int | None,
         blocks: Sequence[tuple[int, int]],
-        token_ids: Sequence[Sequence[int]] | None = None,
+        token_ids: Sequence[BlockTokens] | None = None,
+        key: HashKey | None = None,
     ) -> None:
         if not blocks:
             return
@@ -83,7 +102,9 @@ class EventEmitter:
                 ts=self.clock(),
                 parent_hash=parent_hash,
                 blocks=tuple(blocks),
-                token_ids=None if token_ids is None else tuple(tuple(t) for t in token_ids),
+                token_ids=None if token_ids is None else tuple(map(token_tuple, token_ids)),
+                lora_name=None if key is None else key[0],
+                salt=None if key is None else key[1],
             )
         )
 
@@ -105,8 +126,16 @@ class EventEmitter:
             )
         )
 
-    def copied(self, src_tier: Tier, dst_tier: Tier, blocks: Sequence[BlockInfo]) -> None:
-        """A copy between tiers finished: Offloaded when it went down, Onboarded when up."""
+    def copied(
+        self,
+        src_tier: Tier,
+        dst_tier: Tier,
+        blocks: Sequence[BlockInfo],
+        tokens: Sequence[BlockTokens | None] | None = None,
+        keys: Sequence[HashKey | None] | None = None,
+    ) -> None:
+        """A copy between tiers finished: Offloaded when it went down, Onboarded when up.
+        ``tokens`` and ``keys`` (one per block, when known) ride along for routers."""
         if not blocks:
             return
         if src_tier == dst_tier:
@@ -124,6 +153,8 @@ class EventEmitter:
                 ts=self.clock(),
                 src_tier=src_tier,
                 blocks=tuple(blocks),
+                token_ids=None if tokens is None else tuple(map(token_tuple, tokens)),
+                hash_keys=None if keys is None or not any(keys) else tuple(keys),
             )
         )
 

@@ -68,6 +68,13 @@ def block_seed(*, lora_name: str | None = None, salt: str | None = None) -> int:
     return seed & _U64_MASK
 
 
+def names_plain_block(tokens: bytes, local_hash: int) -> bool:
+    """Whether ``tokens`` (little-endian u32 bytes) hash to ``local_hash`` with no LoRA name
+    and no salt. The durable log keeps a block's tokens but not what seeded its hash: a block
+    that fails this had one, and its tokens alone would name another block to a router."""
+    return xxh3_64_intdigest(tokens, BLOCK_HASH_SEED) == local_hash
+
+
 def _check_block_size(block_size: int) -> None:
     if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
         raise ValueError(f"block_size must be a positive integer, got {block_size!r}")
@@ -189,7 +196,17 @@ class TokenBlockSequence:
     with :meth:`extend`, which hashes only the blocks that become full.
     """
 
-    __slots__ = ("_chain_seed", "_local", "_seed", "_seq", "_tail", "block_size")
+    __slots__ = (
+        "_chain_seed",
+        "_full",
+        "_local",
+        "_seed",
+        "_seq",
+        "_tail",
+        "block_size",
+        "lora_name",
+        "salt",
+    )
 
     def __init__(
         self,
@@ -203,7 +220,11 @@ class TokenBlockSequence:
         _check_block_size(block_size)
         self.block_size = block_size
         self._seed = block_seed(lora_name=lora_name, salt=salt)
+        #: what seeded the hashes besides the tokens; registered blocks carry it to routers
+        self.lora_name = lora_name or None
+        self.salt = salt or None
         self._chain_seed = chain_seed
+        self._full = bytearray()  # the full blocks' tokens, as little-endian u32 bytes
         self._local: list[int] = []
         self._seq: list[int] = []
         self._tail = b""  # the partial block's tokens, already as little-endian u32 bytes
@@ -218,6 +239,7 @@ class TokenBlockSequence:
             parent = self._seq[-1] if self._seq else None
             self._seq += chain_sequence_hashes(new_local, parent=parent, seed=self._chain_seed)
             self._local += new_local
+            self._full += data[: 4 * n_full * self.block_size]
         self._tail = data[4 * n_full * self.block_size :]
         return n_full
 
@@ -248,6 +270,21 @@ class TokenBlockSequence:
     @property
     def local_hashes(self) -> list[int]:
         return list(self._local)
+
+    def block_tokens(self, start: int = 0, end: int | None = None) -> list[bytes]:
+        """Token ids of full blocks ``start..end`` as little-endian u32 bytes, one per block
+        (what a pool keeps with a registered block)."""
+        step = 4 * self.block_size
+        stop = len(self._seq) if end is None else min(end, len(self._seq))
+        full = self._full
+        return [bytes(full[i * step : (i + 1) * step]) for i in range(start, stop)]
+
+    @property
+    def hash_key(self) -> tuple[str | None, str | None] | None:
+        """``(lora_name, salt)`` when either moved the seed, else None."""
+        if self.lora_name is None and self.salt is None:
+            return None
+        return (self.lora_name, self.salt)
 
     @property
     def tail(self) -> list[int]:

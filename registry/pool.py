@@ -12,14 +12,30 @@ Python objects would dominate the cost.
 
 from __future__ import annotations
 
+import sys
+from array import array
 from collections.abc import Iterable, Sequence
 
-from kvledger.events.types import BlockInfo, Tier
-from kvledger.registry.emitter import EventEmitter
+from kvledger.events.types import BlockInfo, HashKey, Tier
+from kvledger.registry.emitter import BlockTokens, EventEmitter
 from kvledger.registry.errors import PoolBusy, PoolExhausted
 from kvledger.registry.policies import EvictionPolicy, make_policy
 
 __all__ = ["BlockPool", "PoolBusy", "PoolExhausted"]
+
+
+def token_bytes(tokens: BlockTokens) -> bytes:
+    """One block's token ids as little-endian u32 bytes: the form a pool keeps them in (one
+    small bytes object per block, shared by every tier holding a copy of it)."""
+    if isinstance(tokens, bytes):
+        return tokens
+    try:
+        packed = array("I", tokens)
+    except (OverflowError, TypeError):
+        raise ValueError(f"token ids must be integers in [0, 2**32), got {tokens!r:.60}") from None
+    if sys.byteorder == "big":  # pragma: no cover - kvledger runs on little-endian hosts
+        packed.byteswap()
+    return packed.tobytes()
 
 
 class BlockPool:
@@ -49,6 +65,9 @@ class BlockPool:
         self._hash: list[int | None] = [None] * capacity
         self._local = [0] * capacity
         self._parent: list[int | None] = [None] * capacity
+        # what routers need to name a block themselves: its tokens and (lora, salt)
+        self._tokens: list[bytes | None] = [None] * capacity
+        self._keys: list[HashKey | None] = [None] * capacity
         self._by_hash: dict[int, int] = {}
         # popped from the end, so slot 0 is handed out first
         self._free = list(range(capacity - 1, -1, -1))
@@ -95,6 +114,16 @@ class BlockPool:
         if seq is None:
             raise ValueError(f"{self.tier.name} slot {slot} holds no registered block")
         return BlockInfo(seq, self._local[slot], self._parent[slot])
+
+    def tokens_of(self, slots: Sequence[int]) -> list[bytes | None]:
+        """The token ids (little-endian u32 bytes) of registered ``slots``; None where unknown."""
+        tokens = self._tokens
+        return [tokens[slot] for slot in slots]
+
+    def keys_of(self, slots: Sequence[int]) -> list[HashKey | None]:
+        """The ``(lora_name, salt)`` of registered ``slots``; None for plain blocks."""
+        keys = self._keys
+        return [keys[slot] for slot in slots]
 
     def probe(self, sequence_hashes: Iterable[int]) -> int:
         """Length of the cached prefix of ``sequence_hashes``; changes nothing."""
@@ -190,13 +219,16 @@ class BlockPool:
         slots: Sequence[int],
         blocks: Sequence[tuple[int, int]],
         parent_hash: int | None = None,
-        token_ids: Sequence[Sequence[int]] | None = None,
+        token_ids: Sequence[BlockTokens] | None = None,
+        key: HashKey | None = None,
     ) -> list[int]:
         """Name filled mutable ``slots`` with ``blocks`` = [(sequence_hash, local_hash)], a chain.
 
         ``parent_hash`` is the sequence hash of the block before the first one. A block whose
         hash the pool already holds is deduplicated: its new slot is freed and the existing one
         gains the reference instead. Returns the slots now holding the blocks, in order.
+        ``token_ids`` (one per block) and ``key`` (the LoRA name and salt that seeded the hashes)
+        are kept with each block for routers, and go out with every event that names it.
         """
         if len(slots) != len(blocks):
             raise ValueError(f"register: {len(slots)} slots for {len(blocks)} blocks")
@@ -210,6 +242,9 @@ class BlockPool:
         if not blocks:
             return []
         seqs = [seq for seq, _ in blocks]
+        packed: list[bytes] | None = None
+        if token_ids is not None:
+            packed = list(map(token_bytes, token_ids))
         if by_hash.keys().isdisjoint(seqs) and len(set(seqs)) == len(seqs):
             # The common case (every block is new): no dedup bookkeeping, one Stored.
             parents = [parent_hash, *seqs[:-1]]
@@ -218,8 +253,10 @@ class BlockPool:
                 local_of[slot] = local
                 parent_of[slot] = parent
             by_hash.update(zip(seqs, slots, strict=True))
+            if packed is not None:
+                self._put_tokens(slots, packed, key)
             self._policy.registered(slots, seqs, parents)
-            self.emitter.stored(self.tier, parent_hash, blocks, token_ids)
+            self.emitter.stored(self.tier, parent_hash, blocks, packed, key)
             return list(slots)
         out = list(slots)
         new: list[int] = []
@@ -236,6 +273,9 @@ class BlockPool:
                 hashes[slot] = seq
                 local_of[slot] = local
                 parent_of[slot] = prev
+                if packed is not None:
+                    self._tokens[slot] = packed[i]
+                    self._keys[slot] = key
                 new.append(slot)
                 new_hashes.append(seq)
                 new_parents.append(prev)
@@ -248,11 +288,11 @@ class BlockPool:
                 if not ref[slot]:
                     self._free.append(slot)
                 if run_start >= 0:  # a run of new blocks ends here: report it now
-                    self._stored_run(run_parent, blocks, token_ids, run_start, i)
+                    self._stored_run(run_parent, blocks, packed, key, run_start, i)
                     run_start = -1
             prev = seq
         if run_start >= 0:
-            self._stored_run(run_parent, blocks, token_ids, run_start, len(slots))
+            self._stored_run(run_parent, blocks, packed, key, run_start, len(slots))
         if new:
             self._policy.registered(new, new_hashes, new_parents)
         if duplicates:
@@ -263,7 +303,8 @@ class BlockPool:
         self,
         parent: int | None,
         blocks: Sequence[tuple[int, int]],
-        token_ids: Sequence[Sequence[int]] | None,
+        token_ids: Sequence[bytes] | None,
+        key: HashKey | None,
         start: int,
         end: int,
     ) -> None:
@@ -272,18 +313,36 @@ class BlockPool:
             parent,
             blocks[start:end],
             None if token_ids is None else token_ids[start:end],
+            key,
         )
 
+    def _put_tokens(
+        self, slots: Sequence[int], tokens: Sequence[bytes | None], key: HashKey | None
+    ) -> None:
+        own, keys = self._tokens, self._keys
+        for slot, block_tokens in zip(slots, tokens, strict=True):
+            own[slot] = block_tokens
+            keys[slot] = key
+
     def register_copies(
-        self, slots: Sequence[int], blocks: Sequence[BlockInfo], src_tier: Tier
+        self,
+        slots: Sequence[int],
+        blocks: Sequence[BlockInfo],
+        src_tier: Tier,
+        tokens: Sequence[bytes | None] | None = None,
+        keys: Sequence[HashKey | None] | None = None,
     ) -> list[int]:
         """Register blocks copied here from ``src_tier``; emits Offloaded/Onboarded, not Stored.
 
         Unlike ``register`` the blocks need not form a chain: each carries its own parent.
         Returns the slots now holding the blocks (duplicates resolved as in ``register``).
+        ``tokens`` and ``keys``, one per block, are what the source tier kept of each.
         """
         if len(slots) != len(blocks):
             raise ValueError(f"register_copies: {len(slots)} slots for {len(blocks)} blocks")
+        for name, given in (("token lists", tokens), ("hash keys", keys)):
+            if given is not None and len(given) != len(blocks):
+                raise ValueError(f"register_copies: {len(given)} {name} for {len(blocks)} blocks")
         ref, hashes, by_hash = self._ref, self._hash, self._by_hash
         for slot in slots:
             if hashes[slot] is not None or not ref[slot]:
@@ -291,6 +350,8 @@ class BlockPool:
         out = list(slots)
         new: list[int] = []
         landed: list[BlockInfo] = []
+        landed_tokens: list[bytes | None] = []
+        landed_keys: list[HashKey | None] = []
         duplicates: list[int] = []
         for i, (slot, info) in enumerate(zip(slots, blocks, strict=True)):
             existing = by_hash.get(info.sequence_hash)
@@ -299,8 +360,14 @@ class BlockPool:
                 hashes[slot] = info.sequence_hash
                 self._local[slot] = info.local_hash
                 self._parent[slot] = info.parent_hash
+                block_tokens = None if tokens is None else tokens[i]
+                block_key = None if keys is None else keys[i]
+                self._tokens[slot] = block_tokens
+                self._keys[slot] = block_key
                 new.append(slot)
                 landed.append(info)
+                landed_tokens.append(block_tokens)
+                landed_keys.append(block_key)
             else:
                 out[i] = existing
                 duplicates.append(existing)
@@ -313,10 +380,21 @@ class BlockPool:
             )
         if duplicates:
             self.acquire(duplicates)
-        self.emitter.copied(src_tier, self.tier, landed)
+        self.emitter.copied(
+            src_tier,
+            self.tier,
+            landed,
+            None if tokens is None else landed_tokens,
+            None if keys is None else landed_keys,
+        )
         return out
 
-    def adopt(self, slots: Sequence[int], blocks: Sequence[BlockInfo]) -> None:
+    def adopt(
+        self,
+        slots: Sequence[int],
+        blocks: Sequence[BlockInfo],
+        tokens: Sequence[bytes | None] | None = None,
+    ) -> None:
         """Take blocks that already sit in free ``slots`` of this tier's storage -- a restarted
         worker's disk cache, which its log lists already -- as inactive (cached, evicted in
         the order given). Emits nothing: the events that put them here are in the log.
@@ -339,6 +417,8 @@ class BlockPool:
             self._hash[slot] = info.sequence_hash
             self._local[slot] = info.local_hash
             self._parent[slot] = info.parent_hash
+        if tokens is not None:
+            self._put_tokens(slots, tokens, None)
         self._policy.registered(
             slots, [b.sequence_hash for b in blocks], [b.parent_hash for b in blocks]
         )
@@ -399,13 +479,14 @@ class BlockPool:
             self._drop(victims)
 
     def _drop(self, slots: list[int]) -> list[int]:
-        by_hash, hashes = self._by_hash, self._hash
+        by_hash, hashes, tokens, keys = self._by_hash, self._hash, self._tokens, self._keys
         gone: list[int] = []
         for slot in slots:
             seq = hashes[slot]
             assert seq is not None
             del by_hash[seq]
             hashes[slot] = None
+            tokens[slot] = keys[slot] = None
             gone.append(seq)
         self._free.extend(slots)
         self.emitter.removed(self.tier, gone)
@@ -420,5 +501,7 @@ class BlockPool:
         self._by_hash.clear()
         self._hash = [None] * self.capacity
         self._parent = [None] * self.capacity
+        self._tokens = [None] * self.capacity
+        self._keys = [None] * self.capacity
         self._free = list(range(self.capacity - 1, -1, -1))
         self.emitter.cleared(self.tier)

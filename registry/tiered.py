@@ -19,7 +19,7 @@ from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from kvledger.events.types import BlockInfo, Tier
+from kvledger.events.types import BlockInfo, HashKey, Tier
 from kvledger.registry.emitter import EventEmitter
 from kvledger.registry.policies import FrequencySketch
 from kvledger.registry.pool import BlockPool
@@ -275,7 +275,14 @@ class TieredRegistry:
     def _complete(self, plan: CopyPlan) -> list[CopyPlan]:
         src_pool = self.pools[plan.src_tier]
         dst_pool = self.pools[plan.dst_tier]
-        plan.landed = dst_pool.register_copies(plan.dst_slots, plan.blocks, plan.src_tier)
+        # the source slots are pinned until here: what they kept of each block travels along
+        plan.landed = dst_pool.register_copies(
+            plan.dst_slots,
+            plan.blocks,
+            plan.src_tier,
+            src_pool.tokens_of(plan.src_slots),
+            src_pool.keys_of(plan.src_slots),
+        )
         src_pool.release(plan.src_slots)
         follow: list[CopyPlan] = []
         if plan.dst_tier is not Tier.G1:
@@ -300,7 +307,12 @@ class TieredRegistry:
         return self._g2_for_g4().allocate_upto(count)
 
     def land_g4(
-        self, slots: Sequence[int], blocks: Sequence[BlockInfo], held_back: Collection[int] = ()
+        self,
+        slots: Sequence[int],
+        blocks: Sequence[BlockInfo],
+        held_back: Collection[int] = (),
+        tokens: Sequence[bytes | None] | None = None,
+        keys: Sequence[HashKey | None] | None = None,
     ) -> list[int]:
         """Register the first ``len(blocks)`` of the reserved ``slots`` as read from G4
         (``Onboarded(G4 -> G2)``) and free the rest, except ``held_back`` (slots a read still
@@ -308,7 +320,7 @@ class TieredRegistry:
         until the caller releases them."""
         pool = self._g2_for_g4()
         n = len(blocks)
-        landed = pool.register_copies(slots[:n], blocks, Tier.G4) if n else []
+        landed = pool.register_copies(slots[:n], blocks, Tier.G4, tokens, keys) if n else []
         kept = set(held_back)
         pool.release([s for s in slots[n:] if s not in kept])
         return landed
@@ -322,11 +334,17 @@ class TieredRegistry:
         hashes dropped."""
         return self.pools[tier].remove(sequence_hashes)
 
-    def adopt(self, tier: Tier, slots: Sequence[int], blocks: Sequence[BlockInfo]) -> None:
+    def adopt(
+        self,
+        tier: Tier,
+        slots: Sequence[int],
+        blocks: Sequence[BlockInfo],
+        tokens: Sequence[bytes | None] | None = None,
+    ) -> None:
         """Take blocks that a restart found already sitting in ``slots`` of ``tier`` (a disk
-        cache the earlier run's log lists) as cached, without events: call before ``resume``
-        with ``keep`` naming that tier."""
-        self.pools[tier].adopt(slots, blocks)
+        cache the earlier run's log lists) as cached, without events, with each block's token
+        ids where known: call before ``resume`` with ``keep`` naming that tier."""
+        self.pools[tier].adopt(slots, blocks, tokens)
 
     def _g2_for_g4(self) -> BlockPool:
         pool = self.pools.get(Tier.G2)

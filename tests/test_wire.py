@@ -12,6 +12,7 @@ import pytest
 from event_streams import prompt_pool, worker_events
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from vllm_schema import vllm_classes
 
 from kvledger.events.types import AnyEvent, BlockInfo, Cleared, Offloaded, Removed, Stored, Tier
 from kvledger.events.wire import (
@@ -230,64 +231,8 @@ def test_index_agrees_with_radix_tree_through_restarts_and_departures(
 # -- vLLM --------------------------------------------------------------------------------
 
 
-# vLLM's documented schema (vLLM 0.33 ``vllm/distributed/kv_events.py``: field names, order and
-# defaults), used when vllm itself does not import here.
-class _KVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
-    pass
-
-
-class BlockStored(_KVCacheEvent):
-    block_hashes: list[bytes | int]
-    parent_block_hash: bytes | int | None
-    token_ids: list[int]
-    block_size: int
-    lora_id: int | None
-    medium: str | None
-    lora_name: str | None
-    extra_keys: list[tuple[Any, ...] | None] | None = None
-    group_idx: int | None = None
-    kv_cache_spec_kind: str | None = None
-    kv_cache_spec_sliding_window: int | None = None
-    locality: str | None = None
-    ownership: str | None = None
-    session_id: str | None = None
-    lookahead_token_ids: list[list[int]] | None = None
-
-
-class BlockRemoved(_KVCacheEvent):
-    block_hashes: list[bytes | int]
-    medium: str | None
-    group_idx: int | None = None
-    locality: str | None = None
-    ownership: str | None = None
-
-
-class AllBlocksCleared(_KVCacheEvent):
-    pass
-
-
-class KVEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
-    ts: float
-    events: list[BlockStored | BlockRemoved | AllBlocksCleared]
-    data_parallel_rank: int | None = None
-
-
-def _vllm_classes() -> tuple[type[Any], type[Any], type[Any], type[Any]]:
-    """vLLM's own msgspec classes when vllm imports here, otherwise the schema above."""
-    try:
-        from vllm.distributed.kv_events import (
-            AllBlocksCleared as VAllBlocksCleared,
-        )
-        from vllm.distributed.kv_events import BlockRemoved as VBlockRemoved
-        from vllm.distributed.kv_events import BlockStored as VBlockStored
-        from vllm.distributed.kv_events import KVEventBatch as VKVEventBatch
-    except Exception:
-        return KVEventBatch, BlockStored, BlockRemoved, AllBlocksCleared
-    return VKVEventBatch, VBlockStored, VBlockRemoved, VAllBlocksCleared
-
-
 def test_vllm_batch_decodes_and_matches_msgspec_bytes() -> None:
-    KVEventBatch, BlockStored, BlockRemoved, AllBlocksCleared = _vllm_classes()
+    KVEventBatch, BlockStored, BlockRemoved, AllBlocksCleared = vllm_classes()
     g1 = {**COMMON, "tier": Tier.G1}
     events: list[AnyEvent] = [
         Stored(
@@ -334,12 +279,20 @@ def test_vllm_batch_decodes_and_matches_msgspec_bytes() -> None:
             lora_name=None,
         ),
         BlockRemoved(block_hashes=[9], medium="STORAGE"),
-        AllBlocksCleared(),
+        # G2 still holds block 5: clearing G1 is removing what G1 held
+        BlockRemoved(block_hashes=[6, 5, 2**64 - 1], medium="GPU"),
     ]
+    cleared = batch.events[-1]
+    assert isinstance(cleared, BlockRemoved)
+    assert sorted(cleared.block_hashes) == sorted(expected[-1].block_hashes)  # in any order
+    expected[-1] = cleared
     assert batch.events == expected
     assert (
         msgspec.msgpack.encode(KVEventBatch(ts=12.5, events=expected, data_parallel_rank=1)) == data
     )
+    # when no other tier holds anything, clearing G1 is vLLM's AllBlocksCleared
+    alone = encode_vllm_batch([events[0], Cleared(event_id=5, **g1)], block_size=2)
+    assert msgspec.msgpack.decode(alone, type=KVEventBatch).events[1:] == [AllBlocksCleared()]
     # an empty batch has no rank: nil, as vLLM writes it
     plain = encode_vllm_batch([], block_size=2, ts=1.0)
     assert plain == msgspec.msgpack.encode(KVEventBatch(ts=1.0, events=[]))
@@ -347,7 +300,7 @@ def test_vllm_batch_decodes_and_matches_msgspec_bytes() -> None:
 
 def test_vllm_refuses_what_it_cannot_express() -> None:
     g2 = {**COMMON}
-    with pytest.raises(ValueError, match="AllBlocksCleared means the GPU cache"):
+    with pytest.raises(ValueError, match=r"Cleared on G2 .* pass the VllmMapper"):
         encode_vllm_batch([Cleared(event_id=0, **g2)], block_size=2)
     assert encode_vllm_batch(
         [Cleared(event_id=0, **g2)], block_size=2, tiers=[Tier.G1]
@@ -358,7 +311,7 @@ def test_vllm_refuses_what_it_cannot_express() -> None:
     stored = Stored(
         event_id=0, **COMMON, parent_hash=None, blocks=((1, 1),), token_ids=((1, 2, 3),)
     )
-    with pytest.raises(ValueError, match="block 0 has 3 token ids, block_size is 2"):
+    with pytest.raises(ValueError, match=r"blocks of \[3\] token ids, block_size is 2"):
         encode_vllm_batch([stored], block_size=2)
     other_rank = Removed(event_id=1, **{**COMMON, "dp_rank": 0}, sequence_hashes=(1,))
     with pytest.raises(ValueError, match="one dp rank"):

@@ -45,6 +45,7 @@ from kvledger.registry.tiered import OFFLOAD_FILTERS, TieredRegistry
 if TYPE_CHECKING:  # the log and metrics modules load SQLAlchemy, numpy, prometheus: only
     # a run that uses them pays for importing them (a --no-log run starts twice as fast)
     from kvledger.events.log import EventLog
+    from kvledger.events.shared.zmq_publish import ZmqPublisher
     from kvledger.metrics import Metrics
 
 POLICIES = ("lru", "lineage", "multi_lru")
@@ -159,6 +160,14 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     )
     p.add_argument("--metrics-port", type=port, metavar="N", help="serve kvbm_* metrics on N")
     p.add_argument(
+        "--zmq-endpoint",
+        metavar="ENDPOINT",
+        help="publish every event as vLLM KVEventBatch on a ZMQ PUB socket bound here",
+    )
+    p.add_argument(
+        "--zmq-replay-endpoint", metavar="ENDPOINT", help="bind the ZMQ replay socket here"
+    )
+    p.add_argument(
         "--dump-state",
         metavar="FILE",
         type=output_file,
@@ -187,6 +196,8 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         ("timing_model", "timing_model"),
         ("admission_rule", "admission_rule"),
         ("speedup_ratio", "speedup_ratio"),
+        ("zmq_endpoint", "zmq_endpoint"),
+        ("zmq_replay_endpoint", "zmq_replay_endpoint"),
     ):
         value = getattr(args, arg, None)
         if value is not None:
@@ -351,8 +362,26 @@ def simulate(args: argparse.Namespace, note: Callable[[str], None]) -> Outcome:
         url = database_url(args.log) if args.log else settings.log_url
         shown = shown_url(url)
         log = _open_log(url)
+    zmq_publisher: ZmqPublisher | None = None
     try:
         sinks: list[Callable[[AnyEvent], None]] = [] if log is None else [log.append]
+        if settings.zmq_endpoint is not None:
+            if log is None:
+                raise ValueError("--zmq-endpoint needs the event log (replay serves from it)")
+            from kvledger.events.shared.zmq_publish import open_publisher
+
+            zmq_publisher = open_publisher(
+                settings.zmq_endpoint,
+                log=log,
+                worker_id=worker,
+                block_size=settings.block_size,
+                replay_endpoint=settings.zmq_replay_endpoint,
+                topic=settings.zmq_topic,
+                dp_rank=settings.dp_rank,
+                ring_size=settings.zmq_ring_size,
+            )
+            sinks.append(zmq_publisher)
+            note(f"publishing KV events on {zmq_publisher.endpoint}")
         if metrics is not None:
             sinks.append(metrics.observe_event)
             metrics.serve(args.metrics_port)
@@ -405,6 +434,8 @@ def simulate(args: argparse.Namespace, note: Callable[[str], None]) -> Outcome:
         if metrics is not None:
             metrics.refresh(cache.registry.pools)
     finally:
+        if zmq_publisher is not None:
+            zmq_publisher.close()
         if log is not None:
             log.close()
 

@@ -1,4 +1,8 @@
-"""``kvledger tail LOG``: print a log's newest events, then follow new ones as they commit."""
+"""``kvledger tail LOG``: print a log's newest events, then follow new ones as they commit.
+
+``kvledger tail --zmq tcp://HOST:PORT`` follows a vLLM-compatible ZMQ event stream instead (a
+kvledger worker's or an engine's), asking ``--zmq-replay`` for what came before or was missed.
+"""
 
 from __future__ import annotations
 
@@ -13,7 +17,19 @@ from kvledger.events.types import AnyEvent, Cleared, Offloaded, Onboarded, Remov
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("tail", help="print the newest events of a log and follow new ones")
     p.add_argument(
-        "log", metavar="LOG", type=log_location, help="SQLite file path or SQLAlchemy URL"
+        "log",
+        metavar="LOG",
+        type=log_location,
+        nargs="?",
+        help="SQLite file path or SQLAlchemy URL (or --zmq)",
+    )
+    p.add_argument("--zmq", metavar="ENDPOINT", help="follow a ZMQ KV event stream (PUB socket)")
+    p.add_argument(
+        "--zmq-replay", metavar="ENDPOINT", help="its replay socket: start from the first batch"
+    )
+    p.add_argument("--zmq-topic", default="", help="topic to subscribe to (default: all)")
+    p.add_argument(
+        "--worker-id", type=non_negative_int, default=0, help="worker id to show for a ZMQ stream"
     )
     p.add_argument("-n", "--lines", type=non_negative_int, default=10, help="events to show first")
     p.add_argument("--no-follow", action="store_true", help="print and exit")
@@ -47,6 +63,10 @@ def _hashes(hashes: tuple[int, ...], shown: int = 3) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    if (args.log is None) == (args.zmq is None):
+        raise ValueError("tail takes a LOG or --zmq ENDPOINT (one of them)")
+    if args.zmq is not None:
+        return _tail_zmq(args)
     with EventLog(args.log, read_only=True) as log:
         last = log.last_position()
         start = max(0, last - args.lines)
@@ -66,4 +86,27 @@ def run(args: argparse.Namespace) -> int:
                     break
             if not new:
                 time.sleep(args.interval)
+    return 0
+
+
+def _tail_zmq(args: argparse.Namespace) -> int:
+    """Follow a ZMQ stream; events are numbered as read (a vLLM batch has no event ids)."""
+    from kvledger.events.shared.zmq_subscribe import ZmqSubscriber
+    from kvledger.events.vllm_events import to_events
+
+    with ZmqSubscriber(
+        args.zmq, replay_endpoint=args.zmq_replay, topic=args.zmq_topic
+    ) as subscriber:
+        batches = subscriber.replay(0) if args.zmq_replay is not None else iter(())
+        followed, next_id = 0, 0
+        timeout = 0.0 if args.no_follow else None
+        for source in (batches, subscriber.batches(timeout=timeout)):
+            for seq, batch in source:
+                subscriber.next_seq = max(subscriber.next_seq, seq + 1)
+                for event in to_events(args.worker_id, next_id, batch):
+                    print(describe(seq, event), flush=True)
+                    next_id += 1
+                followed += 1
+                if args.max_events is not None and followed >= args.max_events:
+                    return 0
     return 0

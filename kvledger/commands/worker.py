@@ -17,6 +17,7 @@ import random
 import signal
 import sys
 import threading
+from collections.abc import Callable
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
@@ -25,7 +26,8 @@ from kvledger.events.log import EventLog
 from kvledger.events.shared.client import connect
 from kvledger.events.shared.publish import FanOut, RedisPublisher
 from kvledger.events.shared.registry import SharedRegistry
-from kvledger.events.types import Tier
+from kvledger.events.shared.zmq_publish import open_publisher
+from kvledger.events.types import AnyEvent, Tier
 from kvledger.mocker.kv_manager import Deref, FullBlock, KvManager, Use
 from kvledger.registry.hashing import TokenBlockSequence
 
@@ -72,6 +74,14 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     )
     p.add_argument("--seed", type=int, default=0, help="workload seed (prefixes are shared)")
     p.add_argument("--linger", action="store_true", help="stay alive until SIGTERM")
+    p.add_argument(
+        "--zmq-endpoint",
+        metavar="ENDPOINT",
+        help="also publish every event as vLLM KVEventBatch on a ZMQ PUB socket bound here",
+    )
+    p.add_argument(
+        "--zmq-replay-endpoint", metavar="ENDPOINT", help="bind the ZMQ replay socket here"
+    )
     p.add_argument("--release-on-exit", action="store_true", help="drop entries when leaving")
     p.set_defaults(func=run)
 
@@ -84,11 +94,25 @@ def run(args: argparse.Namespace) -> int:
     )
     log = EventLog(args.log)
     publisher = RedisPublisher(registry, args.worker_id, log=log, linger_s=args.publish_linger)
+    sinks: list[Callable[[AnyEvent], None]] = [log.append, publisher]
+    zmq_publisher = None
+    if args.zmq_endpoint is not None:
+        zmq_publisher = open_publisher(
+            args.zmq_endpoint,
+            log=log,
+            worker_id=args.worker_id,
+            block_size=args.block_size,
+            replay_endpoint=args.zmq_replay_endpoint,
+            dp_rank=args.dp_rank,
+        )
+        sinks.append(zmq_publisher)
+    elif args.zmq_replay_endpoint is not None:
+        raise ValueError("--zmq-replay-endpoint needs --zmq-endpoint")
     mgr = KvManager(
         args.blocks,
         args.block_size,
         eviction="lru",
-        sink=FanOut(log.append, publisher),
+        sink=FanOut(*sinks),
         worker_id=args.worker_id,
         dp_rank=args.dp_rank,
     )
@@ -126,6 +150,8 @@ def run(args: argparse.Namespace) -> int:
             stop.wait()
     finally:
         publisher.stop(drain_timeout=drain_timeout)
+        if zmq_publisher is not None:
+            zmq_publisher.close()
         if args.release_on_exit:
             registry.release(args.worker_id)
         log.close()

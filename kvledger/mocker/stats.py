@@ -14,6 +14,7 @@ from typing import Any, Protocol
 from kvledger.events.types import (
     AnyEvent,
     BlockInfo,
+    HashKey,
     Offloaded,
     Onboarded,
     Removed,
@@ -22,7 +23,7 @@ from kvledger.events.types import (
 )
 from kvledger.mocker.cache import Admission, SimulatedCache
 from kvledger.mocker.traces import TraceRequest
-from kvledger.registry.emitter import EventEmitter, EventSink
+from kvledger.registry.emitter import BlockTokens, EventEmitter, EventSink
 
 TIERS = (Tier.G1, Tier.G2, Tier.G3)
 
@@ -93,22 +94,30 @@ class CountingEmitter(EventEmitter):
         tier: Tier,
         parent_hash: int | None,
         blocks: Sequence[tuple[int, int]],
-        token_ids: Sequence[Sequence[int]] | None = None,
+        token_ids: Sequence[BlockTokens] | None = None,
+        key: HashKey | None = None,
     ) -> None:
         self.stored_blocks[tier] += len(blocks)
-        super().stored(tier, parent_hash, blocks, token_ids)
+        super().stored(tier, parent_hash, blocks, token_ids, key)
 
     def removed(self, tier: Tier, sequence_hashes: Iterable[int]) -> None:
         hashes = tuple(sequence_hashes)
         self.removed_blocks[tier] += len(hashes)
         super().removed(tier, hashes)
 
-    def copied(self, src_tier: Tier, dst_tier: Tier, blocks: Sequence[BlockInfo]) -> None:
+    def copied(
+        self,
+        src_tier: Tier,
+        dst_tier: Tier,
+        blocks: Sequence[BlockInfo],
+        tokens: Sequence[BlockTokens | None] | None = None,
+        keys: Sequence[HashKey | None] | None = None,
+    ) -> None:
         if blocks and src_tier != dst_tier:
             (self.offloaded_blocks if dst_tier > src_tier else self.onboarded_blocks)[
                 dst_tier if dst_tier > src_tier else src_tier
             ] += len(blocks)
-        super().copied(src_tier, dst_tier, blocks)
+        super().copied(src_tier, dst_tier, blocks, tokens, keys)
 
     def resume(self, last_event_id: int, clear: Iterable[Tier] = ()) -> None:
         super().resume(last_event_id, clear)

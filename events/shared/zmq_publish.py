@@ -1,0 +1,332 @@
+"""Publishing a worker's events over ZMQ the way vLLM's engines do (``ZmqEventPublisher``).
+
+Routers users run (Dynamo's KV router and standalone indexer, vLLM-native routers) subscribe to
+engines' ZMQ streams. Each message is three frames ``[topic, sequence number as a big-endian
+u64, KVEventBatch msgpack]``; a ROUTER socket answers ``[b"", start_seq]`` with every batch
+from ``start_seq`` on (``[b"", topic, seq, payload]`` each), then ``[b"", b"", -1, b""]``.
+
+Where this differs from vLLM's publisher, on purpose:
+
+- One event is one batch, and its sequence number is the event's id. Event ids are per worker,
+  contiguous and continue across restarts (they come from the log), so the sequence numbers do
+  too, and a batch is found in the durable log by its number alone.
+- Replay is served from the in-memory ring of the newest batches, and from the durable log for
+  anything older, so a router that was down catches up on everything. Routers that start fresh
+  (Dynamo's indexer asks for everything from 0 when the first number it sees is later) rebuild
+  the whole worker.
+- The engine's thread only appends to a queue: encoding, sending and replay happen on the
+  publisher's thread. The PUB side is an XPUB socket with ``XPUB_NODROP``, sent to without
+  blocking, so a subscriber that cannot keep up costs a dropped message, counted in
+  ``dropped`` (and ``kvledger_zmq_dropped_messages_total``), which the subscriber sees as a
+  gap and recovers by replay, instead of a silent drop.
+- When a subscriber joins, the newest batch is sent again, so that one which missed batches
+  (a restarted router, or one reconnecting to a restarted worker) sees its gap and asks for
+  them at once, rather than at the worker's next event. Others skip it by its number.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+from collections import deque
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any
+
+import zmq
+
+from kvledger.events.types import AnyEvent, Tier
+from kvledger.events.vllm_events import VllmMapper, encode_events
+
+log = logging.getLogger(__name__)
+
+END_SEQ = (-1).to_bytes(8, "big", signed=True)
+"""The sequence number that ends a replay (vLLM's ``ZmqEventPublisher.END_SEQ``)."""
+
+
+class ZmqPublisher:
+    """An event sink that publishes one worker's events on a ZMQ PUB socket.
+
+    ``log`` (the worker's durable event log) serves replays older than the ring; ``held`` is
+    what the worker's tiers held before the first event this publisher sees (a restart: the
+    log's fold), so that a ``Cleared`` is mapped against it.
+    """
+
+    def __init__(
+        self,
+        endpoint: str,
+        *,
+        worker_id: int,
+        block_size: int,
+        replay_endpoint: str | None = None,
+        topic: str = "",
+        dp_rank: int = 0,
+        log: Any = None,
+        held: Mapping[Tier, Iterable[int]] | None = None,
+        ring_size: int = 10_000,
+        hwm: int = 100_000,
+        metrics_registry: object | None = None,
+        context: zmq.Context[Any] | None = None,
+    ) -> None:
+        if ring_size < 1:
+            raise ValueError(f"ring_size must be positive, got {ring_size}")
+        self.worker_id = worker_id
+        self.dp_rank = dp_rank
+        self.block_size = block_size
+        self._topic = topic.encode()
+        self._log = log
+        self._mapper = VllmMapper(block_size)
+        if held is not None:
+            self._mapper.seed(held)
+        self._ring: deque[tuple[int, bytes]] = deque(maxlen=ring_size)
+        self._queue: deque[AnyEvent] = deque()
+        self._wake = threading.Event()
+        self._idle = False
+        self._closing = False
+        self.dropped = 0
+        self.published = 0
+        self._next_seq: int | None = None  # the first live batch's number, once one is sent
+        self._dropped_metric = _dropped_counter(metrics_registry)
+        ctx = context if context is not None else zmq.Context.instance()
+        self._pub = ctx.socket(zmq.XPUB)
+        self._replay: zmq.Socket[Any] | None = None
+        try:
+            self._pub.setsockopt(zmq.XPUB_NODROP, 1)
+            self._pub.setsockopt(zmq.XPUB_VERBOSE, 1)  # every subscription, not only the first
+            self._pub.setsockopt(zmq.SNDHWM, hwm)
+            self._pub.setsockopt(zmq.LINGER, 500)
+            self._pub.bind(endpoint)
+            if replay_endpoint is not None:
+                self._replay = ctx.socket(zmq.ROUTER)
+                self._replay.setsockopt(zmq.SNDHWM, 0)  # a replay is sent whole
+                self._replay.setsockopt(zmq.LINGER, 500)
+                self._replay.bind(replay_endpoint)
+        except zmq.ZMQError as exc:
+            self._close_sockets()
+            raise ValueError(f"cannot bind the ZMQ publisher: {exc}") from None
+        self.endpoint = self._pub.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.replay_endpoint = (
+            None if self._replay is None else self._replay.getsockopt_string(zmq.LAST_ENDPOINT)
+        )
+        self._thread = threading.Thread(target=self._run, name="kvledger-zmq-publisher")
+        self._thread.daemon = True
+        self._thread.start()
+
+    # -- the engine's side: never blocks --------------------------------------------------------
+
+    def __call__(self, event: AnyEvent) -> None:
+        """Queue ``event`` (events of other workers are not this publisher's)."""
+        if event.worker_id == self.worker_id:
+            self._queue.append(event)
+            if self._idle:  # waking a busy thread would cost the engine a lock for nothing
+                self._wake.set()
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Send what is queued, then close the sockets."""
+        self._closing = True
+        self._wake.set()
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            log.warning("ZMQ publisher did not finish within %.1f s", timeout)
+            return
+        self._close_sockets()
+
+    def __enter__(self) -> ZmqPublisher:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def wait_sent(self, timeout: float = 5.0) -> bool:
+        """Wait until every queued event has been sent (or dropped); False on timeout."""
+        done = threading.Event()
+        self._queue.append(_Marker(done))  # type: ignore[arg-type]
+        self._wake.set()
+        return done.wait(timeout)
+
+    # -- the publisher's thread -----------------------------------------------------------------
+
+    def _run(self) -> None:
+        queue, wake = self._queue, self._wake
+        poller = zmq.Poller()
+        poller.register(self._pub, zmq.POLLIN)
+        if self._replay is not None:
+            poller.register(self._replay, zmq.POLLIN)
+        while True:
+            if queue:
+                self._send_queued()
+            ready = dict(poller.poll(0))
+            if self._pub in ready:
+                self._drain_subscriptions()
+            if self._replay is not None and self._replay in ready:
+                try:
+                    self._serve_replay()
+                except Exception:
+                    log.exception("ZMQ replay failed")
+            if queue:
+                continue
+            if self._closing:
+                return
+            wake.clear()
+            self._idle = True  # before the check: an event appended after it wakes the wait
+            if not queue:
+                wake.wait(0.05)
+            self._idle = False
+
+    def _send_queued(self) -> None:
+        queue, ring, mapper = self._queue, self._ring, self._mapper
+        send = self._pub.send
+        topic, rank = self._topic, self.dp_rank
+        more = zmq.NOBLOCK | zmq.SNDMORE
+        # a bounded pass, so that replay requests and subscriptions are served under load too
+        for _ in range(min(len(queue), 4096)):
+            event = queue.popleft()
+            if isinstance(event, _Marker):
+                event.done.set()
+                continue
+            try:
+                payload = mapper.payload(event, rank)
+            except Exception:
+                log.exception("cannot map event %s for vLLM routers; sending an empty batch", event)
+                payload = encode_events([], mapper, ts=event.ts, dp_rank=rank)
+            seq = event.event_id
+            if self._next_seq is None:
+                self._next_seq = seq
+            ring.append((seq, payload))
+            try:
+                # the first frame either goes to every subscriber or fails; the rest follow it
+                send(topic, more)
+                send(seq.to_bytes(8, "big"), zmq.SNDMORE)
+                send(payload)
+                self.published += 1
+            except zmq.Again:
+                self.dropped += 1
+                if self._dropped_metric is not None:
+                    self._dropped_metric.inc()
+
+    def _drain_subscriptions(self) -> None:
+        """Read the subscriptions XPUB reports; on a new one, send the newest batch again.
+
+        A subscriber learns it missed batches only from the next one it gets, so one that
+        connects after a burst (a router restarting, or reconnecting to a restarted worker)
+        would wait for the worker's next event to ask for them. The repeat tells it at once;
+        subscribers that have it already skip it by its sequence number.
+        """
+        subscribed = False
+        while True:
+            try:
+                message = self._pub.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            subscribed = subscribed or message[:1] == b"\x01"
+        if subscribed and self._ring:
+            seq, payload = self._ring[-1]
+            # a subscriber that is full now learns of the gap from the next batch instead
+            with contextlib.suppress(zmq.Again):
+                self._pub.send_multipart(
+                    (self._topic, seq.to_bytes(8, "big"), payload), flags=zmq.NOBLOCK
+                )
+
+    def _serve_replay(self) -> None:
+        assert self._replay is not None
+        frames = self._replay.recv_multipart()
+        if len(frames) != 3 or len(frames[2]) != 8:
+            log.warning("ignoring a replay request that is not [id, b'', u64 start]")
+            return
+        client, start = frames[0], int.from_bytes(frames[2], "big")
+        send = self._replay.send_multipart
+        topic = self._topic
+        first_in_ring = self._ring[0][0] if self._ring else self._next_seq
+        if self._log is not None and (first_in_ring is None or start < first_in_ring):
+            for seq, payload in self._from_log(start, first_in_ring):
+                send((client, b"", topic, seq.to_bytes(8, "big"), payload))
+        for seq, payload in self._ring:
+            if seq >= start:
+                send((client, b"", topic, seq.to_bytes(8, "big"), payload))
+        send((client, b"", b"", END_SEQ, b""))
+
+    def _from_log(self, start: int, until: int | None) -> Iterator[tuple[int, bytes]]:
+        """Batches ``start..until-1`` rebuilt from the durable log. The mapping of a
+        ``Cleared`` depends on everything before it, so the worker's events are read from
+        its first; copies get their tokens from the ``Stored`` events before them."""
+        mapper = VllmMapper(self.block_size, remember_tokens=True)
+        last = None if until is None else until - 1
+        # the log takes every event before this publisher does, but may not have committed
+        # those just older than the ring yet
+        self._log.flush()
+        for event in self._log.read(worker_id=self.worker_id, until_event_id=last):
+            payload = mapper.payload(event, self.dp_rank)
+            if event.event_id >= start:
+                yield event.event_id, payload
+
+    def _close_sockets(self) -> None:
+        for sock in (self._pub, self._replay):
+            if sock is not None:
+                sock.close()
+
+
+class _Marker:
+    """A place in the queue (``wait_sent``)."""
+
+    __slots__ = ("done",)
+
+    def __init__(self, done: threading.Event) -> None:
+        self.done = done
+
+
+def _dropped_counter(registry: object | None) -> Any:
+    if registry is None:
+        return None
+    from prometheus_client import CollectorRegistry
+    from prometheus_client import Counter as PromCounter
+
+    if not isinstance(registry, CollectorRegistry):
+        raise TypeError(
+            f"metrics_registry must be a prometheus CollectorRegistry, got {registry!r}"
+        )
+    return PromCounter(
+        "kvledger_zmq_dropped_messages",
+        "ZMQ event batches not sent because a subscriber was too slow (replay recovers them)",
+        registry=registry,
+    )
+
+
+def logged_holdings(log: Any, worker_id: int) -> dict[Tier, list[int]]:
+    """What ``worker_id``'s tiers held by ``log``'s fold: the state a restarted worker's
+    publisher maps its first ``Cleared`` events against."""
+    from kvledger.events.log.replay import replay
+
+    held: dict[Tier, list[int]] = {}
+    for (worker, tier), columns in replay(log).iter_columns():
+        if worker == worker_id:
+            held[tier] = columns.seq.tolist()
+    return held
+
+
+def open_publisher(
+    endpoint: str,
+    *,
+    log: Any,
+    worker_id: int,
+    block_size: int,
+    replay_endpoint: str | None = None,
+    topic: str = "",
+    dp_rank: int = 0,
+    ring_size: int = 10_000,
+    metrics_registry: object | None = None,
+) -> ZmqPublisher:
+    """A publisher for a worker that writes ``log``: replay reaches back through the log,
+    and a restart's ``Cleared`` events are mapped against what the log says was held."""
+    held = logged_holdings(log, worker_id) if log.last_event_id(worker_id) >= 0 else None
+    return ZmqPublisher(
+        endpoint,
+        worker_id=worker_id,
+        block_size=block_size,
+        replay_endpoint=replay_endpoint,
+        topic=topic,
+        dp_rank=dp_rank,
+        log=log,
+        held=held,
+        ring_size=ring_size,
+        metrics_registry=metrics_registry,
+    )

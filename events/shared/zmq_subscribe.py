@@ -1,0 +1,124 @@
+"""Reading a vLLM-compatible ZMQ event stream: ours (``ZmqPublisher``) or an engine's.
+
+The subscriber checks sequence numbers as Dynamo's indexer does: the first batch it expects is
+``start_seq`` (0 by default: everything), and a batch after a gap makes it ask the replay
+socket for the missing ones before going on, so what it yields has no holes. Without a replay
+endpoint a gap is reported (``gaps``) and reading goes on.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import zmq
+
+from kvledger.events.types import AnyEvent
+from kvledger.events.vllm_events import decode_batch, to_events
+
+Batch = tuple[float, list[dict[str, Any]], int | None]
+END_SEQ_VALUE = (1 << 64) - 1
+
+
+class ZmqSubscriber:
+    """Batches of one publisher, in sequence order, with replay of whatever was missed."""
+
+    def __init__(
+        self,
+        endpoint: str,
+        *,
+        replay_endpoint: str | None = None,
+        topic: str = "",
+        start_seq: int = 0,
+        replay_timeout: float = 10.0,
+        context: zmq.Context[Any] | None = None,
+    ) -> None:
+        ctx = context if context is not None else zmq.Context.instance()
+        self._ctx = ctx
+        self._sub = ctx.socket(zmq.SUB)
+        self._sub.setsockopt(zmq.LINGER, 0)
+        self._sub.setsockopt(zmq.SUBSCRIBE, topic.encode())
+        self._sub.connect(endpoint)
+        self._replay_endpoint = replay_endpoint
+        self._replay_timeout = replay_timeout
+        self.next_seq = start_seq
+        #: (first missing, first seen after) of each gap that could not be replayed
+        self.gaps: list[tuple[int, int]] = []
+
+    def close(self) -> None:
+        self._sub.close()
+
+    def __enter__(self) -> ZmqSubscriber:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def batches(self, timeout: float | None = None) -> Iterator[tuple[int, Batch]]:
+        """``(seq, (ts, events, dp_rank))`` as they come; stops after ``timeout`` seconds
+        without a message (None: never)."""
+        poll_ms = None if timeout is None else int(timeout * 1000)
+        while True:
+            if not self._sub.poll(poll_ms):
+                return
+            frames = self._sub.recv_multipart()
+            if len(frames) != 3 or len(frames[1]) != 8:
+                raise ValueError(
+                    f"a KV event message is [topic, u64 seq, payload], got {len(frames)} frames"
+                )
+            seq = int.from_bytes(frames[1], "big")
+            if seq < self.next_seq:
+                continue  # already had it (from a replay)
+            if seq > self.next_seq:
+                yield from self._fill(self.next_seq, seq)
+                if seq < self.next_seq:
+                    continue
+            self.next_seq = seq + 1
+            yield seq, decode_batch(frames[2])
+
+    def replay(self, start: int) -> Iterator[tuple[int, Batch]]:
+        """Every batch the publisher can replay from ``start`` on."""
+        if self._replay_endpoint is None:
+            raise ValueError("this subscriber has no replay endpoint")
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        try:
+            sock.connect(self._replay_endpoint)
+            sock.send_multipart((b"", start.to_bytes(8, "big")))
+            while True:
+                if not sock.poll(int(self._replay_timeout * 1000)):
+                    raise TimeoutError(
+                        f"no replay answer from {self._replay_endpoint} in "
+                        f"{self._replay_timeout:g} s"
+                    )
+                frames = sock.recv_multipart()
+                # [b"", topic, seq, payload]; vLLM's end marker: [b"", b"", -1, b""]
+                body = frames[1:] if frames and frames[0] == b"" else frames
+                if len(body) != 3:
+                    raise ValueError(f"a replayed message has 3 frames, got {len(body)}")
+                seq = int.from_bytes(body[1], "big")
+                if seq == END_SEQ_VALUE:
+                    return
+                yield seq, decode_batch(body[2])
+        finally:
+            sock.close()
+
+    def _fill(self, missing: int, seen: int) -> Iterator[tuple[int, Batch]]:
+        if self._replay_endpoint is None:
+            self.gaps.append((missing, seen))
+            return
+        for seq, batch in self.replay(missing):
+            if seq >= self.next_seq:
+                self.next_seq = seq + 1
+                yield seq, batch
+        if self.next_seq < seen:
+            self.gaps.append((self.next_seq, seen))
+
+    def events(self, worker_id: int, timeout: float | None = None) -> Iterator[AnyEvent]:
+        """The stream as our events, numbered from 0 in the order read (for ``RouterIndex``,
+        ``kvledger tail``): a vLLM batch has no per-event ids."""
+        next_id = 0
+        for _seq, batch in self.batches(timeout):
+            converted = to_events(worker_id, next_id, batch)
+            next_id += len(converted)
+            yield from converted

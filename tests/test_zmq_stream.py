@@ -1,0 +1,322 @@
+"""The ZMQ event stream: vLLM's frames and schema, replay from memory and from the log,
+sequence numbers across restarts, counted drops, and our own readers (subscriber, tail,
+RouterIndex)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import pytest
+
+zmq = pytest.importorskip("zmq", reason="needs pyzmq")
+pytest.importorskip("msgspec", reason="decodes like vLLM with msgspec (dev extra)")
+
+import msgspec  # noqa: E402
+from vllm_schema import vllm_classes  # noqa: E402
+
+from kvledger import BlockManager, Settings  # noqa: E402
+from kvledger.events.shared.zmq_publish import ZmqPublisher  # noqa: E402
+from kvledger.events.shared.zmq_subscribe import ZmqSubscriber  # noqa: E402
+from kvledger.events.types import Stored, Tier  # noqa: E402
+from kvledger.events.vllm_events import VllmStreamError, decode_batch, to_events  # noqa: E402
+from kvledger.registry.hashing import TokenBlockSequence  # noqa: E402
+from kvledger.registry.index import RouterIndex  # noqa: E402
+
+BLOCK = 4
+KVEventBatch, BlockStored, BlockRemoved, AllBlocksCleared = vllm_classes()
+
+
+def _settings(tmp_path: Path, **extra: Any) -> Settings:
+    values: dict[str, Any] = {
+        "block_size": BLOCK,
+        "num_layers": 1,
+        "outer_dim": 1,
+        "inner_dim": 4,
+        "dtype": "float32",
+        "g1_blocks": 8,
+        "g2_blocks": 8,
+        "g3_blocks": 16,
+        "offload_filter": "always",
+        "data_dir": tmp_path / "data",
+        "worker_id": 3,
+        "zmq_endpoint": "tcp://127.0.0.1:*",
+        "zmq_replay_endpoint": "tcp://127.0.0.1:*",
+        "zmq_topic": "kv",
+    }
+    values.update(extra)
+    return Settings.load(**values)
+
+
+def _serve(mgr: BlockManager, tokens: list[int], **keys: str) -> None:
+    seq = mgr.sequence(tokens, **keys)
+    held = mgr.onboard(seq)
+    held += mgr.register(mgr.allocate(len(seq) - len(held)), seq, start=len(held))
+    mgr.release(held)
+
+
+def _prompts(n: int, blocks: int = 3) -> list[list[int]]:
+    return [[100 * i + t for t in range(BLOCK * blocks)] for i in range(n)]
+
+
+def _publisher(mgr: BlockManager) -> ZmqPublisher:
+    publisher = mgr.zmq_publisher
+    assert publisher is not None
+    return publisher
+
+
+def _replayed(endpoint: str, start: int) -> list[tuple[bytes, int, bytes]]:
+    """Every (topic, seq, payload) a replay socket answers from ``start``, raw."""
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(endpoint)
+    sock.send_multipart([b"", start.to_bytes(8, "big")])
+    out: list[tuple[bytes, int, bytes]] = []
+    try:
+        while True:
+            assert sock.poll(5000), "no replay answer"
+            empty, topic, seq, payload = sock.recv_multipart()
+            assert empty == b""
+            if seq == (-1).to_bytes(8, "big", signed=True):
+                assert topic == payload == b""
+                return out
+            out.append((topic, int.from_bytes(seq, "big"), payload))
+    finally:
+        sock.close()
+
+
+@pytest.fixture
+def subscriber_factory() -> Iterator[Any]:
+    made: list[Any] = []
+
+    def make(endpoint: str, topic: bytes = b"kv") -> Any:
+        sock = zmq.Context.instance().socket(zmq.SUB)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SUBSCRIBE, topic)
+        sock.connect(endpoint)
+        made.append(sock)
+        return sock
+
+    yield make
+    for sock in made:
+        sock.close()
+
+
+def test_frames_decode_as_vllm_batches_with_tokens_on_every_tier(
+    tmp_path: Path, subscriber_factory: Any
+) -> None:
+    with BlockManager(_settings(tmp_path)) as mgr:
+        publisher = _publisher(mgr)
+        sub = subscriber_factory(publisher.endpoint)
+        sub.poll(300)  # let the subscription reach the publisher
+        time.sleep(0.3)
+        prompts = _prompts(4)
+        for tokens in prompts:
+            _serve(mgr, tokens)
+        _serve(mgr, prompts[0], lora_name="adapter-a", salt="s1")
+        mgr.wait_idle(10)
+        assert publisher.wait_sent()
+        last = mgr.next_event_id - 1
+        frames = []
+        while sub.poll(1000):
+            frames.append(sub.recv_multipart())
+            if int.from_bytes(frames[-1][1], "big") == last:
+                break
+    assert all(len(f) == 3 and f[0] == b"kv" for f in frames)
+    seqs = [int.from_bytes(f[1], "big") for f in frames]
+    assert seqs == list(range(seqs[0], last + 1))  # one batch per event, numbered by event id
+    batches = [msgspec.msgpack.decode(f[2], type=KVEventBatch) for f in frames]
+    stored = [e for b in batches for e in b.events if isinstance(e, BlockStored)]
+    media = {e.medium for e in stored}
+    assert media == {"GPU", "CPU", "STORAGE"}
+    by_block: dict[tuple[str | None, int], list[int]] = {}
+    for e in stored:
+        assert len(e.token_ids) == BLOCK * len(e.block_hashes)  # tokens on every tier
+        for i, h in enumerate(e.block_hashes):
+            by_block[(e.medium, h)] = e.token_ids[i * BLOCK : (i + 1) * BLOCK]
+    plain = TokenBlockSequence(prompts[1], BLOCK)
+    for medium in ("GPU", "CPU", "STORAGE"):
+        assert by_block[(medium, plain.sequence_hashes[2])] == prompts[1][2 * BLOCK : 3 * BLOCK]
+    lora = TokenBlockSequence(prompts[0], BLOCK, lora_name="adapter-a", salt="s1")
+    named = [e for e in stored if e.block_hashes[0] in lora.sequence_hashes]
+    assert named and {e.lora_name for e in named} == {"adapter-a"}
+    assert all(e.extra_keys == [("adapter-a", "s1")] * len(e.block_hashes) for e in named)
+    assert any(isinstance(e, BlockRemoved) for b in batches for e in b.events)  # evictions
+
+
+def test_replay_reaches_back_through_the_log_and_numbers_continue_after_restart(
+    tmp_path: Path, subscriber_factory: Any
+) -> None:
+    settings = _settings(tmp_path, zmq_ring_size=4)
+    with BlockManager(settings) as mgr:
+        for tokens in _prompts(5):
+            _serve(mgr, tokens)
+        mgr.wait_idle(10)
+        publisher = _publisher(mgr)
+        assert publisher.wait_sent()
+        first_run = _replayed(publisher.replay_endpoint or "", 0)
+        first_last = mgr.next_event_id - 1
+    # every batch, though the ring holds only the newest 4: the rest came from the log
+    assert [seq for _, seq, _ in first_run] == list(range(first_last + 1))
+    assert {topic for topic, _, _ in first_run} == {b"kv"}
+    with BlockManager(settings) as mgr:  # a restart: Cleared G1 and G2, G3 recovered
+        publisher = _publisher(mgr)
+        _serve(mgr, _prompts(6)[5])
+        mgr.wait_idle(10)
+        assert publisher.wait_sent()
+        second_run = _replayed(publisher.replay_endpoint or "", 0)
+        live_tail = _replayed(publisher.replay_endpoint or "", first_last + 1)
+    seqs = [seq for _, seq, _ in second_run]
+    assert seqs == list(range(len(seqs))) and seqs[-1] > first_last  # never goes back
+    assert second_run[: first_last + 1] == first_run  # the same bytes, live or from the log
+    assert live_tail == second_run[first_last + 1 :]
+    # the restart's Cleared of G1 and G2 became removals of those tiers' blocks: G3 stays
+    restart = [
+        e
+        for _, _, payload in live_tail
+        for e in msgspec.msgpack.decode(payload, type=KVEventBatch).events
+    ]
+    assert not any(isinstance(e, AllBlocksCleared) for e in restart)
+    assert {e.medium for e in restart if isinstance(e, BlockRemoved)} >= {"GPU", "CPU"}
+
+
+def test_lora_blocks_read_back_from_the_log_go_out_without_tokens(tmp_path: Path) -> None:
+    """The log keeps no LoRA names: a LoRA block replayed from it goes out without tokens (a
+    router skips it) rather than under the name its tokens have without the LoRA."""
+    settings = _settings(tmp_path, g2_blocks=0, g3_blocks=0, zmq_ring_size=1)
+    lora_tokens, plain_tokens = [7] * BLOCK * 2, [8] * BLOCK * 2
+    with BlockManager(settings) as mgr:
+        _serve(mgr, lora_tokens, lora_name="adapter-a")
+        _serve(mgr, plain_tokens)
+        _serve(mgr, [9] * BLOCK)  # the one batch the ring keeps
+        publisher = _publisher(mgr)
+        assert publisher.wait_sent()
+        replayed = _replayed(publisher.replay_endpoint or "", 0)
+    stored = [
+        e
+        for _, _, payload in replayed[:-1]
+        for e in msgspec.msgpack.decode(payload, type=KVEventBatch).events
+    ]
+    lora = TokenBlockSequence(lora_tokens, BLOCK, lora_name="adapter-a").sequence_hashes
+    assert [(e.block_hashes, e.token_ids) for e in stored] == [
+        (lora, []),
+        (TokenBlockSequence(plain_tokens, BLOCK).sequence_hashes, plain_tokens),
+    ]
+
+
+def test_a_slow_subscriber_costs_counted_drops_that_replay_recovers() -> None:
+    from prometheus_client import CollectorRegistry
+
+    registry = CollectorRegistry()
+    ctx = zmq.Context.instance()
+    publisher = ZmqPublisher(
+        "inproc://kvledger-slow",
+        replay_endpoint="inproc://kvledger-slow-replay",
+        worker_id=1,
+        block_size=BLOCK,
+        hwm=1,
+        metrics_registry=registry,
+        context=ctx,
+    )
+    slow = ctx.socket(zmq.SUB)
+    slow.setsockopt(zmq.RCVHWM, 1)
+    slow.setsockopt(zmq.SUBSCRIBE, b"")
+    slow.connect("inproc://kvledger-slow")
+    try:
+        time.sleep(0.2)
+        n = 500
+        for i in range(n):
+            publisher(
+                Stored(
+                    event_id=i,
+                    worker_id=1,
+                    dp_rank=0,
+                    tier=Tier.G1,
+                    ts=float(i),
+                    parent_hash=None,
+                    blocks=((i + 1, i + 1),),
+                    token_ids=((1, 2, 3, 4),),
+                )
+            )
+        assert publisher.wait_sent()
+        assert publisher.dropped > 0  # the engine did not wait for the slow reader
+        assert registry.get_sample_value("kvledger_zmq_dropped_messages_total") == (
+            publisher.dropped
+        )
+        reader = ZmqSubscriber(
+            "inproc://kvledger-slow", replay_endpoint="inproc://kvledger-slow-replay"
+        )
+        with reader:
+            seqs = [seq for seq, _ in reader.replay(0)]
+        assert seqs == list(range(n))
+    finally:
+        slow.close()
+        publisher.close()
+
+
+def test_router_index_and_tail_read_the_stream(tmp_path: Path) -> None:
+    with BlockManager(_settings(tmp_path, g2_blocks=0, g3_blocks=0, g1_blocks=32)) as mgr:
+        prompts = _prompts(3)
+        for tokens in prompts:
+            _serve(mgr, tokens)
+        publisher = _publisher(mgr)
+        assert publisher.wait_sent()
+        with ZmqSubscriber(
+            publisher.endpoint, replay_endpoint=publisher.replay_endpoint, topic="kv"
+        ) as reader:
+            events = []
+            next_id = 0
+            for _seq, batch in reader.replay(0):
+                converted = to_events(3, next_id, batch)
+                next_id += len(converted)
+                events += converted
+        index = RouterIndex.from_events(events)
+        for tokens in prompts:
+            seq = TokenBlockSequence(tokens, BLOCK)
+            depths = index.find_matches(seq.local_hashes, kind="local")
+            assert depths[(3, 0)][Tier.G1] == mgr.match(seq).g1 == 3
+        tail = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "kvledger.cli",
+                "tail",
+                "--zmq",
+                publisher.endpoint,
+                "--zmq-replay",
+                publisher.replay_endpoint or "",
+                "--zmq-topic",
+                "kv",
+                "--worker-id",
+                "3",
+                "--no-follow",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+    assert tail.returncode == 0, tail.stderr
+    lines = tail.stdout.splitlines()
+    assert len(lines) == 3 and all(" w3#" in line and "stored 3" in line for line in lines)
+
+
+def test_bad_input_is_refused_with_a_clear_error(tmp_path: Path) -> None:
+    with pytest.raises(VllmStreamError, match="not msgpack"):
+        decode_batch(b"\xc1")
+    with pytest.raises(VllmStreamError, match=r"\[ts, events, dp_rank\]"):
+        decode_batch(msgpack.packb({"ts": 1}))
+    bad_medium = msgpack.packb(
+        [1.0, [{"type": "BlockRemoved", "block_hashes": [1], "medium": "TAPE"}], 0]
+    )
+    with pytest.raises(VllmStreamError, match="unknown medium 'TAPE'"):
+        to_events(0, 0, decode_batch(bad_medium))
+    with pytest.raises(ValueError, match="zmq_replay_endpoint needs zmq_endpoint"):
+        Settings.load(zmq_replay_endpoint="tcp://127.0.0.1:*")
+    with pytest.raises(ValueError, match="cannot bind the ZMQ publisher"):
+        ZmqPublisher("nonsense://x", worker_id=0, block_size=BLOCK)
