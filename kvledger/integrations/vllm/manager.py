@@ -56,6 +56,7 @@ from kvledger.registry.emitter import EventEmitter
 from kvledger.registry.errors import PoolExhausted
 from kvledger.registry.policies import Rank, RankedPolicy
 from kvledger.registry.pool import BlockPool
+from kvledger.registry.state import RegistryState
 
 __all__ = ["KvledgerOffloadingManager", "key_hash"]
 
@@ -231,6 +232,22 @@ class KvledgerOffloadingManager(OffloadingManager):  # type: ignore[misc]  # vLL
             ranks.append(rank)
         if slots:
             self._policy.set_ranks(slots, ranks)
+
+    # -- kvledger's view ----------------------------------------------------------------
+
+    @property
+    def stores_in_flight(self) -> int:
+        return len(self._pending)
+
+    def state(self) -> RegistryState:
+        """G2 as it stands: what the event log of this run replays to."""
+        worker = self._emitter.worker_id
+        return RegistryState.from_mapping({(worker, Tier.G2): self.pool.resident_blocks()})
+
+    def flush_log(self) -> None:
+        """Wait until every event so far is durable in the log."""
+        if self.event_log is not None:
+            self.event_log.flush()
 
     # -- OffloadingManager -----------------------------------------------------------
 
