@@ -120,6 +120,9 @@ class KvledgerOffloadingManager(OffloadingManager):  # type: ignore[misc]  # vLL
         # keys evicted by the allocation under way, for PrepareStoreOutput.evicted_keys
         self._evicted: list[OffloadKey] = []
         self._keys: dict[int, OffloadKey] = {}  # hash -> vLLM key, for every slot in use
+        # vLLM key -> slot, stored or in flight: the pool answers by hash, this saves hashing
+        # every key of every call (the pool stays the authority; both change together)
+        self._slot_of: dict[OffloadKey, int] = {}
         self._pending: dict[OffloadKey, int] = {}  # stores in flight: key -> slot
         self._generation = 0
         self._next_rank = 0
@@ -148,8 +151,10 @@ class KvledgerOffloadingManager(OffloadingManager):  # type: ignore[misc]  # vLL
         if self.event_log is not None:
             self.event_log.append(event)
         if isinstance(event, Removed):
-            keys = self._keys
+            keys, slot_of = self._keys, self._slot_of
             gone = [keys.pop(h) for h in event.sequence_hashes]
+            for key in gone:
+                del slot_of[key]
             self._evicted.extend(gone)
             if self.events is not None:
                 self.events.append(OffloadingEvent(keys=gone, medium=self.medium, removed=True))
@@ -168,7 +173,7 @@ class KvledgerOffloadingManager(OffloadingManager):  # type: ignore[misc]  # vLL
         for event in events:
             if event.metadata_only:
                 # a retry may already hold a key whose failed store is reported here
-                keys = [k for k in event.keys if self._where(k) is None]
+                keys = [k for k in event.keys if k not in self._slot_of]
                 if not keys:
                     continue
                 event = replace(event, keys=keys)
@@ -184,23 +189,18 @@ class KvledgerOffloadingManager(OffloadingManager):  # type: ignore[misc]  # vLL
             req_context.set_state(state)
         return state
 
-    def _where(self, key: OffloadKey) -> int | None:
-        """The slot holding ``key``, stored or in flight."""
-        slot = self._pending.get(key)
-        if slot is None:
-            slot = self.pool.lookup(key_hash(key))
-        return slot
-
     def _rank_fresh(self, keys: Iterable[OffloadKey]) -> None:
         """Each key, in order, becomes the most recent (vLLM's touch order)."""
         slots: list[int] = []
         ranks: list[Rank] = []
+        where, rank = self._slot_of.get, self._next_rank
         for key in keys:
-            slot = self._where(key)
+            slot = where(key)
             if slot is not None:
-                self._next_rank += 1
+                rank += 1
                 slots.append(slot)
-                ranks.append((self._next_rank, 0))
+                ranks.append((rank, 0))
+        self._next_rank = rank
         if slots:
             self._policy.set_ranks(slots, ranks)
 
@@ -210,7 +210,7 @@ class KvledgerOffloadingManager(OffloadingManager):  # type: ignore[misc]  # vLL
         state = self._request(req_context)
         slots: list[int] = []
         ranks: list[Rank] = []
-        rank_of = self._policy.rank
+        rank_of, where = self._policy.rank, self._slot_of.get
         for key in keys:
             if key in state.seen:
                 continue
@@ -221,7 +221,7 @@ class KvledgerOffloadingManager(OffloadingManager):  # type: ignore[misc]  # vLL
             state.key_groups.setdefault(get_offload_group_idx(key), []).append(key)
             state.seen.add(key)
             position = req_context.get_offload_key_position(key)
-            slot = self._where(key)
+            slot = where(key)
             if position is None or slot is None:
                 continue
             rank = (state.rank, -position)
@@ -262,7 +262,7 @@ class KvledgerOffloadingManager(OffloadingManager):  # type: ignore[misc]  # vLL
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
         if key in self._pending:
             return LookupResult.HIT_PENDING
-        if key_hash(key) in self.pool:
+        if key in self._slot_of:
             return LookupResult.HIT
         return LookupResult.MISS
 
@@ -270,11 +270,11 @@ class KvledgerOffloadingManager(OffloadingManager):  # type: ignore[misc]  # vLL
         return CacheHitSource.HOST
 
     def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> LoadStoreSpec:
-        lookup = self.pool.lookup
+        where, pending = self._slot_of.get, self._pending
         slots: list[int] = []
         for key in keys:
-            slot = lookup(key_hash(key))
-            if slot is None:
+            slot = where(key)
+            if slot is None or key in pending:
                 raise KeyError(f"prepare_load: block {key!r} is not stored (or still in flight)")
             slots.append(slot)
         self.pool.acquire(slots)
@@ -285,11 +285,11 @@ class KvledgerOffloadingManager(OffloadingManager):  # type: ignore[misc]  # vLL
         self._rank_fresh(reversed(list(keys)))
 
     def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
-        lookup = self.pool.lookup
+        where, refcount = self._slot_of.get, self.pool.refcount
         slots: list[int] = []
         for key in keys:
-            slot = lookup(key_hash(key))
-            if slot is None or not self.pool.refcount(slot):
+            slot = where(key)
+            if slot is None or not refcount(slot):
                 raise KeyError(f"complete_load: block {key!r} has no load in flight")
             slots.append(slot)
         self.pool.release(slots)
@@ -321,14 +321,14 @@ class KvledgerOffloadingManager(OffloadingManager):  # type: ignore[misc]  # vLL
         keys = list(keys)
         if self.counts is not None:
             self._note_offers(keys)
-        pending, pool = self._pending, self.pool
+        pending, slot_of = self._pending, self._slot_of
         to_store: list[OffloadKey] = []
         resident: list[int] = []  # slots of offered keys already stored
         recorded: set[OffloadKey] = set()
         for key in keys:
             if key in pending:
                 continue
-            slot = pool.lookup(key_hash(key))
+            slot = slot_of.get(key)
             if slot is None:
                 to_store.append(key)
             else:
@@ -354,6 +354,7 @@ class KvledgerOffloadingManager(OffloadingManager):  # type: ignore[misc]  # vLL
         ranks: list[Rank] = []
         for key, slot in zip(to_store, slots, strict=True):
             pending[key] = slot
+            slot_of[key] = slot
             self._keys[key_hash(key)] = key
             position = req_context.get_offload_key_position(key)
             if position is None:
@@ -400,6 +401,7 @@ class KvledgerOffloadingManager(OffloadingManager):  # type: ignore[misc]  # vLL
         self.pool.release(slots)  # never named: the slots go back to the free list
         for key, _ in done:
             self._keys.pop(key_hash(key), None)
+            del self._slot_of[key]
         if self.events is not None:
             self.events.append(
                 OffloadingEvent(
@@ -438,6 +440,7 @@ class KvledgerOffloadingManager(OffloadingManager):  # type: ignore[misc]  # vLL
         self._generation += 1
         self._pending.clear()
         self._keys.clear()
+        self._slot_of.clear()
         self._next_rank = 0
         self._new_pool()
         self._emitter.cleared(Tier.G2)
