@@ -45,7 +45,6 @@ from vllm.v1.kv_offload.base import (
     PrepareStoreOutput,
     ReqContext,
     RequestOffloadingContext,
-    get_offload_group_idx,
 )
 from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec, CPUOffloadingMetrics
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
@@ -211,20 +210,29 @@ class KvledgerOffloadingManager(OffloadingManager):  # type: ignore[misc]  # vLL
         slots: list[int] = []
         ranks: list[Rank] = []
         rank_of, where = self._policy.rank, self._slot_of.get
+        seen, groups, request_rank = state.seen, state.key_groups, state.rank
+        position_of = req_context.get_offload_key_position
         for key in keys:
-            if key in state.seen:
+            if key in seen:
                 continue
             if state.finished:
                 raise RuntimeError(
                     f"request {req_context.req_id!r} offered a key after it finished"
                 )
-            state.key_groups.setdefault(get_offload_group_idx(key), []).append(key)
-            state.seen.add(key)
-            position = req_context.get_offload_key_position(key)
+            group = int.from_bytes(key[-4:], "big")  # vLLM's get_offload_group_idx
+            keys_of_group = groups.get(group)
+            if keys_of_group is None:
+                groups[group] = [key]
+            else:
+                keys_of_group.append(key)
+            seen.add(key)
             slot = where(key)
-            if position is None or slot is None:
+            if slot is None:
                 continue
-            rank = (state.rank, -position)
+            position = position_of(key)
+            if position is None:
+                continue
+            rank = (request_rank, -position)
             current = rank_of(slot)
             if current is not None and current >= rank:
                 continue
