@@ -45,6 +45,7 @@ from vllm.v1.kv_offload.base import (
     PrepareStoreOutput,
     ReqContext,
     RequestOffloadingContext,
+    ScheduleEndContext,
 )
 from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec, CPUOffloadingMetrics
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
@@ -122,6 +123,8 @@ class KvledgerOffloadingManager(OffloadingManager):  # type: ignore[misc]  # vLL
         # vLLM key -> slot, stored or in flight: the pool answers by hash, this saves hashing
         # every key of every call (the pool stays the authority; both change together)
         self._slot_of: dict[OffloadKey, int] = {}
+        # events for the log, handed over once per scheduler step (one lock, one wake-up)
+        self._unlogged: list[AnyEvent] = []
         self._pending: dict[OffloadKey, int] = {}  # stores in flight: key -> slot
         self._generation = 0
         self._next_rank = 0
@@ -148,7 +151,7 @@ class KvledgerOffloadingManager(OffloadingManager):  # type: ignore[misc]  # vLL
     def _on_event(self, event: AnyEvent) -> None:
         """Every pool change: to the durable log, and as vLLM's event for take_events."""
         if self.event_log is not None:
-            self.event_log.append(event)
+            self._unlogged.append(event)
         if isinstance(event, Removed):
             keys, slot_of = self._keys, self._slot_of
             gone = [keys.pop(h) for h in event.sequence_hashes]
@@ -165,7 +168,16 @@ class KvledgerOffloadingManager(OffloadingManager):  # type: ignore[misc]  # vLL
                 )
             )
 
+    def _hand_to_log(self) -> None:
+        if self._unlogged and self.event_log is not None:
+            batch, self._unlogged = self._unlogged, []
+            self.event_log.append_many(batch)
+
+    def on_schedule_end(self, context: ScheduleEndContext) -> None:
+        self._hand_to_log()
+
     def take_events(self) -> Iterable[OffloadingEvent]:
+        self._hand_to_log()
         if self.events is None:
             return
         events, self.events = self.events, []
@@ -254,6 +266,7 @@ class KvledgerOffloadingManager(OffloadingManager):  # type: ignore[misc]  # vLL
 
     def flush_log(self) -> None:
         """Wait until every event so far is durable in the log."""
+        self._hand_to_log()
         if self.event_log is not None:
             self.event_log.flush()
 
@@ -478,6 +491,7 @@ class KvledgerOffloadingManager(OffloadingManager):  # type: ignore[misc]  # vLL
         return stats
 
     def shutdown(self) -> None:
+        self._hand_to_log()
         if self._own_log and self.event_log is not None:
             self.event_log.close()
             self.event_log = None
