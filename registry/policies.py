@@ -313,6 +313,105 @@ class MultiLruPolicy:
         self._level_of.clear()
 
 
+Rank = tuple[int, int]
+
+
+class RankedPolicy:
+    """Lowest rank first, where the caller sets each slot's rank.
+
+    For an engine whose recency is its own business: vLLM ranks offloaded blocks per request
+    (a request's blocks take their rank when it finishes, tail before head), and a late
+    completion of an old request must not demote a newer one, which a release-ordered LRU
+    gets wrong. A rank may change while the slot is in use; it counts once the slot is
+    inactive. Inactive slots sit in a heap with lazy invalidation: a stale entry (the slot
+    re-ranked, taken, or gone) is skipped when it reaches the top.
+    """
+
+    tracks_access = False
+
+    def __init__(self) -> None:
+        self._rank: dict[int, Rank] = {}
+        self._inactive: set[int] = set()
+        self._heap: list[tuple[Rank, int]] = []
+
+    def bind(self, capacity: int) -> None:
+        pass
+
+    def set_ranks(self, slots: Sequence[int], ranks: Sequence[Rank]) -> None:
+        rank_of, inactive, heap = self._rank, self._inactive, self._heap
+        moved: list[int] = []
+        for slot, rank in zip(slots, ranks, strict=True):
+            rank_of[slot] = rank
+            if slot in inactive:
+                moved.append(slot)
+        if len(moved) >= max(64, len(inactive) // 4):
+            self._rebuild()
+        else:
+            for slot in moved:
+                heapq.heappush(heap, (rank_of[slot], slot))
+            self._maybe_compact()
+
+    def rank(self, slot: int) -> Rank | None:
+        return self._rank.get(slot)
+
+    def registered(
+        self, slots: Sequence[int], hashes: Sequence[int], parents: Sequence[int | None]
+    ) -> None:
+        rank_of = self._rank
+        for slot in slots:
+            rank_of.setdefault(slot, (0, 0))
+
+    def accessed(self, slots: Sequence[int]) -> None:
+        pass
+
+    def released(self, slots: Sequence[int]) -> None:
+        rank_of, heap = self._rank, self._heap
+        self._inactive.update(slots)
+        for slot in slots:
+            heapq.heappush(heap, (rank_of.get(slot, (0, 0)), slot))
+        self._maybe_compact()
+
+    def activated(self, slots: Sequence[int]) -> None:
+        self._inactive.difference_update(slots)
+
+    def forget(self, slots: Sequence[int]) -> None:
+        self._inactive.difference_update(slots)
+        for slot in slots:
+            self._rank.pop(slot, None)
+
+    def evictable(self) -> int:
+        return len(self._inactive)
+
+    def pick_victims(self, count: int) -> list[int]:
+        heap, inactive, rank_of = self._heap, self._inactive, self._rank
+        victims: list[int] = []
+        while heap and len(victims) < count:
+            rank, slot = heapq.heappop(heap)
+            if slot in inactive and rank_of.get(slot) == rank:
+                inactive.remove(slot)
+                del rank_of[slot]
+                victims.append(slot)
+        return victims
+
+    def inactive_order(self) -> list[int]:
+        rank_of = self._rank
+        return sorted(self._inactive, key=lambda slot: (rank_of.get(slot, (0, 0)), slot))
+
+    def clear(self) -> None:
+        self._rank.clear()
+        self._inactive.clear()
+        self._heap.clear()
+
+    def _rebuild(self) -> None:
+        rank_of = self._rank
+        self._heap = [(rank_of.get(slot, (0, 0)), slot) for slot in self._inactive]
+        heapq.heapify(self._heap)
+
+    def _maybe_compact(self) -> None:
+        if len(self._heap) >= max(64, 2 * len(self._inactive)):
+            self._rebuild()
+
+
 def make_policy(name: str) -> EvictionPolicy:
     """The policy called ``name``; a clear error for anything else."""
     if name == "lru":

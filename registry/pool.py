@@ -55,7 +55,11 @@ class BlockPool:
         tier: Tier = Tier.G1,
         policy: str | EvictionPolicy = "lru",
         emitter: EventEmitter | None = None,
+        fresh_first: bool = False,
     ) -> None:
+        """``fresh_first`` hands out never-used slots (lowest first) before any freed one, and
+        freed ones last-freed first: the slot order vLLM's CPU offloading manager gives its
+        chunks, which an engine may expect of a store that stands in for it."""
         if not isinstance(capacity, int) or capacity <= 0:
             raise ValueError(f"pool capacity must be a positive integer, got {capacity!r}")
         self.capacity = capacity
@@ -71,6 +75,9 @@ class BlockPool:
         self._by_hash: dict[int, int] = {}
         # popped from the end, so slot 0 is handed out first
         self._free = list(range(capacity - 1, -1, -1))
+        self._fresh_first = fresh_first
+        # with fresh_first: how many never-used slots sit at the top of _free
+        self._unused = capacity if fresh_first else 0
         self._policy = make_policy(policy) if isinstance(policy, str) else policy
         self._policy.bind(capacity)
 
@@ -210,6 +217,9 @@ class BlockPool:
         free, ref = self._free, self._ref
         slots = free[-count:]
         del free[-count:]
+        if self._fresh_first:
+            slots.reverse()  # the order one pop at a time would give
+            self._unused = max(0, self._unused - count)
         for slot in slots:
             ref[slot] = 1
         return slots
@@ -286,7 +296,7 @@ class BlockPool:
                 duplicates.append(existing)
                 ref[slot] -= 1
                 if not ref[slot]:
-                    self._free.append(slot)
+                    self._give_back([slot])
                 if run_start >= 0:  # a run of new blocks ends here: report it now
                     self._stored_run(run_parent, blocks, packed, key, run_start, i)
                     run_start = -1
@@ -373,7 +383,7 @@ class BlockPool:
                 duplicates.append(existing)
                 ref[slot] -= 1
                 if not ref[slot]:
-                    self._free.append(slot)
+                    self._give_back([slot])
         if new:
             self._policy.registered(
                 new, [b.sequence_hash for b in landed], [b.parent_hash for b in landed]
@@ -412,6 +422,7 @@ class BlockPool:
             if info.sequence_hash in self._by_hash:
                 raise ValueError(f"adopt: block {info.sequence_hash} is already registered")
         self._free = [slot for slot in self._free if slot not in taken]
+        self._unused = 0  # adopted slots break the fresh run; order no longer holds
         for slot, info in zip(slots, blocks, strict=True):
             self._by_hash[info.sequence_hash] = slot
             self._hash[slot] = info.sequence_hash
@@ -440,7 +451,10 @@ class BlockPool:
             ref[slot] = count
             if not count:
                 if hashes[slot] is None:
-                    free.append(slot)
+                    if self._unused:
+                        self._give_back([slot])
+                    else:
+                        free.append(slot)
                 else:
                     inactive.append(slot)
         if inactive:
@@ -473,6 +487,14 @@ class BlockPool:
         self._policy.forget(slots)
         return self._drop(slots)
 
+    def _give_back(self, slots: list[int]) -> None:
+        """Free ``slots``: on top of the free stack, or just below the never-used run."""
+        if self._unused:
+            at = len(self._free) - self._unused
+            self._free[at:at] = slots
+        else:
+            self._free.extend(slots)
+
     def _evict(self, count: int) -> None:
         victims = self._policy.pick_victims(count)
         if victims:
@@ -488,7 +510,7 @@ class BlockPool:
             hashes[slot] = None
             tokens[slot] = keys[slot] = None
             gone.append(seq)
-        self._free.extend(slots)
+        self._give_back(slots)
         self.emitter.removed(self.tier, gone)
         return gone
 
@@ -504,4 +526,5 @@ class BlockPool:
         self._tokens = [None] * self.capacity
         self._keys = [None] * self.capacity
         self._free = list(range(self.capacity - 1, -1, -1))
+        self._unused = self.capacity if self._fresh_first else 0
         self.emitter.cleared(self.tier)

@@ -17,6 +17,10 @@ import pytest
 import redis
 from services import PG_HOST, PG_PORT, PG_SERVER_URL, pg_connect, redis_or_skip
 
+# The vLLM harness and end-to-end test import vLLM: they run in the vLLM test venv
+# (integrations/test_vllm_offloading.py starts them there), never in this suite's interpreter.
+collect_ignore = ["integrations/vllm_harness", "integrations/vllm_e2e"]
+
 
 @pytest.fixture(scope="session")
 def pg_database() -> Iterator[str]:
