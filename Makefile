@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: run test dev lint typecheck pytest services bench clean
+.PHONY: run test dev lint typecheck pytest services vllm-venv bench clean
 
 run: $(STAMP)
 	$(BIN)/kvledger --help
@@ -12,7 +12,7 @@ run: $(STAMP)
 	    --log sqlite:///kvledger-data/run.db --dump-state kvledger-data/run.state
 	$(BIN)/kvledger replay kvledger-data/run.db --verify kvledger-data/run.state
 
-test: $(STAMP) services lint typecheck pytest
+test: $(STAMP) services vllm-venv lint typecheck pytest
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -33,6 +33,15 @@ dev: | $(BIN)/python
 services:
 	@bash .ci/services
 
+# vLLM 0.33 with its own offloading tests, which the suite runs against kvledger's spec
+# (tests/integrations/test_vllm_offloading.py). A few minutes the first time.
+VLLM_VENV := .vllm-test-venv
+vllm-venv: $(VLLM_VENV)/.installed
+
+$(VLLM_VENV)/.installed: tests/integrations/setup_vllm_test_venv.sh pyproject.toml
+	bash tests/integrations/setup_vllm_test_venv.sh $(VLLM_VENV)
+	@touch $@
+
 lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
@@ -52,4 +61,4 @@ bench: $(STAMP)
 	$(BIN)/python bench/hash_bench.py
 
 clean:
-	rm -rf $(VENV) build *.egg-info kvledger-data .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info kvledger-data .pytest_cache .mypy_cache .ruff_cache
