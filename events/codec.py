@@ -452,10 +452,12 @@ def lookup_record_ts(data: bytes, position: int | None = None) -> float | None:
         or data[-CHECK_BYTES] != CHECK_TAG
         or zlib.crc32(data) != CHECK_RESIDUE
     ):
+        decode(data, position)  # a bad record gets decode's error, whichever path reads it
         raise CodecError(DAMAGED, position)
     header = struct.unpack_from(_HEADER_FORMAT, data)
     tags = (header[3], header[5], header[7], header[10])
     if tags != (INT64, UINT64, INT64, FLOAT64) or header[9] not in _TIERS:
+        decode(data, position)
         raise CodecError(f"not a lookup record in the writer's layout: {tags}", position)
     ts: float = header[11]
     return ts
