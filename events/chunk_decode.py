@@ -45,7 +45,8 @@ from kvledger.events.codec import (
     UNCHECKED_VERSION,
 )
 from kvledger.events.types import Tier
-from kvledger.registry.columns import BlockOps, TierKey
+from kvledger.registry.columns import BlockOps
+from kvledger.registry.state import TierKey
 
 Bytes = npt.NDArray[np.uint8]
 Ints = npt.NDArray[np.int64]

@@ -23,14 +23,11 @@ from kvledger.events.types import (
     Onboarded,
     Removed,
     Stored,
-    Tier,
 )
+from kvledger.registry.state import TierBlocks, TierKey
 
 U64: TypeAlias = npt.NDArray[np.uint64]
 Flags: TypeAlias = npt.NDArray[np.bool_]
-# sequence_hash -> (local_hash, parent_hash)
-TierBlocks: TypeAlias = dict[int, tuple[int, int | None]]
-TierKey: TypeAlias = tuple[int, Tier]
 _T = TypeVar("_T", bound=np.generic)
 
 

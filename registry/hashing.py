@@ -13,7 +13,9 @@ follow Dynamo's definitions exactly (checked against ``ai-dynamo-runtime`` 1.6.1
 
 Speed: converting a Python list of token ids into bytes costs more than hashing them. The
 stdlib ``array('I', ...)`` does that conversion about three times faster than ``numpy.array``,
-so lists go through it; numpy arrays hand over their buffer directly.
+so lists go through it; numpy arrays hand over their buffer directly. numpy is not imported
+here: a caller that hands over numpy values has imported it already, and one that does not (the
+simulator) is spared its start-up cost.
 """
 
 from __future__ import annotations
@@ -24,10 +26,9 @@ from array import array
 from collections.abc import Iterable, Sequence
 from itertools import repeat
 from operator import itemgetter
-from typing import NamedTuple, TypeAlias
+from types import ModuleType
+from typing import TYPE_CHECKING, NamedTuple, TypeAlias, cast
 
-import numpy as np
-import numpy.typing as npt
 from xxhash import xxh3_64_intdigest
 
 BLOCK_HASH_SEED = 1337
@@ -40,7 +41,11 @@ _U32_LIMIT = 1 << 32
 _U64_MASK = (1 << 64) - 1
 _PACK_PAIR = struct.Struct("<QQ").pack
 
-Tokens: TypeAlias = Sequence[int] | npt.NDArray[np.integer]
+if TYPE_CHECKING:
+    import numpy as np
+    import numpy.typing as npt
+
+Tokens: TypeAlias = "Sequence[int] | npt.NDArray[np.integer]"
 
 if array("I").itemsize != 4:  # pragma: no cover - every CPython platform kvledger targets
     raise ImportError("array('I') is not 32 bits wide on this platform; token hashing needs it")
@@ -80,9 +85,16 @@ def _check_block_size(block_size: int) -> None:
         raise ValueError(f"block_size must be a positive integer, got {block_size!r}")
 
 
+def _numpy() -> ModuleType | None:
+    """numpy if anyone has imported it; without it, no value can be a numpy one."""
+    return sys.modules.get("numpy")
+
+
 def _first_bad_token(tokens: Iterable[object]) -> tuple[int, object]:
+    numpy = _numpy()
+    integer = int if numpy is None else int | numpy.integer
     for i, tok in enumerate(tokens):
-        if isinstance(tok, bool) or not isinstance(tok, int | np.integer):
+        if isinstance(tok, bool) or not isinstance(tok, integer):
             return i, tok
         if not 0 <= int(tok) < _U32_LIMIT:
             return i, tok
@@ -98,14 +110,16 @@ def _bad_tokens_error(tokens: Iterable[object]) -> ValueError:
 
 def token_bytes(tokens: Tokens) -> bytes:
     """``tokens`` as little-endian u32 bytes, the form every block hash is computed over."""
-    if isinstance(tokens, np.ndarray):
-        if tokens.ndim != 1 or not np.issubdtype(tokens.dtype, np.integer):
+    numpy = _numpy()
+    if numpy is not None and isinstance(tokens, numpy.ndarray):
+        ids = cast("npt.NDArray[np.integer]", tokens)
+        if ids.ndim != 1 or not numpy.issubdtype(ids.dtype, numpy.integer):
             raise ValueError(
-                f"token ids must be a 1-D integer array, got shape {tokens.shape} of {tokens.dtype}"
+                f"token ids must be a 1-D integer array, got shape {ids.shape} of {ids.dtype}"
             )
-        if tokens.size and (int(tokens.min()) < 0 or int(tokens.max()) >= _U32_LIMIT):
-            raise _bad_tokens_error(tokens.tolist())
-        return tokens.astype("<u4", copy=False).tobytes()
+        if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= _U32_LIMIT):
+            raise _bad_tokens_error(ids.tolist())
+        return ids.astype("<u4", copy=False).tobytes()
     try:
         packed = array("I", tokens)
     except (OverflowError, TypeError):

@@ -6,12 +6,16 @@ This is what replay rebuilds and what a live pool can dump, so the two can be co
 A tier's blocks are held either as a dict (what ``apply`` edits one event at a time) or as
 sorted arrays (what replay folds whole batches into, ``registry/columns.py``). ``counts``,
 ``digest`` and snapshots read either form; ``tiers`` turns arrays into dicts on first use.
+The arrays' module (numpy) is imported only when arrays are used: a live registry never does.
 """
 
 from __future__ import annotations
 
 import hashlib
+import sys
+from array import array
 from collections.abc import Iterable, Iterator, Mapping
+from typing import TYPE_CHECKING, TypeAlias
 
 from kvledger.events.types import (
     AnyEvent,
@@ -23,9 +27,15 @@ from kvledger.events.types import (
     Stored,
     Tier,
 )
-from kvledger.registry.columns import BlockColumns, BlockOps, TierBlocks, TierKey, concat, fold
 
-__all__ = ["EventOrderError", "RegistryState", "TierBlocks", "take_next"]
+if TYPE_CHECKING:
+    from kvledger.registry.columns import BlockColumns, BlockOps
+
+__all__ = ["EventOrderError", "RegistryState", "TierBlocks", "TierKey", "take_next"]
+
+# sequence_hash -> (local_hash, parent_hash)
+TierBlocks: TypeAlias = dict[int, tuple[int, int | None]]
+TierKey: TypeAlias = tuple[int, Tier]
 
 # fold_ops merges a tier's waiting batches once they hold this many operations (or half the
 # tier's blocks, whichever is more)
@@ -89,6 +99,8 @@ class RegistryState:
         a good part of the tier (or someone reads the state): each merge then costs about
         what its batch does, however large the tier has grown.
         """
+        from kvledger.registry.columns import BlockColumns
+
         if key in self._dicts:
             self._columns[key] = BlockColumns.from_dict(self._dicts.pop(key))
         pending = self._pending.setdefault(key, [])
@@ -98,6 +110,8 @@ class RegistryState:
             self._merge(key)
 
     def _merge(self, key: TierKey) -> None:
+        from kvledger.registry.columns import BlockColumns, concat, fold
+
         batch = concat(self._pending.pop(key))
         self._columns[key] = fold(self._columns.get(key, BlockColumns.empty()), batch)
 
@@ -112,6 +126,8 @@ class RegistryState:
 
     def iter_columns(self) -> Iterator[tuple[TierKey, BlockColumns]]:
         """Every non-empty tier as arrays, sorted by key; tiers held as dicts stay dicts."""
+        from kvledger.registry.columns import BlockColumns
+
         self._settle()
         for key in sorted(self._dicts.keys() | self._columns.keys()):
             columns = self._columns.get(key)
@@ -172,9 +188,20 @@ class RegistryState:
     def digest(self) -> str:
         """A short fingerprint of the state: sorted sequence hashes per (worker, tier)."""
         h = hashlib.sha256()
-        for (worker, tier), columns in self.iter_columns():
-            h.update(f"{worker}:{tier.name}:".encode())
-            h.update(columns.seq.astype("<u8").tobytes())
+        self._settle()
+        for key in sorted(self._dicts.keys() | self._columns.keys()):
+            columns = self._columns.get(key)
+            if columns is not None:
+                seqs = columns.seq.astype("<u8").tobytes()
+            else:  # the same bytes, without converting the tier to arrays
+                packed = array("Q", sorted(self._dicts[key]))
+                if sys.byteorder == "big":  # pragma: no cover - little-endian hosts only
+                    packed.byteswap()
+                seqs = packed.tobytes()
+            if seqs:
+                worker, tier = key
+                h.update(f"{worker}:{tier.name}:".encode())
+                h.update(seqs)
         return h.hexdigest()[:16]
 
     def infos(self, worker_id: int, tier: Tier) -> list[BlockInfo]:

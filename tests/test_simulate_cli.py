@@ -199,6 +199,34 @@ def test_trace_block_size_must_divide_512(tmp_path: Path) -> None:
     assert "block size 100 must divide the trace's 512-token blocks" in proc.stderr
 
 
+def test_simulate_without_log_loads_no_numpy_database_or_metrics(tmp_path: Path) -> None:
+    """Start-up is most of a short run's cost: a run with no log must not import what only a
+    log, a replay or a metrics port needs. The same run's figures are checked as well."""
+    trace = tmp_path / "t.jsonl"
+    trace.write_text(
+        '{"timestamp": 0, "input_length": 600, "output_length": 5, "hash_ids": [1, 2]}\n'
+        '{"timestamp": 10, "input_length": 1100, "output_length": 3, "hash_ids": [1, 2, 3]}\n'
+    )
+    heavy = ("numpy", "sqlalchemy", "alembic", "prometheus_client", "kvledger.events.log")
+    code = (
+        "import json, sys; from kvledger.cli import main;"
+        f" status = main(['simulate', '--trace', {str(trace)!r}, '--no-log', '--json',"
+        " '--dynamo']);"
+        f" print(json.dumps([m for m in {heavy!r} if m in sys.modules]), file=sys.stderr);"
+        " sys.exit(status)"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, check=False
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stderr.strip().splitlines()[-1]) == []
+    summary = json.loads(proc.stdout)
+    assert summary["requests"] == 2
+    assert summary["log"] is None
+    # the second request reuses the first one's full block; its partial one was never cached
+    assert summary["blocks_hit"] == 1
+
+
 def test_metrics_port_serves_kvbm_metrics_while_the_run_lasts(tmp_path: Path) -> None:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

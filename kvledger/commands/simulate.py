@@ -35,7 +35,13 @@ from kvledger.mocker.cache import SimulatedCache
 from kvledger.mocker.engine import EngineConfig, MockEngine, SimClock
 from kvledger.mocker.engine_off import replay_cache
 from kvledger.mocker.stats import TIERS, CountingEmitter, SimStats
-from kvledger.mocker.traces import MOONCAKE_BLOCK_TOKENS, TraceRequest, load_mooncake, synthetic
+from kvledger.mocker.traces import (
+    MOONCAKE_BLOCK_TOKENS,
+    TraceRequest,
+    is_event_log,
+    load_mooncake,
+    synthetic,
+)
 from kvledger.progress import Progress
 from kvledger.registry.emitter import EventEmitter
 from kvledger.registry.lookups import LookupRecorder
@@ -210,9 +216,9 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
             overrides.setdefault(name, value)
     settings = Settings.load(**overrides)
     if args.trace and "block_size" not in settings.model_fields_set:
-        from kvledger.mocker.rerun import is_event_log, trace_from_log
-
         if is_event_log(args.trace):
+            from kvledger.mocker.rerun import trace_from_log
+
             _, block_size = trace_from_log(args.trace)
         else:
             block_size = MOONCAKE_BLOCK_TOKENS
@@ -222,9 +228,9 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
 
 def load_workload(args: argparse.Namespace, settings: Settings) -> tuple[list[TraceRequest], str]:
     if args.trace:
-        from kvledger.mocker.rerun import is_event_log, trace_from_log
-
         if is_event_log(args.trace):
+            from kvledger.mocker.rerun import trace_from_log
+
             requests, _ = trace_from_log(args.trace)
         else:
             requests = load_mooncake(args.trace)
@@ -238,8 +244,6 @@ def load_workload(args: argparse.Namespace, settings: Settings) -> tuple[list[Tr
 def build_cache(
     settings: Settings, emitter: EventEmitter, metrics: Metrics | None = None
 ) -> SimulatedCache:
-    from kvledger.mocker.metered import MeteredCache
-
     registry = TieredRegistry(
         settings.g1_blocks,
         settings.g2_capacity,
@@ -248,7 +252,11 @@ def build_cache(
         offload_filter=settings.offload_filter,
         emitter=emitter,
     )
-    return MeteredCache(registry, metrics) if metrics is not None else SimulatedCache(registry)
+    if metrics is None:
+        return SimulatedCache(registry)
+    from kvledger.mocker.metered import MeteredCache
+
+    return MeteredCache(registry, metrics)
 
 
 def lookup_recorder(

@@ -301,18 +301,6 @@ def alternatives(
                         yield CacheSettings(g1, g2, g3, policy, offload)
 
 
-def is_event_log(location: str) -> bool:
-    """Whether a ``--trace`` argument names an event log (a URL, or a SQLite file) rather
-    than a Mooncake JSONL file."""
-    if "://" in location:
-        return True
-    try:
-        with open(location, "rb") as f:
-            return f.read(16) == b"SQLite format 3\x00"
-    except OSError:
-        return False
-
-
 def trace_from_log(location: str, worker: int | None = None) -> tuple[list[TraceRequest], int]:
     """A recorded run's requests as a trace, and its block size: each prompt lookup is a
     request arriving when it was looked up, its blocks named by the recorded hashes (equal

@@ -164,3 +164,15 @@ def request_hashes(req: TraceRequest, block_size: int) -> tuple[list[int], list[
 def iter_arrivals(requests: list[TraceRequest]) -> Iterator[TraceRequest]:
     """Requests in arrival order (stable for equal timestamps)."""
     return iter(sorted(requests, key=lambda r: r.arrival_ms))
+
+
+def is_event_log(location: str) -> bool:
+    """Whether a ``--trace`` argument names an event log (a URL, or a SQLite file) rather
+    than a Mooncake JSONL file."""
+    if "://" in location:
+        return True
+    try:
+        with open(location, "rb") as f:
+            return f.read(16) == b"SQLite format 3\x00"
+    except OSError:
+        return False
