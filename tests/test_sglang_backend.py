@@ -1,0 +1,249 @@
+"""kvledger's HiCache storage backend against SGLang's own ``HiCacheStorage`` and factory.
+
+Needs SGLang installed without its dependencies plus what its storage module imports:
+``bash tests/integrations/setup_sglang.sh`` (into this venv). Skips, saying so, without it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+hicache = pytest.importorskip(
+    "sglang.srt.mem_cache.hicache_storage",
+    reason="SGLang is not installed: run `bash tests/integrations/setup_sglang.sh`",
+)
+factory = pytest.importorskip(
+    "sglang.srt.mem_cache.storage.backend_factory",
+    reason="SGLang is not installed: run `bash tests/integrations/setup_sglang.sh`",
+)
+
+from kvledger.events.log import EventLog  # noqa: E402
+from kvledger.events.log.replay import replay  # noqa: E402
+from kvledger.events.types import Removed, Stored, Tier  # noqa: E402
+from kvledger.integrations.sglang import KvledgerHiCacheStorage, page_hashes  # noqa: E402
+
+PAGE_TOKENS = 4
+PAGE_BYTES = 512  # per page: PAGE_TOKENS tokens of 128 bytes
+
+
+def chain(n: int, seed: str = "") -> list[str]:
+    """SGLang's page keys: SHA-256 hex of each page chained on the previous page's key."""
+    keys: list[str] = []
+    prev = seed
+    for i in range(n):
+        prev = hashlib.sha256(f"{prev}|page{i}".encode()).hexdigest()
+        keys.append(prev)
+    return keys
+
+
+def pages(n: int, seed: int = 0) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 256, (PAGE_BYTES,), dtype=torch.uint8, generator=g) for _ in range(n)]
+
+
+class HostPool:
+    """What the v1 path asks of SGLang's host pool: flat pages read and written by index."""
+
+    def __init__(self, tokens: int) -> None:
+        self.page_size = PAGE_TOKENS
+        self.data = torch.zeros(tokens, PAGE_BYTES // PAGE_TOKENS, dtype=torch.uint8)
+
+    def get_dummy_flat_data_page(self) -> torch.Tensor:
+        return torch.zeros(PAGE_BYTES, dtype=torch.uint8)
+
+    def get_data_page(self, index: int, flat: bool = True) -> torch.Tensor:
+        return self.data[index : index + PAGE_TOKENS].flatten()
+
+    def set_from_flat_data_page(self, index: int, page: torch.Tensor) -> None:
+        self.data[index : index + PAGE_TOKENS] = page.view(PAGE_TOKENS, -1)
+
+
+def storage_config(tmp_path: Path, **extra: Any) -> Any:
+    return hicache.HiCacheStorageConfig(
+        tp_rank=0,
+        tp_size=1,
+        pp_rank=0,
+        pp_size=1,
+        attn_cp_rank=0,
+        attn_cp_size=1,
+        is_mla_model=False,
+        enable_storage_metrics=False,
+        is_page_first_layout=True,
+        model_name="test-model",
+        extra_config={
+            "backend_name": "kvledger",
+            "module_path": "kvledger.integrations.sglang",
+            "class_name": "KvledgerHiCacheStorage",
+            "interface_v1": 1,
+            "data_dir": str(tmp_path),
+            "capacity_pages": 8,
+            **extra,
+        },
+    )
+
+
+def open_backend(tmp_path: Path, **extra: Any) -> KvledgerHiCacheStorage:
+    """Through SGLang's own factory, as ``--hicache-storage-backend dynamic`` does."""
+    backend = factory.StorageBackendFactory.create_backend(
+        "dynamic", storage_config(tmp_path, **extra), None
+    )
+    assert isinstance(backend, KvledgerHiCacheStorage)
+    return backend
+
+
+@pytest.fixture
+def backend(tmp_path: Path) -> Iterator[KvledgerHiCacheStorage]:
+    b = open_backend(tmp_path, page_bytes=PAGE_BYTES)
+    yield b
+    b.close()
+
+
+def live_g3(b: KvledgerHiCacheStorage, keys: list[str]) -> set[int]:
+    return {page_hashes(k)[0] for k in keys if b.exists(k)}
+
+
+def replayed_g3(tmp_path: Path, worker: int = 0) -> set[int]:
+    state = replay(str(tmp_path / f"hicache-log-w{worker}.sqlite"))
+    return {b.sequence_hash for b in state.infos(worker, Tier.G3)}
+
+
+def test_is_sglangs_hicache_storage() -> None:
+    assert issubclass(KvledgerHiCacheStorage, hicache.HiCacheStorage)
+    assert not KvledgerHiCacheStorage.__abstractmethods__
+
+
+def test_pages_round_trip_byte_identical(backend: KvledgerHiCacheStorage) -> None:
+    keys, values = chain(3), pages(3)
+    assert backend.batch_set(keys, values)
+    got = backend.batch_get(keys)
+    assert all(g is not None and torch.equal(g, v) for g, v in zip(got, values, strict=True))
+    target = torch.empty(PAGE_TOKENS, PAGE_BYTES // PAGE_TOKENS, dtype=torch.uint8)
+    assert backend.get(keys[1], target) is target
+    assert torch.equal(target.flatten(), values[1])
+
+
+def test_exists_and_batch_exists_count_the_stored_prefix(
+    backend: KvledgerHiCacheStorage,
+) -> None:
+    keys = chain(4)
+    assert not backend.exists(keys[0]) and backend.batch_exists(keys) == 0
+    assert backend.batch_set(keys[:2], pages(2))
+    assert backend.set(keys[3], pages(1, seed=3)[0])
+    assert backend.exists(keys[3]) and not backend.exists(keys[2])
+    assert backend.batch_exists(keys) == 2
+    assert backend.get(keys[2]) is None
+
+
+def test_pages_survive_close_and_reopen(tmp_path: Path) -> None:
+    keys, values = chain(5), pages(5)
+    with open_backend(tmp_path, page_bytes=PAGE_BYTES) as b:
+        assert b.batch_set(keys, values)
+    with open_backend(tmp_path, page_bytes=PAGE_BYTES) as b:
+        assert b.batch_exists(keys) == 5
+        got = b.batch_get(keys)
+        assert all(g is not None and torch.equal(g, v) for g, v in zip(got, values, strict=True))
+        more = chain(2, seed="other")
+        assert b.batch_set(more, pages(2, seed=9))
+        live = live_g3(b, keys + more)
+    assert replayed_g3(tmp_path) == live
+
+
+def test_eviction_is_logged_and_the_log_replays_to_the_live_state(
+    backend: KvledgerHiCacheStorage, tmp_path: Path
+) -> None:
+    keys = chain(12)  # capacity is 8: the least recently used pages go
+    assert backend.batch_set(keys[:6], pages(6))
+    backend.get(keys[0])  # recent again: survives
+    assert backend.batch_set(keys[6:], pages(6, seed=1))
+    assert backend.exists(keys[0]) and not backend.exists(keys[1])
+    assert backend.batch_exists(keys[6:]) == 6
+    live = live_g3(backend, keys)
+    assert len(live) == 8
+    log = backend.event_log
+    assert log is not None
+    log.flush()
+    events = list(log.read(worker_id=0))
+    assert any(isinstance(e, Removed) for e in events)
+    stored = [b for e in events if isinstance(e, Stored) for b in e.blocks]
+    assert {seq for seq, _ in stored} == {page_hashes(k)[0] for k in keys}
+    assert replayed_g3(tmp_path) == live
+
+
+def test_pages_are_chained_on_the_previous_key(
+    backend: KvledgerHiCacheStorage, tmp_path: Path
+) -> None:
+    keys = chain(3)
+    host = HostPool(tokens=64)
+    backend.register_mem_pool_host(host)
+    host.data.copy_(torch.randint(0, 256, host.data.shape, dtype=torch.uint8))
+    indices = torch.arange(3 * PAGE_TOKENS)
+    prefix = hicache.HiCacheStorageExtraInfo(prefix_keys=keys[:1])
+    assert backend.batch_set_v1(keys[1:], indices[: 2 * PAGE_TOKENS], prefix) == [True, True]
+    assert backend.event_log is not None
+    backend.event_log.flush()
+    parents = {b.sequence_hash: b.parent_hash for b in replay(backend.event_log).infos(0, Tier.G3)}
+    assert parents[page_hashes(keys[1])[0]] == page_hashes(keys[0])[0]
+    assert parents[page_hashes(keys[2])[0]] == page_hashes(keys[1])[0]
+
+
+def test_v1_path_copies_by_host_index(backend: KvledgerHiCacheStorage) -> None:
+    host = HostPool(tokens=64)
+    backend.register_mem_pool_host(host)
+    host.data.copy_(torch.randint(0, 256, host.data.shape, dtype=torch.uint8))
+    keys = chain(3)
+    src = torch.arange(8, 8 + 3 * PAGE_TOKENS)
+    assert backend.batch_set_v1(keys, src) == [True, True, True]
+    want = host.data[8 : 8 + 3 * PAGE_TOKENS].clone()
+    dst = torch.arange(32, 32 + 4 * PAGE_TOKENS)
+    assert backend.batch_exists(keys + chain(1, seed="x"), None) == 3
+    assert backend.batch_get_v1(keys + chain(1, seed="x"), dst) == [True, True, True, False]
+    assert torch.equal(host.data[32 : 32 + 3 * PAGE_TOKENS], want)
+    with pytest.raises(ValueError, match="host indices"):
+        backend.batch_get_v1(keys, dst[:5])
+
+
+def test_colliding_key_is_refused_and_the_first_page_kept(
+    backend: KvledgerHiCacheStorage,
+) -> None:
+    key = chain(1)[0]
+    twin = key[:16] + ("0" if key[16] != "0" else "1") + key[17:]  # same first 8 bytes
+    assert page_hashes(twin)[0] == page_hashes(key)[0]
+    first, second = pages(2)
+    assert backend.set(key, first)
+    assert not backend.set(twin, second)
+    assert not backend.exists(twin) and backend.get(twin) is None
+    got = backend.get(key)
+    assert got is not None and torch.equal(got, first)
+
+
+def test_bad_input_is_refused_with_what_is_wrong(backend: KvledgerHiCacheStorage) -> None:
+    key = chain(1)[0]
+    with pytest.raises(ValueError, match="a page of 7 bytes, but pages are 512"):
+        backend.set(key, torch.zeros(7, dtype=torch.uint8))
+    with pytest.raises(TypeError, match="page keys are str"):
+        backend.exists(b"abc")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="2 keys but values"):
+        backend.batch_set(chain(2), pages(1))
+    assert not backend.exists(key)
+
+
+@pytest.mark.parametrize("capacity", [0, -1, "8"])
+def test_bad_capacity_is_refused(tmp_path: Path, capacity: object) -> None:
+    with pytest.raises(ValueError, match="capacity_pages must be a positive integer"):
+        open_backend(tmp_path, capacity_pages=capacity)
+
+
+def test_pages_sized_by_the_first_page_without_page_bytes(tmp_path: Path) -> None:
+    keys, values = chain(2), pages(2)
+    with open_backend(tmp_path) as b:
+        assert not b.exists(keys[0])
+        assert b.batch_set(keys, values)
+        assert b.page_bytes == PAGE_BYTES
+    with EventLog(str(tmp_path / "hicache-log-w0.sqlite"), read_only=True) as log:
+        assert sum(len(e.blocks) for e in log.read() if isinstance(e, Stored)) == 2
