@@ -7,6 +7,9 @@ Needs SGLang installed without its dependencies plus what its storage module imp
 from __future__ import annotations
 
 import hashlib
+import subprocess
+import sys
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -27,6 +30,7 @@ from kvledger.events.log import EventLog  # noqa: E402
 from kvledger.events.log.replay import replay  # noqa: E402
 from kvledger.events.types import Removed, Stored, Tier  # noqa: E402
 from kvledger.integrations.sglang import KvledgerHiCacheStorage, page_hashes  # noqa: E402
+from kvledger.tiers.disk import G3InUse  # noqa: E402
 
 PAGE_TOKENS = 4
 PAGE_BYTES = 512  # per page: PAGE_TOKENS tokens of 128 bytes
@@ -247,3 +251,107 @@ def test_pages_sized_by_the_first_page_without_page_bytes(tmp_path: Path) -> Non
         assert b.page_bytes == PAGE_BYTES
     with EventLog(str(tmp_path / "hicache-log-w0.sqlite"), read_only=True) as log:
         assert sum(len(e.blocks) for e in log.read() if isinstance(e, Stored)) == 2
+
+
+# A rank in its own process: stores pages through SGLang's factory, then holds its G3 until told.
+RANK_PROCESS = """
+import sys, torch
+sys.path.insert(0, sys.argv[2])
+from test_sglang_backend import chain, open_backend, pages
+from pathlib import Path
+b = open_backend(Path(sys.argv[1]), page_bytes=512)
+assert b.batch_set(chain(6), pages(6, seed=7))
+print("stored", flush=True)
+sys.stdin.readline()
+b.close()
+"""
+
+
+def test_another_process_recovers_a_ranks_pages(tmp_path: Path) -> None:
+    here = str(Path(__file__).parent)
+    rank = subprocess.Popen(
+        [sys.executable, "-c", RANK_PROCESS, str(tmp_path), here],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert rank.stdout is not None and rank.stdout.readline().strip() == "stored"
+        with pytest.raises(G3InUse):  # one owner per rank's G3 file
+            open_backend(tmp_path, page_bytes=PAGE_BYTES)
+        rank.communicate("\n", timeout=60)
+    finally:
+        if rank.poll() is None:
+            rank.kill()
+    assert rank.returncode == 0
+    keys, values = chain(6), pages(6, seed=7)
+    with open_backend(tmp_path, page_bytes=PAGE_BYTES) as b:
+        got = b.batch_get(keys)
+        assert all(g is not None and torch.equal(g, v) for g, v in zip(got, values, strict=True))
+        live = live_g3(b, keys)
+    assert replayed_g3(tmp_path) == live == {page_hashes(k)[0] for k in keys}
+
+
+def test_concurrent_prefetch_and_backup_threads_keep_the_log_true(
+    backend: KvledgerHiCacheStorage, tmp_path: Path
+) -> None:
+    """SGLang reads (prefetch) and writes (backup) from two threads at once."""
+    keys = chain(40)
+    values = pages(40, seed=5)
+    errors: list[BaseException] = []
+
+    def backup() -> None:
+        try:
+            for i in range(0, 40, 4):
+                backend.batch_set(keys[i : i + 4], values[i : i + 4])
+        except BaseException as exc:
+            errors.append(exc)
+
+    def prefetch() -> None:
+        try:
+            for _ in range(20):
+                for key, page in zip(keys, backend.batch_get(keys), strict=True):
+                    if page is not None:
+                        assert torch.equal(page, values[keys.index(key)])
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=backup), threading.Thread(target=prefetch)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    assert backend.event_log is not None
+    backend.event_log.flush()
+    live = live_g3(backend, keys)
+    assert len(live) == 8
+    assert replayed_g3(tmp_path) == live
+
+
+def test_a_corrupt_page_reads_as_a_miss_and_is_dropped_in_the_log(
+    backend: KvledgerHiCacheStorage, tmp_path: Path
+) -> None:
+    keys, values = chain(2), pages(2)
+    assert backend.batch_set(keys, values)
+    g3 = backend.disk_tier
+    assert g3 is not None
+    slot = {block.sequence_hash: at for at, block in g3.recovered_blocks()}[page_hashes(keys[1])[0]]
+    with open(g3.path, "r+b") as f:  # flip a byte of the page on disk
+        f.seek(g3.slot_offset(slot) + 10)
+        byte = f.read(1)
+        f.seek(g3.slot_offset(slot) + 10)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    got = backend.batch_get(keys)
+    assert got[0] is not None and torch.equal(got[0], values[0])
+    assert got[1] is None and not backend.exists(keys[1])
+    assert backend.event_log is not None
+    backend.event_log.flush()
+    assert replayed_g3(tmp_path) == {page_hashes(keys[0])[0]}
+
+
+def test_use_after_close_is_refused(tmp_path: Path) -> None:
+    b = open_backend(tmp_path, page_bytes=PAGE_BYTES)
+    b.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        b.set(chain(1)[0], pages(1)[0])

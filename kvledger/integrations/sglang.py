@@ -105,6 +105,7 @@ class KvledgerHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang sh
             extra.get("log_url") or self.data_dir / f"hicache-log-w{self.worker_id}.sqlite"
         )
         self.page_bytes: int | None = None
+        self._closed = False
         self.mem_pool_host: Any = None
         self._lock = threading.Lock()
         self._g3: DiskTier | None = None
@@ -122,6 +123,8 @@ class KvledgerHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang sh
             raise ValueError(
                 f"kvledger HiCache: page_bytes must be a positive integer, got {page_bytes!r}"
             )
+        if self._closed:
+            raise RuntimeError("kvledger HiCache: the backend is closed")
         if self.page_bytes is not None:
             if page_bytes != self.page_bytes:
                 raise ValueError(
@@ -191,7 +194,7 @@ class KvledgerHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang sh
             if self._log is not None:
                 self._log.close()
             self._g3 = self._pool = self._log = None
-            self.page_bytes = None
+            self._closed = True
 
     def __enter__(self) -> KvledgerHiCacheStorage:
         return self
@@ -307,7 +310,8 @@ class KvledgerHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang sh
         results = [False] * len(keys)
         with self._lock:
             pool = self._pool
-            assert pool is not None
+            if pool is None:
+                raise RuntimeError("kvledger HiCache: the backend is closed")
             todo: list[int] = []
             present: list[int] = []
             for i, (seq, local) in enumerate(hashes):
