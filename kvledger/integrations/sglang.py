@@ -231,9 +231,12 @@ class KvledgerHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang sh
 
     # -- reads -------------------------------------------------------------------------------
 
-    def _read(self, keys: Sequence[str]) -> list[np.ndarray | None]:
+    def _read(
+        self, keys: Sequence[str], into: Sequence[np.ndarray | None] | None = None
+    ) -> list[np.ndarray | None]:
         """Each key's page bytes, or None where it is absent or its slot fails its checksum
-        (such a page is dropped, and the log says so)."""
+        (such a page is dropped, and the log says so). ``into`` gives, per key, a buffer for
+        G3 to read straight into (None: a new one)."""
         with self._lock:
             pool = self._pool
             if pool is None:
@@ -243,7 +246,12 @@ class KvledgerHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang sh
             pool.acquire(pinned)  # an access: LRU recency, and no eviction while read
         g3 = self._g3
         assert g3 is not None and self.page_bytes is not None
-        buffers = [np.empty(self.page_bytes, dtype=np.uint8) for _ in pinned]
+        targets = into if into is not None else [None] * len(keys)
+        buffers = [
+            np.empty(self.page_bytes, dtype=np.uint8) if buf is None else buf
+            for slot, buf in zip(slots, targets, strict=True)
+            if slot is not None
+        ]
         good: list[bool] = []  # stays short when the read fails: nothing is dropped then
         try:
             good = g3.read_slots(pinned, buffers) if pinned else []
@@ -275,20 +283,27 @@ class KvledgerHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang sh
     def batch_get(
         self, keys: list[str], target_locations: Any = None, target_sizes: Any = None
     ) -> list[torch.Tensor | None]:
-        """Pages as uint8 tensors, or copied into ``target_locations`` (returned) when given."""
+        """Pages as uint8 tensors, or read into ``target_locations`` (returned) when given."""
         targets = list(target_locations) if target_locations is not None else [None] * len(keys)
         if len(targets) != len(keys):
             raise ValueError(f"kvledger HiCache: {len(keys)} keys but {len(targets)} targets")
+        flats = [None if t is None else t.view(-1).view(torch.uint8) for t in targets]
+        for flat in flats:
+            if flat is not None:
+                self._check_size(flat.numel(), "target")
+        # host targets are read into directly; others (a device tensor) get a copy
+        into = [None if f is None or not f.is_cpu else f.numpy() for f in flats]
         out: list[torch.Tensor | None] = []
-        for page, target in zip(self._read(keys), targets, strict=True):
+        for page, target, flat, direct in zip(
+            self._read(keys, into), targets, flats, into, strict=True
+        ):
             if page is None:
                 out.append(None)
             elif target is None:
                 out.append(torch.from_numpy(page))
             else:
-                flat = target.view(-1).view(torch.uint8)
-                self._check_size(flat.numel(), "target")
-                flat.copy_(torch.from_numpy(page))
+                if direct is None and flat is not None:
+                    flat.copy_(torch.from_numpy(page))
                 out.append(target)
         return out
 
