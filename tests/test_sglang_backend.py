@@ -355,3 +355,17 @@ def test_use_after_close_is_refused(tmp_path: Path) -> None:
     b.close()
     with pytest.raises(RuntimeError, match="closed"):
         b.set(chain(1)[0], pages(1)[0])
+
+
+def test_host_pool_of_another_page_size_is_refused(tmp_path: Path) -> None:
+    with (
+        open_backend(tmp_path, page_bytes=PAGE_BYTES * 2) as b,
+        pytest.raises(ValueError, match="pages are 1024 bytes, got one of 512"),
+    ):
+        b.register_mem_pool_host(HostPool(tokens=16))
+
+
+@pytest.mark.parametrize("page_bytes", [0, 1.5, True])
+def test_bad_page_bytes_is_refused(tmp_path: Path, page_bytes: object) -> None:
+    with pytest.raises(ValueError, match="page_bytes must be a positive integer"):
+        open_backend(tmp_path, page_bytes=page_bytes)
