@@ -10,11 +10,13 @@ import hashlib
 import subprocess
 import sys
 import threading
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+import redis
 import torch
 
 hicache = pytest.importorskip(
@@ -369,3 +371,87 @@ def test_host_pool_of_another_page_size_is_refused(tmp_path: Path) -> None:
 def test_bad_page_bytes_is_refused(tmp_path: Path, page_bytes: object) -> None:
     with pytest.raises(ValueError, match="page_bytes must be a positive integer"):
         open_backend(tmp_path, page_bytes=page_bytes)
+
+
+# Rank 0 in its own process with the shared registry: stores pages, holds them until told.
+G4_OWNER = """
+import sys, torch
+sys.path.insert(0, sys.argv[2])
+from test_sglang_backend import chain, open_backend, pages
+from pathlib import Path
+b = open_backend(Path(sys.argv[1]), page_bytes=512, redis_url=sys.argv[3],
+                 redis_namespace=sys.argv[4], worker_id=0)
+assert b.batch_set(chain(4, seed="g4"), pages(4, seed=11))
+assert b.publisher is not None and b.publisher.wait_applied(30)
+print("stored", flush=True)
+sys.stdin.readline()
+b.close()
+"""
+
+
+def test_pages_found_on_another_rank_through_the_shared_registry(
+    tmp_path: Path, redis_client: redis.Redis
+) -> None:
+    """G4: rank 1 finds rank 0's pages in the shared registry and reads them, checked, from
+    rank 0's G3 file while rank 0 runs in another process; then holds them itself."""
+    url = redis_client.connection_pool.connection_kwargs
+    redis_url = f"redis://{url['host']}:{url['port']}/{url.get('db', 0)}"
+    namespace = f"test-sglang-{uuid.uuid4().hex[:8]}"
+    owner = subprocess.Popen(
+        [
+            *(sys.executable, "-c", G4_OWNER, str(tmp_path), str(Path(__file__).parent)),
+            *(redis_url, namespace),
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    keys, values = chain(4, seed="g4"), pages(4, seed=11)
+    try:
+        assert owner.stdout is not None and owner.stdout.readline().strip() == "stored"
+        with open_backend(
+            tmp_path,
+            page_bytes=PAGE_BYTES,
+            redis_url=redis_url,
+            redis_namespace=namespace,
+            worker_id=1,
+        ) as reader:
+            unknown = chain(1, seed="nowhere")
+            assert reader.batch_exists(keys + unknown) == 4
+            got = reader.batch_get(keys + unknown)
+            assert got[4] is None
+            assert all(
+                g is not None and torch.equal(g, v) for g, v in zip(got[:4], values, strict=True)
+            )
+            assert reader.publisher is not None and reader.publisher.wait_applied(30)
+            held = {page_hashes(k)[0]: reader.exists(k) for k in keys}
+        owner.communicate("\n", timeout=60)
+    finally:
+        if owner.poll() is None:
+            owner.kill()
+        for key in redis_client.scan_iter(match=f"kvl:{{{namespace}*", count=1000):
+            redis_client.delete(key)
+    assert owner.returncode == 0 and all(held.values())
+    # rank 1 now holds them in its own G3, and its log says so
+    assert replayed_g3(tmp_path, worker=1) == set(held)
+
+
+def test_a_peer_reads_only_what_the_owners_g3_holds_now(tmp_path: Path) -> None:
+    """Another rank's view of a G3 file: a page evicted and its slot reused is a miss."""
+    from kvledger.tiers.disk.peer import PeerG3
+
+    keys, values = chain(12), pages(12)
+    with open_backend(tmp_path, page_bytes=PAGE_BYTES) as owner:
+        assert owner.set(keys[0], values[0])
+        peer = PeerG3(tmp_path / "hicache-g3-w0.bin")
+        try:
+            got = peer.read(*page_hashes(keys[0]))
+            assert got is not None and bytes(got) == bytes(values[0].numpy())
+            assert peer.read(*page_hashes(keys[1])) is None
+            assert owner.batch_set(keys[1:9], values[1:9])  # capacity 8: keys[0] evicted
+            assert not owner.exists(keys[0])
+            assert peer.read(*page_hashes(keys[0])) is None
+            got = peer.read(*page_hashes(keys[8]))
+            assert got is not None and bytes(got) == bytes(values[8].numpy())
+        finally:
+            peer.close()

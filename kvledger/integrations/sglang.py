@@ -40,10 +40,12 @@ from sglang.srt.mem_cache.hicache_storage import (
 
 from kvledger.events.log import EventLog
 from kvledger.events.log.replay import replay
+from kvledger.events.shared import FanOut, RedisPublisher, SharedRegistry, connect
 from kvledger.events.types import BlockInfo, Tier
 from kvledger.registry.emitter import EventEmitter
 from kvledger.registry.pool import BlockPool
 from kvledger.tiers.disk import DiskTier
+from kvledger.tiers.disk.peer import PeerG3
 from kvledger.tiers.disk.recovery import KnownBlocks
 from kvledger.tiers.layout import BlockShape
 
@@ -52,6 +54,7 @@ __all__ = ["KvledgerHiCacheStorage", "page_hashes"]
 log = logging.getLogger(__name__)
 
 DEFAULT_CAPACITY_PAGES = 4096
+G3_BIT = 1 << (Tier.G3 - 1)  # the shared registry's tier mask: G1=1, G2=2, G3=4, G4=8
 _HEX = frozenset("0123456789abcdefABCDEF")
 
 
@@ -111,6 +114,10 @@ class KvledgerHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang sh
         self._g3: DiskTier | None = None
         self._pool: BlockPool | None = None
         self._log: EventLog | None = None
+        self.redis_url: str | None = extra.get("redis_url")
+        self.redis_namespace = str(extra.get("redis_namespace", "kvledger-hicache"))
+        self.publisher: RedisPublisher | None = None
+        self._peers: dict[int, PeerG3] = {}
         page_bytes = extra.get("page_bytes")
         if page_bytes is not None:
             self._open(page_bytes)
@@ -154,7 +161,12 @@ class KvledgerHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang sh
         except BaseException:
             event_log.close()
             raise
-        emitter = EventEmitter(event_log.append, worker_id=self.worker_id, first_event_id=first_id)
+        sink: Any = event_log.append
+        if self.redis_url:  # G4: the shared registry says which rank holds which page
+            shared = SharedRegistry(connect(self.redis_url), self.redis_namespace)
+            self.publisher = RedisPublisher(shared, self.worker_id, log=event_log).start()
+            sink = FanOut(event_log.append, self.publisher)
+        emitter = EventEmitter(sink, worker_id=self.worker_id, first_event_id=first_id)
         pool = BlockPool(self.capacity_pages, tier=Tier.G3, emitter=emitter)
         kept = g3.recovered_blocks()
         pool.adopt([slot for slot, _ in kept], [block for _, block in kept])
@@ -188,7 +200,12 @@ class KvledgerHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang sh
 
     def close(self) -> None:
         """Flush the log and release the G3 file (a later instance recovers from both)."""
+        if self.publisher is not None:
+            self.publisher.stop()
         with self._lock:
+            for peer in self._peers.values():
+                peer.close()
+            self._peers.clear()
             if self._g3 is not None:
                 self._g3.close()
             if self._log is not None:
@@ -216,18 +233,85 @@ class KvledgerHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang sh
         return slot
 
     def exists(self, key: str) -> bool:
-        with self._lock:
-            return self._slot(key) is not None
+        return self.batch_exists([key]) == 1
 
     def batch_exists(
         self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None = None
     ) -> int:
-        """How many of ``keys``, from the first, are stored (SGLang's prefix semantics)."""
+        """How many of ``keys``, from the first, are stored here or, with the shared
+        registry, on another rank's G3 (SGLang's prefix semantics)."""
+        here = 0
         with self._lock:
-            for i, key in enumerate(keys):
+            for key in keys:
                 if self._slot(key) is None:
-                    return i
-        return len(keys)
+                    break
+                here += 1
+        if here == len(keys):
+            return here
+        return here + self._count_on_peers(keys[here:])
+
+    # -- G4: other ranks' G3 files, found through the shared registry -------------------
+
+    def _count_on_peers(self, keys: Sequence[str]) -> int:
+        """How many of ``keys``, from the first, another rank holds in G3."""
+        if self.publisher is None or not keys:
+            return 0
+        holders = self.publisher.registry.who_has(
+            [page_hashes(k)[0] for k in keys], stop_at_miss=True
+        )
+        n = 0
+        for held in holders:
+            if not any(w != self.worker_id and mask & G3_BIT for w, mask in held.items()):
+                break
+            n += 1
+        return n
+
+    def _peer(self, worker: int) -> PeerG3 | None:
+        peer = self._peers.get(worker)
+        if peer is None:
+            try:
+                peer = PeerG3(self.data_dir / f"hicache-g3-w{worker}.bin")
+            except (OSError, ValueError) as exc:
+                log.warning("kvledger HiCache: rank %d's G3 cannot be read: %s", worker, exc)
+                return None
+            self._peers[worker] = peer
+        return peer
+
+    def _peer_page(self, key: str) -> np.ndarray | None:
+        """``key``'s page from another rank's G3 file, checked; None when none has it."""
+        if self.publisher is None:
+            return None
+        seq, local = page_hashes(key)
+        (held,) = self.publisher.registry.who_has([seq])
+        for worker, mask in held.items():
+            if worker == self.worker_id or not mask & G3_BIT:
+                continue
+            peer = self._peer(worker)
+            page: np.ndarray | None = peer.read(seq, local) if peer is not None else None
+            if page is not None and page.nbytes == self.page_bytes:
+                return page
+        return None
+
+    def _read_anywhere(
+        self, keys: Sequence[str], into: Sequence[np.ndarray | None] | None = None
+    ) -> list[np.ndarray | None]:
+        """``_read``, then pages missing here from other ranks (G4), kept in this rank's G3
+        (``Stored`` in its log) so the next read is local."""
+        pages = self._read(keys, into)
+        if self.publisher is None:
+            return pages
+        for i, page in enumerate(pages):
+            if page is not None:
+                continue
+            found = self._peer_page(keys[i])
+            if found is None:
+                continue
+            if into is not None and (target := into[i]) is not None:
+                target[:] = found
+                found = target
+            pages[i] = found
+            self._write([keys[i]], [found], keys[i - 1] if i else None)
+        return pages
 
     # -- reads -------------------------------------------------------------------------------
 
@@ -295,7 +379,7 @@ class KvledgerHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang sh
         into = [None if f is None or not f.is_cpu else f.numpy() for f in flats]
         out: list[torch.Tensor | None] = []
         for page, target, flat, direct in zip(
-            self._read(keys, into), targets, flats, into, strict=True
+            self._read_anywhere(keys, into), targets, flats, into, strict=True
         ):
             if page is None:
                 out.append(None)
@@ -418,7 +502,7 @@ class KvledgerHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang sh
         """Load pages into SGLang's host pool at ``host_indices``; False where absent."""
         where = self._page_indices(keys, host_indices)
         out = []
-        for page, at in zip(self._read(keys), where, strict=True):
+        for page, at in zip(self._read_anywhere(keys), where, strict=True):
             if page is not None:
                 self.mem_pool_host.set_from_flat_data_page(at, torch.from_numpy(page))
             out.append(page is not None)
