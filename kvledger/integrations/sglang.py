@@ -202,6 +202,7 @@ class KvledgerHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang sh
         """Flush the log and release the G3 file (a later instance recovers from both)."""
         if self.publisher is not None:
             self.publisher.stop()
+            self.publisher = None
         with self._lock:
             for peer in self._peers.values():
                 peer.close()
