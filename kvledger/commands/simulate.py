@@ -217,9 +217,9 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
     settings = Settings.load(**overrides)
     if args.trace and "block_size" not in settings.model_fields_set:
         if is_event_log(args.trace):
-            from kvledger.mocker.rerun import trace_from_log
+            from kvledger.mocker.rerun import recorded_block_size
 
-            _, block_size = trace_from_log(args.trace)
+            block_size = recorded_block_size(args.trace)
         else:
             block_size = MOONCAKE_BLOCK_TOKENS
         settings = Settings.load(**overrides, block_size=block_size)

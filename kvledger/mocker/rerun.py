@@ -301,6 +301,18 @@ def alternatives(
                         yield CacheSettings(g1, g2, g3, policy, offload)
 
 
+def recorded_block_size(location: str) -> int:
+    """The block size of a recorded run (its first run record), read without decoding the
+    rest of the log: ``simulate --trace LOG`` needs it before it reads the requests."""
+    with EventLog(database_url(location), read_only=True) as log:
+        for chunk in log.read_chunks(lookups_only=True, chunk_size=64):
+            for position, _ts, payload in chunk:
+                record = decode(payload, position)
+                if isinstance(record, RunInfo):
+                    return record.block_size
+    return trace_from_log(location)[1]  # no run record: raises what is missing
+
+
 def trace_from_log(location: str, worker: int | None = None) -> tuple[list[TraceRequest], int]:
     """A recorded run's requests as a trace, and its block size: each prompt lookup is a
     request arriving when it was looked up, its blocks named by the recorded hashes (equal
