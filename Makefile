@@ -39,7 +39,7 @@ services:
 VLLM_VENV := .vllm-test-venv
 vllm-venv: $(VLLM_VENV)/.installed
 
-$(VLLM_VENV)/.installed: tests/integrations/setup_vllm_test_venv.sh pyproject.toml
+$(VLLM_VENV)/.installed: tests/integrations/setup_vllm_test_venv.sh bench/setup_bench_venv.sh pyproject.toml
 	bash tests/integrations/setup_vllm_test_venv.sh $(VLLM_VENV)
 	@touch $@
 
