@@ -137,3 +137,30 @@ def test_kill_9_worker_vanishes_after_its_lease(
         assert reg.snapshot() == {} and reg.workers() == set()
     finally:
         reg.delete_namespace()
+
+
+def test_worker_takes_redis_url_and_namespace_from_the_settings(tmp_path: Path) -> None:
+    """Without --redis-url/--namespace the worker publishes where KVLEDGER_REDIS_URL and
+    KVLEDGER_REDIS_NAMESPACE say, as BlockManager does; a bad value is refused by name."""
+    reg = _registry(0, f"workers-env-{uuid.uuid4().hex[:8]}", lease=10)
+    log = tmp_path / "w.db"
+    cmd = [
+        sys.executable, "-m", "kvledger.cli", "worker", "--worker-id", "4", "--log", str(log),
+        "--requests", "50", "--blocks", "128", "--seed", "3",
+    ]  # fmt: skip
+    env = {
+        **os.environ,
+        "KVLEDGER_REDIS_URL": "redis://127.0.0.1:6379/0",
+        "KVLEDGER_REDIS_NAMESPACE": reg.namespace,
+    }
+    try:
+        done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0, done.stderr
+        assert reg.applied_event_id(4) == json.loads(done.stdout)["last_event_id"] >= 0
+        assert reg.snapshot() == holders_from_state(_replayed({4: log}))
+    finally:
+        reg.delete_namespace()
+    bad = {**env, "KVLEDGER_REDIS_NAMESPACE": ""}
+    refused = subprocess.run(cmd, env=bad, capture_output=True, text=True, timeout=60)
+    assert refused.returncode != 0
+    assert "redis_namespace" in refused.stderr and "Traceback" not in refused.stderr

@@ -36,8 +36,14 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("worker", help="run a mock engine that publishes to the shared registry")
     p.add_argument("--worker-id", type=non_negative_int, required=True)
     p.add_argument("--dp-rank", type=non_negative_int, default=0)
-    p.add_argument("--redis-url", default="redis://127.0.0.1:6379/0")
-    p.add_argument("--namespace", default="kvledger")
+    p.add_argument(
+        "--redis-url",
+        default=None,
+        help="default: KVLEDGER_REDIS_URL, else redis://127.0.0.1:6379/0",
+    )
+    p.add_argument(
+        "--namespace", default=None, help="default: KVLEDGER_REDIS_NAMESPACE, else 'kvledger'"
+    )
     p.add_argument(
         "--shards",
         type=positive_int,
@@ -88,6 +94,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
 def run(args: argparse.Namespace) -> int:
     _report_publisher_warnings()
+    _fill_from_settings(args)
     client = connect(args.redis_url)  # a cluster client when the server is a cluster node
     registry = SharedRegistry(
         client, args.namespace, shards=args.shards, lease_ttl_s=args.lease_ttl
@@ -190,6 +197,21 @@ def _report(**fields: Any) -> None:
 
 def _note(message: str) -> None:
     print(f"kvledger worker: {message}", file=sys.stderr, flush=True)
+
+
+def _fill_from_settings(args: argparse.Namespace) -> None:
+    """The Redis URL and namespace the flags leave unset come from the settings, as they do for
+    the library: an operator who exports ``KVLEDGER_REDIS_NAMESPACE`` once gets the same
+    namespace in every worker and in ``BlockManager``."""
+    if args.redis_url is not None and args.namespace is not None:
+        return
+    from kvledger.config import Settings  # pydantic-settings: only when a flag is left unset
+
+    settings = Settings.load()
+    if args.redis_url is None:
+        args.redis_url = settings.redis_url or "redis://127.0.0.1:6379/0"
+    if args.namespace is None:
+        args.namespace = settings.redis_namespace
 
 
 def _report_publisher_warnings() -> None:
