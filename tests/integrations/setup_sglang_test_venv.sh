@@ -10,12 +10,13 @@
 # What the pins are for: `import sglang.srt.mem_cache.hicache_storage` runs sglang/__init__.py,
 # which imports its frontend language (aiohttp, requests, tqdm, IPython) and
 # sglang/srt/utils/common.py (orjson, psutil, pybase64, requests, starlette, and triton: an
-# unconditional `import triton` whose module it patches at import time). Nothing else on
-# that path is missing from .venv. charset-normalizer is not imported but requests, which
-# declares it, warns on every import without it.
+# unconditional `import triton` whose module it patches at import time). The rest of that
+# path comes from .venv: torch, numpy, pillow (matplotlib's), pydantic, msgspec, pyzmq,
+# packaging, typing_extensions, pygments (pytest's). charset-normalizer is not imported, but
+# requests, which declares it, warns on every import without it.
 #
 # tests/integrations/test_sglang_hicache.py runs tests/integrations/sglang/ in this venv; it
-# skips, saying so, while the venv is absent. About 30 s on 2 cores.
+# skips, saying so, while the venv is absent. About 15 s on 2 cores.
 #
 # Usage: bash tests/integrations/setup_sglang_test_venv.sh [VENV_DIR] [BASE_VENV]
 #        (defaults: .sglang-test-venv over .venv)
