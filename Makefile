@@ -45,7 +45,7 @@ $(VLLM_VENV)/.installed: tests/integrations/setup_vllm_test_venv.sh bench/setup_
 
 # SGLang 0.5.23 layered over $(VENV) (its own site-packages holds only SGLang and the modules its
 # HiCache storage import needs), in which the suite runs kvledger's SGLang backend tests
-# (tests/integrations/test_sglang_hicache.py). About 15 s.
+# (tests/integrations/test_sglang_hicache.py). 15 to 30 s.
 SGLANG_VENV := .sglang-test-venv
 sglang-venv: $(SGLANG_VENV)/.installed
 
@@ -72,4 +72,5 @@ bench: $(STAMP)
 	$(BIN)/python bench/hash_bench.py
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) $(SGLANG_VENV) build *.egg-info kvledger-data .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(VLLM_VENV) $(SGLANG_VENV) build *.egg-info kvledger-data \
+	    .pytest_cache .mypy_cache .ruff_cache

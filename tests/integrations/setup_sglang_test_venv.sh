@@ -5,7 +5,8 @@
 # The layer: a venv whose own site-packages holds only SGLang and those modules, plus a .pth
 # line that adds the project venv's site-packages (processing its .pth files, so the editable
 # kvledger resolves) after them. torch, numpy, pytest, redis and kvledger come from .venv; the
-# SGLang pins never enter .venv, so the rest of the suite runs on what it always did.
+# SGLang pins never enter .venv, so the rest of the suite runs on what it always did. Not the
+# vLLM test venv either: vLLM picks other code paths where triton imports (HAS_TRITON).
 #
 # What the pins are for: `import sglang.srt.mem_cache.hicache_storage` runs sglang/__init__.py,
 # which imports its frontend language (aiohttp, requests, tqdm, IPython) and
@@ -16,7 +17,7 @@
 # requests, which declares it, warns on every import without it.
 #
 # tests/integrations/test_sglang_hicache.py runs tests/integrations/sglang/ in this venv; it
-# skips, saying so, while the venv is absent. About 15 s on 2 cores.
+# skips, saying so, while the venv is absent. 15 to 30 s on 2 cores (most of it unpacking triton).
 #
 # Usage: bash tests/integrations/setup_sglang_test_venv.sh [VENV_DIR] [BASE_VENV]
 #        (defaults: .sglang-test-venv over .venv)
