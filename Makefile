@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: run test dev lint typecheck pytest services vllm-venv bench clean
+.PHONY: run test dev lint typecheck pytest services vllm-venv sglang-venv bench clean
 
 run: $(STAMP)
 	$(BIN)/kvledger --help
@@ -13,7 +13,7 @@ run: $(STAMP)
 	    --log sqlite:///kvledger-data/run.db --dump-state kvledger-data/run.state
 	$(BIN)/kvledger replay kvledger-data/run.db --verify kvledger-data/run.state
 
-test: $(STAMP) services vllm-venv lint typecheck pytest
+test: $(STAMP) services vllm-venv sglang-venv lint typecheck pytest
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -43,6 +43,16 @@ $(VLLM_VENV)/.installed: tests/integrations/setup_vllm_test_venv.sh bench/setup_
 	bash tests/integrations/setup_vllm_test_venv.sh $(VLLM_VENV)
 	@touch $@
 
+# SGLang 0.5.23 layered over $(VENV) (its own site-packages holds only SGLang and the modules its
+# HiCache storage import needs), in which the suite runs kvledger's SGLang backend tests
+# (tests/integrations/test_sglang_hicache.py). 15 to 30 s.
+SGLANG_VENV := .sglang-test-venv
+sglang-venv: $(SGLANG_VENV)/.installed
+
+$(SGLANG_VENV)/.installed: tests/integrations/setup_sglang_test_venv.sh pyproject.toml $(STAMP)
+	bash tests/integrations/setup_sglang_test_venv.sh $(SGLANG_VENV) $(VENV)
+	@touch $@
+
 lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
@@ -62,4 +72,5 @@ bench: $(STAMP)
 	$(BIN)/python bench/hash_bench.py
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info kvledger-data .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(VLLM_VENV) $(SGLANG_VENV) build *.egg-info kvledger-data \
+	    .pytest_cache .mypy_cache .ruff_cache

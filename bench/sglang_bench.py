@@ -7,8 +7,9 @@ nothing is evicted. Prints pages/s of set and get for each and the ratio kvledge
 Both write through the page cache (kvledger's G3 uses O_DIRECT only where the file system has
 it; a tmpfs has not), so this compares the bookkeeping and syscalls, not the disk.
 
-Needs SGLang (tests/integrations/setup_sglang.sh):
-    .venv/bin/python bench/sglang_bench.py [--pages N] [--page-kib K] [--repeat R] [--dir D]
+Runs in the SGLang test venv (`make sglang-venv`):
+    .sglang-test-venv/bin/python bench/sglang_bench.py [--pages N] [--page-kib K] [--repeat R] \
+        [--dir D]
 """
 
 from __future__ import annotations

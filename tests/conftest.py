@@ -7,6 +7,7 @@ one schema per test (the URL's search_path picks it), dropped when the session e
 
 from __future__ import annotations
 
+import importlib.util
 import io
 import os
 import uuid
@@ -19,7 +20,11 @@ from services import PG_HOST, PG_PORT, PG_SERVER_URL, pg_connect, redis_or_skip
 
 # The vLLM harness and end-to-end test import vLLM: they run in the vLLM test venv
 # (integrations/test_vllm_offloading.py starts them there), never in this suite's interpreter.
+# The SGLang backend tests likewise run in the SGLang test venv (integrations/
+# test_sglang_hicache.py starts them there); that venv's pytest collects them itself.
 collect_ignore = ["integrations/vllm_harness", "integrations/vllm_e2e"]
+if importlib.util.find_spec("sglang") is None:
+    collect_ignore.append("integrations/sglang")
 
 
 @pytest.fixture(scope="session")

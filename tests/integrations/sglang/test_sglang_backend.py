@@ -1,7 +1,11 @@
 """kvledger's HiCache storage backend against SGLang's own ``HiCacheStorage`` and factory.
 
-Needs SGLang installed without its dependencies plus what its storage module imports:
-``bash tests/integrations/setup_sglang.sh`` (into this venv). Skips, saying so, without it.
+Runs in the SGLang test venv (SGLang 0.5.23 ``--no-deps`` with what its storage module imports,
+layered over the project's venv), which ``make test`` builds and from which
+``tests/integrations/test_sglang_hicache.py`` runs this file. By hand::
+
+    make sglang-venv
+    .sglang-test-venv/bin/python -m pytest tests/integrations/sglang
 """
 
 from __future__ import annotations
@@ -19,13 +23,17 @@ import pytest
 import redis
 import torch
 
+NOT_HERE = (
+    "SGLang is not installed in this interpreter: run `make sglang-venv`, then "
+    "`.sglang-test-venv/bin/python -m pytest tests/integrations/sglang`"
+)
 hicache = pytest.importorskip(
     "sglang.srt.mem_cache.hicache_storage",
-    reason="SGLang is not installed: run `bash tests/integrations/setup_sglang.sh`",
+    reason=NOT_HERE,
 )
 factory = pytest.importorskip(
     "sglang.srt.mem_cache.storage.backend_factory",
-    reason="SGLang is not installed: run `bash tests/integrations/setup_sglang.sh`",
+    reason=NOT_HERE,
 )
 
 from kvledger.events.log import EventLog  # noqa: E402
