@@ -39,6 +39,7 @@ CONNECTOR_TESTS = [
 
 MANAGER_TESTS = "tests/v1/kv_offload/cpu/test_manager.py"
 E2E_TESTS = "tests/kvledger/test_kvledger_offloading_e2e.py"
+G3_MANAGER_TESTS = "tests/kvledger/test_kvledger_manager_g3.py"
 
 
 @dataclass
@@ -51,12 +52,14 @@ class FileOutcome:
 @pytest.fixture(scope="module")
 def vllm_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, FileOutcome]:
     """One pytest run in the vLLM test venv (its start-up costs ~15 s), over every target,
-    with this checkout's harness and end-to-end test copied in; outcomes per test file."""
+    with this checkout's harness and kvledger's own tests (``vllm_e2e/``) copied in; outcomes
+    per test file."""
     shutil.copy(HERE / "vllm_harness" / "conftest.py", VLLM_TESTS / "tests" / "conftest.py")
     ours = VLLM_TESTS / "tests" / "kvledger"
     ours.mkdir(exist_ok=True)
     (ours / "__init__.py").touch()
-    shutil.copy(HERE / "vllm_e2e" / "test_kvledger_offloading_e2e.py", ours)
+    for test_file in (HERE / "vllm_e2e").glob("test_*.py"):
+        shutil.copy(test_file, ours)
     report = tmp_path_factory.mktemp("vllm") / "report.xml"
     env = {
         **os.environ,
@@ -65,7 +68,8 @@ def vllm_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, FileOutcome]
         "VLLM_LOGGING_LEVEL": "ERROR",
     }
     cmd = [str(PYTHON), "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={report}"]
-    cmd += ["-c", "pyproject.toml", "--rootdir", ".", MANAGER_TESTS, *CONNECTOR_TESTS, E2E_TESTS]
+    cmd += ["-c", "pyproject.toml", "--rootdir", ".", MANAGER_TESTS, *CONNECTOR_TESTS]
+    cmd += [E2E_TESTS, G3_MANAGER_TESTS]
     proc = subprocess.run(
         cmd, cwd=VLLM_TESTS, env=env, capture_output=True, text=True, timeout=1200, check=False
     )
@@ -114,4 +118,12 @@ def test_vllm_offloading_connector_tests_pass(
 def test_kvledger_spec_end_to_end_through_vllm_scheduler_and_connector(
     vllm_run: dict[str, FileOutcome],
 ) -> None:
-    assert check(vllm_run, E2E_TESTS).passed == 1
+    # through G2, and through G3 below a small G2
+    assert check(vllm_run, E2E_TESTS).passed == 2
+
+
+def test_kvledger_manager_with_g3_through_vllms_interface(
+    vllm_run: dict[str, FileOutcome],
+) -> None:
+    outcome = check(vllm_run, G3_MANAGER_TESTS)
+    assert outcome.passed == 6 and not outcome.skipped
