@@ -40,6 +40,7 @@ CONNECTOR_TESTS = [
 MANAGER_TESTS = "tests/v1/kv_offload/cpu/test_manager.py"
 E2E_TESTS = "tests/kvledger/test_kvledger_offloading_e2e.py"
 G3_MANAGER_TESTS = "tests/kvledger/test_kvledger_manager_g3.py"
+NAMES_TESTS = "tests/kvledger/test_kvledger_manager_names.py"
 
 
 @dataclass
@@ -69,7 +70,7 @@ def vllm_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, FileOutcome]
     }
     cmd = [str(PYTHON), "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={report}"]
     cmd += ["-c", "pyproject.toml", "--rootdir", ".", MANAGER_TESTS, *CONNECTOR_TESTS]
-    cmd += [E2E_TESTS, G3_MANAGER_TESTS]
+    cmd += [E2E_TESTS, G3_MANAGER_TESTS, NAMES_TESTS]
     proc = subprocess.run(
         cmd, cwd=VLLM_TESTS, env=env, capture_output=True, text=True, timeout=1200, check=False
     )
@@ -127,3 +128,10 @@ def test_kvledger_manager_with_g3_through_vllms_interface(
 ) -> None:
     outcome = check(vllm_run, G3_MANAGER_TESTS)
     assert outcome.passed == 6 and not outcome.skipped
+
+
+def test_kvledger_manager_names_blocks_with_parent_links(
+    vllm_run: dict[str, FileOutcome],
+) -> None:
+    outcome = check(vllm_run, NAMES_TESTS)
+    assert outcome.passed == 3 and not outcome.skipped

@@ -28,6 +28,16 @@ promotes it into a fresh G2 slot (``Onboarded(G3 -> G2)`` when the load complete
 reads it from there, or reads G3 directly when G2 has no slot to give. vLLM hears of G3 as
 ``Medium.STORAGE``.
 
+Names: vLLM 0.33 hands the manager ``OffloadKey``s and a ``ReqContext`` (request id,
+``kv_transfer_params``, ``kv_hints``, each key's end-token position), never token ids (see
+docs/vllm.md), so kvledger's Dynamo-compatible hashes cannot be computed here; blocks are named
+by the xxh3 of their vLLM key. Given each KV-cache group's tokens per chunk
+(``tokens_per_chunk``, which the spec passes), a stored block's parent is the block one chunk
+before it in the same request and group, where the manager saw that one (a load or store of
+the request: chunks vLLM's own prefix cache served are never shown), the sequence start for a
+first chunk, and unknown (None) otherwise; without it, each store's blocks are logged as one
+chain, as before.
+
 Callers hold ``lock`` (vLLM's rule); the manager never takes it.
 """
 
@@ -35,7 +45,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -92,6 +102,8 @@ class _RequestAccess:
     counted: set[OffloadKey] = field(default_factory=set)
     #: loads in flight that read G3: key -> (G3 slot, G2 slot it is promoted into or -1)
     g3_loads: dict[OffloadKey, tuple[int, int]] = field(default_factory=dict)
+    #: (group, end-token position) -> key, for each key the request showed (parent links)
+    chunk_keys: dict[tuple[int, int], OffloadKey] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -128,6 +140,7 @@ class KvledgerOffloadingManager(OffloadingManager):  # type: ignore[misc]  # vLL
         worker_id: int = 0,
         g3_blocks: int = 0,
         offload_filter: str = "seen_twice",
+        tokens_per_chunk: Mapping[int, int] | None = None,
     ) -> None:
         if cache_policy != "lru" or cache_policy_module_path is not None:
             raise ValueError(
@@ -174,6 +187,9 @@ class KvledgerOffloadingManager(OffloadingManager):  # type: ignore[misc]  # vLL
         self._promoting: dict[OffloadKey, int] = {}  # promotions in flight: key -> G2 slot
         self._parent_of: dict[OffloadKey, int | None] = {}  # parent each G2 block was named with
         self._evicted_slots: list[int] = []  # G2 slots of _evicted, in the same order
+        # parent links: tokens per chunk of each KV-cache group, and each store's parents
+        self._chunks = dict(tokens_per_chunk) if tokens_per_chunk else None
+        self._store_parent: dict[OffloadKey, int | None] = {}
         self._seen: FrequencySketch | None = (
             FrequencySketch(num_chunks + g3_blocks)
             if g3_blocks and offload_filter == "seen_twice"
@@ -338,6 +354,27 @@ class KvledgerOffloadingManager(OffloadingManager):  # type: ignore[misc]  # vLL
         if slots:
             self._policy.set_ranks(slots, ranks)
 
+    def _note_chunks(self, keys: Iterable[OffloadKey], req_context: ReqContext) -> None:
+        """Remember where each key sits in the request, to name the parents of its stores."""
+        at = self._request(req_context).chunk_keys
+        position_of = req_context.get_offload_key_position
+        for key in keys:
+            position = position_of(key)
+            if position is not None:
+                at[(int.from_bytes(key[-4:], "big"), position)] = key
+
+    def _parent(self, key: OffloadKey, position: int | None, state: _RequestAccess) -> int | None:
+        """The hash of the block one chunk before ``key`` in its request and group; None at
+        the start of a sequence or where the manager never saw that block."""
+        chunks = self._chunks
+        assert chunks is not None
+        group = int.from_bytes(key[-4:], "big")
+        chunk = chunks.get(group)
+        if not chunk or position is None or position <= chunk:
+            return None
+        before = state.chunk_keys.get((group, position - chunk))
+        return None if before is None else key_hash(before)
+
     # -- kvledger's view ----------------------------------------------------------------
 
     @property
@@ -402,6 +439,8 @@ class KvledgerOffloadingManager(OffloadingManager):  # type: ignore[misc]  # vLL
                     continue
                 raise KeyError(f"prepare_load: block {key!r} is not stored (or still in flight)")
             slots.append(slot)
+        if self._chunks is not None:
+            self._note_chunks(keys, req_context)
         if on_disk:
             return self._prepare_disk_load(list(keys), slots, on_disk, req_context)
         self.pool.acquire(slots)
@@ -610,6 +649,8 @@ class KvledgerOffloadingManager(OffloadingManager):  # type: ignore[misc]  # vLL
             self._note_offers(keys)
         if self._seen is not None:
             self._count_request(keys, req_context)
+        if self._chunks is not None:
+            self._note_chunks(keys, req_context)
         pending, slot_of = self._pending, self._slot_of
         promoting = self._promoting  # blocks on their way from G3 into G2
         to_store: list[OffloadKey] = []
@@ -644,6 +685,7 @@ class KvledgerOffloadingManager(OffloadingManager):  # type: ignore[misc]  # vLL
         demotion, demotions = self._plan_demotion(evicted)
         state = self._request(req_context)
         ranks: list[Rank] = []
+        parents = self._store_parent if self._chunks is not None else None
         for key, slot in zip(to_store, slots, strict=True):
             pending[key] = slot
             slot_of[key] = slot
@@ -654,6 +696,8 @@ class KvledgerOffloadingManager(OffloadingManager):  # type: ignore[misc]  # vLL
                 ranks.append((self._next_rank, 0))
             else:
                 ranks.append((state.rank, -position))
+            if parents is not None:
+                parents[key] = self._parent(key, position, state)
         self._policy.set_ranks(slots, ranks)
         if demotion is not None:
             for key in to_store:
@@ -692,12 +736,20 @@ class KvledgerOffloadingManager(OffloadingManager):  # type: ignore[misc]  # vLL
         if self._demotion_of:
             self._finish_demotions([key for key, _ in done], success)
         slots = [slot for _, slot in done]
+        parents: list[int | None] | None = None
+        if self._chunks is not None:
+            store_parent = self._store_parent
+            parents = [store_parent.pop(key, None) for key, _ in done]
         if success:
             hashes = [key_hash(key) for key, _ in done]
-            self.pool.register(slots, [(h, h) for h in hashes])
+            if parents is None:
+                self.pool.register(slots, [(h, h) for h in hashes])
+                parents = [None, *hashes[:-1]]
+            else:
+                self._register_chains(slots, hashes, parents)
             self.pool.release(slots)
             if self.g3 is not None:  # what a demotion names each block's parent
-                for (key, _), parent in zip(done, [None, *hashes[:-1]], strict=True):
+                for (key, _), parent in zip(done, parents, strict=True):
                     self._parent_of[key] = parent
             return
         self.pool.release(slots)  # never named: the slots go back to the free list
@@ -713,6 +765,18 @@ class KvledgerOffloadingManager(OffloadingManager):  # type: ignore[misc]  # vLL
                     metadata_only=True,
                 )
             )
+
+    def _register_chains(
+        self, slots: list[int], hashes: list[int], parents: list[int | None]
+    ) -> None:
+        """Name the stored blocks, one ``Stored`` per run in which each block's parent is the
+        block before it (usually the whole store: consecutive chunks of one request)."""
+        start = 0
+        for i in range(1, len(hashes) + 1):
+            if i == len(hashes) or parents[i] != hashes[i - 1]:
+                run = hashes[start:i]
+                self.pool.register(slots[start:i], [(h, h) for h in run], parents[start])
+                start = i
 
     def on_request_finished(self, req_context: ReqContext) -> None:
         state = req_context.get_state(_RequestAccess)
@@ -748,6 +812,7 @@ class KvledgerOffloadingManager(OffloadingManager):  # type: ignore[misc]  # vLL
             g3_map.clear()
         self._promoting.clear()
         self._parent_of.clear()
+        self._store_parent.clear()
         self._evicted_slots = []
         self._new_pool()
         self._emitter.cleared(Tier.G2)

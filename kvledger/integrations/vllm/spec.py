@@ -84,6 +84,10 @@ class KvledgerOffloadingSpec(OffloadingSpec):  # type: ignore[misc]  # vLLM is u
                 worker_id=self.worker_id,
                 g3_blocks=self.g3_blocks,
                 offload_filter=self.offload_filter,
+                tokens_per_chunk={
+                    group.group_id: group.tokens_per_block * self.blocks_per_chunk
+                    for group in self.config.groups
+                },
             )
         return self._manager
 

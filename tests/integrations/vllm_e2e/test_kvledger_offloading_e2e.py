@@ -195,6 +195,11 @@ def test_prompt_offloaded_evicted_from_g1_loaded_back_byte_identical(tmp_path: P
     engine.add("a1", prompt_a)
     engine.run()
     assert engine.manager.pool.num_registered == 3, "A's 3 full blocks are in kvledger's G2"
+    # logged as a chain: the first block starts the sequence, each later one names the last
+    parents = {seq: parent for seq, (_, parent) in engine.manager.pool.resident_blocks().items()}
+    (first,) = [seq for seq, parent in parents.items() if parent is None]
+    (second,) = [seq for seq, parent in parents.items() if parent == first]
+    assert [seq for seq, parent in parents.items() if parent == second] != []
 
     engine.add("b", prompt_b)
     engine.run()
