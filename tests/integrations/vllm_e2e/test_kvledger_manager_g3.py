@@ -226,3 +226,10 @@ def test_reset_cache_clears_g3_too(log_url: str) -> None:
     log.close()
     assert cleared == [Tier.G2, Tier.G3]
     m.shutdown()
+
+
+def test_bad_g3_settings_are_refused_by_name(log_url: str) -> None:
+    with pytest.raises(ValueError, match="g3_blocks must be a non-negative integer, got -1"):
+        KvledgerOffloadingManager(2, g3_blocks=-1)
+    with pytest.raises(ValueError, match="unknown offload_filter 'sometimes'"):
+        KvledgerOffloadingManager(2, g3_blocks=4, offload_filter="sometimes")
