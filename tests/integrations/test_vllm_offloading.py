@@ -41,6 +41,7 @@ MANAGER_TESTS = "tests/v1/kv_offload/cpu/test_manager.py"
 E2E_TESTS = "tests/kvledger/test_kvledger_offloading_e2e.py"
 G3_MANAGER_TESTS = "tests/kvledger/test_kvledger_manager_g3.py"
 NAMES_TESTS = "tests/kvledger/test_kvledger_manager_names.py"
+MACHINE_TESTS = "tests/kvledger/test_kvledger_manager_g3_machine.py"
 
 
 @dataclass
@@ -70,7 +71,7 @@ def vllm_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, FileOutcome]
     }
     cmd = [str(PYTHON), "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={report}"]
     cmd += ["-c", "pyproject.toml", "--rootdir", ".", MANAGER_TESTS, *CONNECTOR_TESTS]
-    cmd += [E2E_TESTS, G3_MANAGER_TESTS, NAMES_TESTS]
+    cmd += [E2E_TESTS, G3_MANAGER_TESTS, NAMES_TESTS, MACHINE_TESTS]
     proc = subprocess.run(
         cmd, cwd=VLLM_TESTS, env=env, capture_output=True, text=True, timeout=1200, check=False
     )
@@ -135,3 +136,13 @@ def test_kvledger_manager_names_blocks_with_parent_links(
 ) -> None:
     outcome = check(vllm_run, NAMES_TESTS)
     assert outcome.passed == 3 and not outcome.skipped
+
+
+def test_kvledger_manager_with_g3_as_a_state_machine(vllm_run: dict[str, FileOutcome]) -> None:
+    outcome = vllm_run.get(MACHINE_TESTS)
+    if outcome is not None and outcome.skipped and not outcome.passed and not outcome.failed:
+        pytest.skip(
+            "the vLLM test venv has no hypothesis: rerun "
+            f"tests/integrations/setup_vllm_test_venv.sh ({outcome.skipped[0]})"
+        )
+    assert check(vllm_run, MACHINE_TESTS).passed == 2
