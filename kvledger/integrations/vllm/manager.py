@@ -221,7 +221,7 @@ class KvledgerOffloadingManager(OffloadingManager):  # type: ignore[misc]  # vLL
         """Every pool change: to the durable log, and as vLLM's event for take_events."""
         if self.event_log is not None:
             self._unlogged.append(event)
-        if event.tier is not Tier.G2 or isinstance(event, Onboarded):
+        if self.g3 is not None and (event.tier is not Tier.G2 or isinstance(event, Onboarded)):
             self._on_disk_event(event)
             return
         if isinstance(event, Removed):
