@@ -120,8 +120,8 @@ def test_vllm_offloading_connector_tests_pass(
 def test_kvledger_spec_end_to_end_through_vllm_scheduler_and_connector(
     vllm_run: dict[str, FileOutcome],
 ) -> None:
-    # through G2, and through G3 below a small G2
-    assert check(vllm_run, E2E_TESTS).passed == 2
+    # through G2, through G3 below a small G2, and a bad G3 setting refused
+    assert check(vllm_run, E2E_TESTS).passed == 3
 
 
 def test_kvledger_manager_with_g3_through_vllms_interface(

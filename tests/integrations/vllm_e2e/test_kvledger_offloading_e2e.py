@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 from tests.v1.kv_connector.unit.utils import (
     EOS_TOKEN_ID,
@@ -24,6 +25,7 @@ from tests.v1.kv_connector.unit.utils import (
 )
 from vllm import SamplingParams
 from vllm.config import KVEventsConfig, KVTransferConfig, set_current_vllm_config
+from vllm.distributed.kv_events import MEDIUM_CPU, MEDIUM_STORAGE, BlockRemoved, BlockStored
 from vllm.distributed.kv_transfer.kv_connector.v1 import KVConnectorRole
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
     OffloadingWorkerMetadata,
@@ -125,6 +127,10 @@ class Engine:
         self.ctx = ForwardContext(no_compile_layers={}, attn_metadata={}, slot_mapping={})
         self.write_kv = True
         self.block_ids: dict[str, list[int]] = {}
+        # what vLLM's own KV-event stream publishes (to routers), caught at its publisher
+        self.published: list[BlockStored | BlockRemoved] = []
+        publisher = self.scheduler.kv_event_publisher
+        publisher.publish = lambda batch: self.published.extend(batch.events)  # type: ignore[method-assign]
 
     def add(self, req_id: str, tokens: list[int]) -> None:
         params = SamplingParams(max_tokens=2)
@@ -244,6 +250,12 @@ def test_prompt_evicted_from_g1_and_g2_loads_back_from_g3(tmp_path: Path) -> Non
     assert set(manager.g3.resident_blocks()) == a_hashes, "A went down to G3"
     assert a_hashes.isdisjoint(manager.pool.resident_blocks()), "and is gone from G2"
     assert (tmp_path / "g3" / "vllm-g3-w0.bin").exists()
+    # vLLM's own event stream told routers: A's blocks left CPU and arrived on STORAGE
+    on_storage = [e for e in engine.published if isinstance(e, BlockStored)]
+    on_storage = [h for e in on_storage if e.medium == MEDIUM_STORAGE for h in e.block_hashes]
+    off_cpu = [e for e in engine.published if isinstance(e, BlockRemoved)]
+    off_cpu = [h for e in off_cpu if e.medium == MEDIUM_CPU for h in e.block_hashes]
+    assert len(on_storage) == 3 and set(on_storage) <= set(off_cpu)
 
     # G1 and G2 are wiped and the model writes nothing: only G3's file can give A back.
     engine.write_kv = False
@@ -263,3 +275,8 @@ def test_prompt_evicted_from_g1_and_g2_loads_back_from_g3(tmp_path: Path) -> Non
     assert set(state.snapshot()[(0, Tier.G3)]) >= a_hashes
     manager.shutdown()
     engine.kvledger_worker.shutdown()
+
+
+def test_a_bad_g3_setting_is_refused_naming_it(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="g3_blocks in kv_connector_extra_config"):
+        Engine(f"sqlite:///{tmp_path / 'bad.db'}", g3_blocks=-5)
