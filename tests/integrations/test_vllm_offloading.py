@@ -42,6 +42,7 @@ E2E_TESTS = "tests/kvledger/test_kvledger_offloading_e2e.py"
 G3_MANAGER_TESTS = "tests/kvledger/test_kvledger_manager_g3.py"
 NAMES_TESTS = "tests/kvledger/test_kvledger_manager_names.py"
 MACHINE_TESTS = "tests/kvledger/test_kvledger_manager_g3_machine.py"
+WORKER_TESTS = "tests/kvledger/test_kvledger_worker_g3.py"
 
 
 @dataclass
@@ -71,7 +72,7 @@ def vllm_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, FileOutcome]
     }
     cmd = [str(PYTHON), "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={report}"]
     cmd += ["-c", "pyproject.toml", "--rootdir", ".", MANAGER_TESTS, *CONNECTOR_TESTS]
-    cmd += [E2E_TESTS, G3_MANAGER_TESTS, NAMES_TESTS, MACHINE_TESTS]
+    cmd += [E2E_TESTS, G3_MANAGER_TESTS, NAMES_TESTS, MACHINE_TESTS, WORKER_TESTS]
     proc = subprocess.run(
         cmd, cwd=VLLM_TESTS, env=env, capture_output=True, text=True, timeout=1200, check=False
     )
@@ -129,6 +130,11 @@ def test_kvledger_manager_with_g3_through_vllms_interface(
 ) -> None:
     outcome = check(vllm_run, G3_MANAGER_TESTS)
     assert outcome.passed == 7 and not outcome.skipped
+
+
+def test_kvledger_worker_moves_bytes_through_g3(vllm_run: dict[str, FileOutcome]) -> None:
+    outcome = check(vllm_run, WORKER_TESTS)
+    assert outcome.passed == 2 and not outcome.skipped
 
 
 def test_kvledger_manager_names_blocks_with_parent_links(
