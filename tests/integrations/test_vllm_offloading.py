@@ -134,7 +134,7 @@ def test_kvledger_manager_with_g3_through_vllms_interface(
 
 def test_kvledger_worker_moves_bytes_through_g3(vllm_run: dict[str, FileOutcome]) -> None:
     outcome = check(vllm_run, WORKER_TESTS)
-    assert outcome.passed == 2 and not outcome.skipped
+    assert outcome.passed == 3 and not outcome.skipped
 
 
 def test_kvledger_manager_names_blocks_with_parent_links(

@@ -97,7 +97,9 @@ class KvledgerOffloadingWorker(OffloadingWorker):  # type: ignore[misc]  # vLLM 
         if g3_blocks:
             if g3_file is None:
                 raise ValueError("a G3 of g3_blocks slots needs g3_file")
-            self.g3 = DiskTier(g3_file.parent, shape, g3_blocks, file_name=g3_file.name)
+            # the manager starts with an empty G3: reuse the file's space, recover no block
+            # (nor read the file through to check blocks nobody will ask for)
+            self.g3 = DiskTier(g3_file.parent, shape, g3_blocks, file_name=g3_file.name, known={})
         self.engine = TransferEngine()
         self._jobs: dict[int, _Job] = {}
 

@@ -100,3 +100,25 @@ def test_disk_moves_without_a_g3_are_refused(kv: torch.Tensor) -> None:
             w.submit_store(1, gpu([1]), KvledgerStoreSpec([0], moves))
     finally:
         w.shutdown()
+
+
+def test_a_restarted_worker_reuses_the_g3_file_empty(kv: torch.Tensor, tmp_path: Path) -> None:
+    caches = CanonicalKVCaches(
+        tensors=[CanonicalKVCacheTensor(kv, PAGE)],
+        group_data_refs=[[CanonicalKVCacheRef(0, PAGE)]],
+    )
+    first = KvledgerOffloadingWorker(caches, 1, g3_blocks=2, g3_file=tmp_path / "g3.bin")
+    fill(kv, 1, 7)
+    first.submit_store(1, gpu([1]), CPULoadStoreSpec([0]))
+    finish(first, 1)
+    moves = DiskMoves(demotions=[(0, 1)], names=[BlockInfo(5, 5, None)])
+    first.submit_store(2, gpu([2]), KvledgerStoreSpec([0], moves))
+    finish(first, 2)
+    assert first.g3 is not None and [s for s, _ in first.g3.recovered_blocks()] == [1]
+    first.shutdown()
+    # the manager of a new run starts with an empty G3, and so does the file
+    again = KvledgerOffloadingWorker(caches, 1, g3_blocks=2, g3_file=tmp_path / "g3.bin")
+    try:
+        assert again.g3 is not None and again.g3.recovered_blocks() == []
+    finally:
+        again.shutdown()
