@@ -203,6 +203,10 @@ class KvledgerOffloadingManager(OffloadingManager):  # type: ignore[misc]  # vLL
         )
         self.stores_skipped_in_current_batch = 0
         self.allocation_sizes_in_current_batch: list[int] = []
+        if self.event_log is not None:
+            # a log an earlier run of this worker wrote: go on from its last id, and say that
+            # G2 and G3 (configured here or not) start empty, so the log replays to this run
+            self._emitter.resume(self.event_log.last_event_id(worker_id), [Tier.G2, Tier.G3])
 
     def _new_pool(self) -> None:
         self._policy = RankedPolicy()

@@ -233,3 +233,21 @@ def test_bad_g3_settings_are_refused_by_name(log_url: str) -> None:
         KvledgerOffloadingManager(2, g3_blocks=-1)
     with pytest.raises(ValueError, match="unknown offload_filter 'sometimes'"):
         KvledgerOffloadingManager(2, g3_blocks=4, offload_filter="sometimes")
+
+
+def test_a_second_run_on_the_same_log_goes_on_from_it(log_url: str) -> None:
+    """A restarted engine with the same log_url: its ids continue the log's, and the log says
+    G2 and G3 start empty (the first run had a G3, the second has none), so it replays to the
+    second run."""
+    for run, g3 in ((0, 2), (1, 0)):
+        m = KvledgerOffloadingManager(2, log_url=log_url, g3_blocks=g3, offload_filter="always")
+        for i in range(3):
+            k = key(run * 10 + i)
+            store(m, request(f"{run}-{i}", [k]), [k])
+        replays(m, log_url)
+        m.shutdown()
+    log = EventLog(log_url)
+    cleared = [(e.event_id, e.tier) for e in log.read() if isinstance(e, Cleared)]
+    log.close()
+    assert [tier for _, tier in cleared] == [Tier.G2, Tier.G3]
+    assert cleared[0][0] > 0, "the second run's ids go on from the first's"
