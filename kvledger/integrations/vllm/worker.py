@@ -10,9 +10,10 @@ device copies are issued at once and only their completion waits on the engine's
 With a G3 (``g3_blocks``), a ``DiskTier`` file of the same block shape sits below G2. The
 manager's specs (``specs``) say which G2 <-> G3 copies a job needs before its G1 copy;
 they go to the same engine first, and the engine runs copies in the order given, so a G2 slot
-is copied down before the store overwrites it and a promoted block is in G2 before G1 reads
-it. A job is done when all its copies are; it failed if any did (a G3 slot failing its
-checksum).
+is copied down before the same job's store overwrites it and a promoted block is in G2 before
+the job's G1 copy reads it (across jobs, order does not matter: the manager holds every slot a
+job touches until the job completes). A job is done when all its copies are; it failed if any
+did (a G3 slot failing its checksum).
 """
 
 from __future__ import annotations
