@@ -9,6 +9,9 @@ reuse. Prints operations/s of each and the ratio kvledger / vLLM.
 
 Run in the vLLM test venv (tests/integrations/setup_vllm_test_venv.sh):
     .vllm-test-venv/bin/python bench/offload_bench.py [--requests N] [--repeat R]
+
+``--g3-blocks N`` gives kvledger's manager a G3 below G2 (vLLM's has none): G2's evictions
+are then demoted and G3 hits promoted, which is the bookkeeping a G3 costs per operation.
 """
 
 from __future__ import annotations
@@ -91,6 +94,10 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=20_000)
     parser.add_argument("--chunks", type=int, default=2_000)
     parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument(
+        "--g3-blocks", type=int, default=0, help="kvledger only: a G3 of this many blocks below G2"
+    )
+    parser.add_argument("--offload-filter", default="always", help="with --g3-blocks")
     args = parser.parse_args()
     stream = key_stream(args.requests)
     tmp = Path(tempfile.mkdtemp())
@@ -98,7 +105,13 @@ def main() -> None:
 
     def ours() -> OffloadingManager:
         url = f"sqlite:///{tmp / f'offload-{next(runs)}.db'}"
-        return KvledgerOffloadingManager(args.chunks, enable_events=True, log_url=url)
+        return KvledgerOffloadingManager(
+            args.chunks,
+            enable_events=True,
+            log_url=url,
+            g3_blocks=args.g3_blocks,
+            offload_filter=args.offload_filter,
+        )
 
     def vllms() -> OffloadingManager:
         return CPUOffloadingManager(args.chunks, enable_events=True)
@@ -106,7 +119,10 @@ def main() -> None:
     ref = measure(vllms, stream, args.repeat)
     got = measure(ours, stream, args.repeat)
     med_ref, med_got = statistics.median(ref), statistics.median(got)
-    print(f"requests={args.requests} chunks={args.chunks} repeat={args.repeat}")
+    print(
+        f"requests={args.requests} chunks={args.chunks} repeat={args.repeat}"
+        f" g3_blocks={args.g3_blocks} offload_filter={args.offload_filter}"
+    )
     print(f"vLLM CPUOffloadingManager : {med_ref:12,.0f} ops/s  (runs {[round(r) for r in ref]})")
     print(f"kvledger (log on)         : {med_got:12,.0f} ops/s  (runs {[round(r) for r in got]})")
     print(f"ratio kvledger / vLLM     : {med_got / med_ref:.2f}x")

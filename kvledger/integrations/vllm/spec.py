@@ -6,11 +6,22 @@ Settings, in ``kv_connector_extra_config``:
 - ``cpu_bytes_to_use`` (required): G2 size in bytes, as for vLLM's CPU offloading;
 - ``log_url``: the durable event log (e.g. ``sqlite:///kvledger-vllm.db``); every G2
   transition of the run goes there, so ``kvledger replay`` rebuilds the state;
-- ``store_threshold`` / ``max_tracker_size``: the offload filter (store a block only once it
-  was offered that many times).
+- ``store_threshold`` / ``max_tracker_size``: vLLM's store filter (store a block in G2 only
+  once it was offered that many times);
+- ``g3_blocks``: G3 slots below G2 (default 0: no G3). G2 blocks that evictions push out go
+  down to G3 when ``offload_filter`` lets them (``always``, ``seen_twice`` -- the default, as
+  in kvledger's settings: asked for by two requests or more -- or ``never``);
+- ``data_dir``: where each worker keeps its G3 file, ``vllm-g3-w<worker_id>.bin`` (with
+  ``-r<rank>`` when there are several ranks, each holding its share of every block; default
+  ``$KVLEDGER_DATA_DIR`` or ``kvledger-data``);
+- ``worker_id``: kvledger's worker id in the log (default: vLLM's rank).
 """
 
 from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
 
 from vllm.v1.kv_offload.base import (
     CanonicalKVCaches,
@@ -20,7 +31,7 @@ from vllm.v1.kv_offload.base import (
 )
 from vllm.v1.kv_offload.config import OffloadingConfig
 
-from kvledger.integrations.vllm.manager import KvledgerOffloadingManager
+from kvledger.integrations.vllm.manager import OFFLOAD_FILTERS, KvledgerOffloadingManager
 
 __all__ = ["KvledgerOffloadingSpec"]
 
@@ -44,6 +55,21 @@ class KvledgerOffloadingSpec(OffloadingSpec):  # type: ignore[misc]  # vLLM is u
         bytes_per_chunk = config.worker_kv_bytes_per_block * world * self.blocks_per_chunk
         self.num_chunks = int(cpu_bytes) // bytes_per_chunk if bytes_per_chunk > 0 else 0
         self.log_url: str | None = self.extra_config.get("log_url")
+        self.worker_id = _non_negative(
+            "worker_id", self.extra_config.get("worker_id", config.parallel.rank)
+        )
+        self.g3_blocks = _non_negative("g3_blocks", self.extra_config.get("g3_blocks", 0))
+        self.offload_filter = str(self.extra_config.get("offload_filter", "seen_twice"))
+        if self.offload_filter not in OFFLOAD_FILTERS:
+            raise ValueError(
+                "KvledgerOffloadingSpec: offload_filter must be one of"
+                f" {', '.join(OFFLOAD_FILTERS)}, got {self.offload_filter!r}"
+            )
+        self.data_dir = Path(
+            self.extra_config.get("data_dir")
+            or os.environ.get("KVLEDGER_DATA_DIR")
+            or "kvledger-data"
+        )
         self._manager: KvledgerOffloadingManager | None = None
         self._worker: OffloadingWorker | None = None
 
@@ -55,7 +81,13 @@ class KvledgerOffloadingSpec(OffloadingSpec):  # type: ignore[misc]  # vLLM is u
                 store_threshold=int(self.extra_config.get("store_threshold", 0)),
                 max_tracker_size=int(self.extra_config.get("max_tracker_size", 64_000)),
                 log_url=self.log_url,
-                worker_id=int(self.config.parallel.rank),
+                worker_id=self.worker_id,
+                g3_blocks=self.g3_blocks,
+                offload_filter=self.offload_filter,
+                tokens_per_chunk={
+                    group.group_id: group.tokens_per_block * self.blocks_per_chunk
+                    for group in self.config.groups
+                },
             )
         return self._manager
 
@@ -63,5 +95,20 @@ class KvledgerOffloadingSpec(OffloadingSpec):  # type: ignore[misc]  # vLLM is u
         if self._worker is None:
             from kvledger.integrations.vllm.worker import KvledgerOffloadingWorker
 
-            self._worker = KvledgerOffloadingWorker(kv_caches, self.num_chunks)
+            name = f"vllm-g3-w{self.worker_id}"
+            if self.config.parallel.world_size > 1:  # each rank keeps its share of every block
+                name += f"-r{self.config.parallel.rank}"
+            g3_file = self.data_dir / f"{name}.bin" if self.g3_blocks else None
+            self._worker = KvledgerOffloadingWorker(
+                kv_caches, self.num_chunks, g3_blocks=self.g3_blocks, g3_file=g3_file
+            )
         return self._worker
+
+
+def _non_negative(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(
+            f"KvledgerOffloadingSpec: {name} in kv_connector_extra_config must be a non-negative"
+            f" integer, got {value!r}"
+        )
+    return value
