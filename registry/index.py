@@ -197,8 +197,14 @@ class RouterIndex:
         bit, where = place
         if isinstance(event, Stored):
             if event.blocks:
-                seqs, locals_ = zip(*event.blocks, strict=True)
-                self._store(bit, where, event.parent_hash, list(seqs), list(locals_))
+                seqs = [seq for seq, _ in event.blocks]
+                locals_ = [local for _, local in event.blocks]
+                parent = event.parent_hash
+                # the usual case first: a chain new to everyone
+                if not self._node_of.keys().isdisjoint(seqs) or not self._grow(
+                    bit, where, parent, seqs, locals_
+                ):
+                    self._store(bit, where, parent, seqs, locals_)
         elif isinstance(event, Offloaded | Onboarded):
             self._store_infos(bit, where, event.blocks)
         elif isinstance(event, Removed):
@@ -257,15 +263,13 @@ class RouterIndex:
     ) -> None:
         """Hold a chain of blocks, the first one under ``parent``."""
         n = len(seqs)
+        known = list(map(self._node_of.get, seqs))  # only whether each is: nodes change below
+        if known.count(None) == n and self._grow(bit, where, parent, seqs, locals_):
+            return  # the usual case: all new to everyone
         if n > 1 and len(set(seqs)) < n:  # a chain naming a block twice: one at a time
             for seq, local in zip(seqs, locals_, strict=True):
                 self._store(bit, where, parent, [seq], [local])
                 parent = seq
-            return
-        node_of = self._node_of
-        known = list(map(node_of.get, seqs))  # only whether each is known: nodes change below
-        if known.count(None) == n:  # the usual case: all new to everyone
-            self._grow(bit, where, parent, seqs, locals_)
             return
         pos = 0
         while pos < n:
@@ -281,8 +285,9 @@ class RouterIndex:
 
     def _grow(
         self, bit: int, where: set[_Node], parent: int | None, seqs: list[int], locals_: list[int]
-    ) -> None:
-        """Add a chain of blocks new to everyone under ``parent``."""
+    ) -> bool:
+        """Add a chain of blocks new to everyone under ``parent``; False (and no block added)
+        where the chain names a block twice."""
         node_of = self._node_of
         host: _Node | None
         if parent is None:
@@ -297,21 +302,28 @@ class RouterIndex:
                 at = host.seqs.index(parent) + 1
                 # None: the link is another block's
                 host = None if host.locals[at] == locals_[0] else self._split(host, at)[0]
-        if host is None or locals_[0] in host.children:
-            node = _Node(seqs, locals_, bit, None)  # kept out of the tree: see _Node
-            where.add(node)
-        elif host.bits == bit and not host.children and host.seqs:
-            node = host  # the usual case: the run goes on
-            host.seqs += seqs
-            host.locals += locals_
-        else:
-            node = host.children[locals_[0]] = _Node(seqs, locals_, bit, host)
-            where.add(node)
+        extend = host is not None and host.bits == bit and not host.children and bool(host.seqs)
+        node = host if extend and host is not None else _Node(seqs, locals_, bit, None)
+        before = len(node_of)
         node_of.update(zip(seqs, repeat(node)))
+        if len(node_of) - before != len(seqs):  # cheaper than a set of the chain every time
+            for seq in seqs:
+                node_of.pop(seq, None)
+            return False
+        if extend:  # the usual case: the run goes on
+            node.seqs += seqs
+            node.locals += locals_
+        else:
+            where.add(node)
+            if host is not None and locals_[0] not in host.children:
+                host.children[locals_[0]] = node
+                node.parent = host
+            # else it stays out of the tree: see _Node
         self._live += len(seqs)
         if self._orphans:  # (a list first: adopting splits the node, and seqs may be its run)
             for seq in [seq for seq in seqs if seq in self._orphans]:
                 self._adopt(seq)
+        return True
 
     def _adopt(self, seq: int) -> None:
         """Hang the runs stored under ``seq`` before it was known below it."""
@@ -354,12 +366,20 @@ class RouterIndex:
         """Clear ``bit`` on each of ``seqs`` that has it (once each, however often a stream
         repeats one; what was never stored changes nothing)."""
         node_of = self._node_of
+        n = len(seqs)
+        node = node_of.get(seqs[0]) if n else None
+        if node is not None and node.bits & bit:
+            run = node.seqs
+            if n <= len(run) and run[-n:] == list(reversed(seqs)):
+                # the usual eviction: the end of a run, named from its last block back
+                self._unhold(bit, where, node, len(run) - n, len(run))
+                return
         names = seqs if isinstance(seqs, list) else list(seqs)
         # the runs of consecutive blocks to clear, as (node, start, end): engines name a
         # chain's blocks from its end back (or in order), so each block found is followed by
         # the rest of its run, compared in one slice
         found: list[tuple[_Node, int, int]] = []
-        i, n = 0, len(names)
+        i = 0
         while i < n:
             seq = names[i]
             node = node_of.get(seq)
@@ -382,7 +402,8 @@ class RouterIndex:
             found.append((node, lo, hi))
             i += taken
         if len(found) == 1:
-            self._unhold(bit, where, *found[0])
+            node, lo, hi = found[0]
+            self._unhold(bit, where, node, lo, hi)
             return
         if len({id(node) for node, _lo, _hi in found}) == len(found):
             # a chain across nodes: each found again by its first block, as nodes change
