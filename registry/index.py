@@ -275,6 +275,8 @@ class RouterIndex:
         while pos < n:
             if known[pos] is None:
                 end = pos + 1
+                if known[end:].count(None) == n - end:  # the usual case: all new from here
+                    end = n
                 while end < n and known[end] is None:
                     end += 1
                 self._grow(bit, where, parent, seqs[pos:end], locals_[pos:end])
@@ -302,11 +304,13 @@ class RouterIndex:
                 at = host.seqs.index(parent) + 1
                 # None: the link is another block's
                 host = None if host.locals[at] == locals_[0] else self._split(host, at)[0]
-        extend = host is not None and host.bits == bit and not host.children and bool(host.seqs)
+        # (a host with no run, the root or an orphan's, has no holder: never ``bit``)
+        extend = host is not None and host.bits == bit and not host.children
         node = host if extend and host is not None else _Node(seqs, locals_, bit, None)
+        n = len(seqs)
         before = len(node_of)
         node_of.update(zip(seqs, repeat(node)))
-        if len(node_of) - before != len(seqs):  # cheaper than a set of the chain every time
+        if len(node_of) - before != n:  # cheaper than a set of the chain every time
             for seq in seqs:
                 node_of.pop(seq, None)
             return False
@@ -319,7 +323,7 @@ class RouterIndex:
                 host.children[locals_[0]] = node
                 node.parent = host
             # else it stays out of the tree: see _Node
-        self._live += len(seqs)
+        self._live += n
         if self._orphans:  # (a list first: adopting splits the node, and seqs may be its run)
             for seq in [seq for seq in seqs if seq in self._orphans]:
                 self._adopt(seq)
@@ -354,12 +358,13 @@ class RouterIndex:
         if k > 1 and run[at : at + k] != seqs[pos : pos + k]:
             k = _common(run, at, seqs, pos, k)
         if not node.bits & bit:
-            node = self._isolate(node, at, at + k)
             if not node.bits:
-                self._live += len(node.seqs)
-            node.bits |= bit
-            where.add(node)
-            self._merge(node)
+                self._live += k
+            if not self._shift(node, at, at + k, node.bits | bit):
+                node = self._isolate(node, at, at + k)
+                node.bits |= bit
+                where.add(node)
+                self._merge(node)
         return pos + k
 
     def _drop(self, bit: int, where: set[_Node], seqs: Sequence[int]) -> None:
@@ -372,7 +377,13 @@ class RouterIndex:
             run = node.seqs
             if n <= len(run) and run[-n:] == list(reversed(seqs)):
                 # the usual eviction: the end of a run, named from its last block back
-                self._unhold(bit, where, node, len(run) - n, len(run))
+                if n < len(run) and node.bits == bit and not node.children:
+                    for seq in seqs:  # only this slot held them: they go for good
+                        del node_of[seq]
+                    del run[-n:], node.locals[-n:]
+                    self._live -= n
+                else:
+                    self._unhold(bit, where, node, len(run) - n, len(run))
                 return
         names = seqs if isinstance(seqs, list) else list(seqs)
         # the runs of consecutive blocks to clear, as (node, start, end): engines name a
@@ -444,6 +455,10 @@ class RouterIndex:
                 self._live -= end - start
                 del node.seqs[start:], node.locals[start:]
                 return
+        elif self._shift(node, start, end, node.bits & ~bit):
+            if node.bits == bit:
+                self._live -= end - start
+            return
         else:
             node = self._isolate(node, start, end)
         node.bits &= ~bit
@@ -454,6 +469,42 @@ class RouterIndex:
                 self._collect(node, merge=True)
                 return
         self._merge(node)
+
+    def _shift(self, node: _Node, start: int, end: int, bits: int) -> bool:
+        """Where ``node``'s blocks ``start:end``, about to be held by ``bits``, are its run's
+        end and its only child has those holders (or its start, and its parent does), move
+        them there: what a split and a join would do, without the new node. False if not."""
+        seqs, locals_ = node.seqs, node.locals
+        if start and end == len(seqs):
+            if len(node.children) != 1:
+                return False
+            (child,) = node.children.values()
+            if child.bits != bits:
+                return False
+            moved = seqs[start:]
+            child.seqs[:0] = moved
+            child.locals[:0] = locals_[start:]
+            node.children = {locals_[start]: child}
+            del seqs[start:], locals_[start:]
+            self._node_of.update(zip(moved, repeat(child)))
+            return True
+        parent = node.parent
+        if (
+            start
+            or end == len(seqs)
+            or parent is None
+            or not parent.seqs
+            or parent.bits != bits
+            or len(parent.children) != 1
+        ):
+            return False
+        moved = seqs[:end]
+        parent.seqs += moved
+        parent.locals += locals_[:end]
+        parent.children = {locals_[end]: node}
+        del seqs[:end], locals_[:end]
+        self._node_of.update(zip(moved, repeat(parent)))
+        return True
 
     def _clear_all(self, bit: int, where: set[_Node]) -> None:
         """Clear ``bit`` on every node that has it (Cleared, a worker leaving)."""

@@ -221,6 +221,25 @@ class RouterTreeMachine(RuleBasedStateMachine):
             assert index.sequence_hashes_of(locals_) == chain[:held_prefix]
 
 
+def test_a_shared_run_loses_one_holder_at_either_end() -> None:
+    """Two workers hold a chain, one of them a block more: when the other drops the chain's
+    end, or the first drops its start, the blocks move to the run beside them with the same
+    holders, and every answer stays the model's."""
+    machine = RouterTreeMachine()
+    machine.store_chain(worker=0, tier=Tier.G1, under=None, locals_=[0, 1, 2])
+    machine.store_path(worker=1, tier=Tier.G1, pick=2, skip=0)
+    machine.store_chain(worker=1, tier=Tier.G1, under=2, locals_=[0])
+    machine.answers_as_the_model_does()
+    machine.remove(worker=0, tier=Tier.G1, pick=2, keep=2, order="end first", extra=[])
+    machine.answers_as_the_model_does()
+    machine.remove(worker=1, tier=Tier.G1, pick=0, keep=0, order="end first", extra=[])
+    machine.answers_as_the_model_does()
+    machine.store_path(worker=1, tier=Tier.G1, pick=0, skip=0)  # back: it joins its run
+    machine.remove(worker=0, tier=Tier.G1, pick=1, keep=0, order="end first", extra=[])
+    machine.answers_as_the_model_does()
+    assert len(machine.index) == 4
+
+
 RouterTreeMachine.TestCase.settings = settings(
     max_examples=150, stateful_step_count=40, deadline=None
 )
