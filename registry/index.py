@@ -263,14 +263,10 @@ class RouterIndex:
     ) -> None:
         """Hold a chain of blocks, the first one under ``parent``."""
         n = len(seqs)
-        known = list(map(self._node_of.get, seqs))  # only whether each is: nodes change below
+        node_of = self._node_of
+        known = list(map(node_of.get, seqs))  # only whether each is: nodes change below
         if known.count(None) == n and self._grow(bit, where, parent, seqs, locals_):
             return  # the usual case: all new to everyone
-        if n > 1 and len(set(seqs)) < n:  # a chain naming a block twice: one at a time
-            for seq, local in zip(seqs, locals_, strict=True):
-                self._store(bit, where, parent, [seq], [local])
-                parent = seq
-            return
         pos = 0
         while pos < n:
             if known[pos] is None:
@@ -279,7 +275,14 @@ class RouterIndex:
                     end = n
                 while end < n and known[end] is None:
                     end += 1
-                self._grow(bit, where, parent, seqs[pos:end], locals_[pos:end])
+                new, new_locals = seqs[pos:end], locals_[pos:end]
+                # still all new (a chain can name a block twice), and none twice among them
+                if not node_of.keys().isdisjoint(new) or not self._grow(
+                    bit, where, parent, new, new_locals
+                ):
+                    for seq, local in zip(new, new_locals, strict=True):  # one at a time
+                        self._store(bit, where, parent, [seq], [local])
+                        parent = seq
             else:
                 end = self._hold(bit, where, seqs, pos)
             parent = seqs[end - 1]
