@@ -8,6 +8,7 @@ the replays themselves.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -77,7 +78,7 @@ def run(args: argparse.Namespace) -> int:
         update: dict[str, Any] = {"g1_blocks": capacity}
         if policy is not None:
             update["eviction_policy"] = policy
-        settings = base.model_copy(update=update)
+        settings = dataclasses.replace(base, **update)
         counter = EventCounter()
         clock = engine_clock(args)
         emitter = EventEmitter(
