@@ -251,18 +251,23 @@ class BlockPool:
                 raise ValueError(f"register: {self.tier.name} slot {slot} is not a mutable block")
         if not blocks:
             return []
-        seqs = [seq for seq, _ in blocks]
         packed: list[bytes] | None = None
         if token_ids is not None:
             packed = list(map(token_bytes, token_ids))
-        if by_hash.keys().isdisjoint(seqs) and len(set(seqs)) == len(seqs):
+        if len(blocks) == 1:  # a decode block that filled up: the most frequent call
+            seqs = [blocks[0][0]]
+            new_block = seqs[0] not in by_hash
+        else:
+            seqs = [seq for seq, _ in blocks]
+            new_block = by_hash.keys().isdisjoint(seqs) and len(set(seqs)) == len(seqs)
+        if new_block:
             # The common case (every block is new): no dedup bookkeeping, one Stored.
             parents = [parent_hash, *seqs[:-1]]
             for slot, seq, (_, local), parent in zip(slots, seqs, blocks, parents, strict=True):
                 hashes[slot] = seq
                 local_of[slot] = local
                 parent_of[slot] = parent
-            by_hash.update(zip(seqs, slots, strict=True))
+                by_hash[seq] = slot
             if packed is not None:
                 self._put_tokens(slots, packed, key)
             self._policy.registered(slots, seqs, parents)

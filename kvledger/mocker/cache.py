@@ -46,6 +46,8 @@ class SimulatedCache:
         #: where each admission, growth and finish is recorded (None: not recorded)
         self.lookups: LookupRecorder | None = None
         self._next_request = 0
+        #: whether a block named on G1 may be copied down (a G2 or G3 exists)
+        self._offloads = len(registry.pools) > 1
 
     @classmethod
     def build(
@@ -143,7 +145,8 @@ class SimulatedCache:
             registered = self.registry.g1.register(fresh[:named], blocks[:named], parent)
             slots.extend(registered)
             admission.registered = len(slots)
-            self._run(self.registry.plan_offload(registered))
+            if self._offloads:
+                self._run(self.registry.plan_offload(registered))
         slots.extend(fresh[named:])
 
     def extend(
@@ -185,14 +188,18 @@ class SimulatedCache:
         local_hashes: Sequence[int],
         full: int,
     ) -> int:
-        """``extend`` when only full blocks are named: slots first, then one run of names."""
+        """``extend`` when only full blocks are named: slots first, then one run of names.
+
+        A decoding sequence comes here twice per block, once for a slot and once to name the
+        block when it is full, so the common cases skip the work they do not need."""
         g1 = self.registry.g1
         slots = admission.slots
         start = len(slots)
         wanted = len(sequence_hashes)
         if wanted > start:
             hit: list[int] = []
-            if admission.registered == start:  # all named: a new block may be cached already
+            if full > start and admission.registered == start:
+                # all named: a new block may be cached already
                 hit = g1.match(sequence_hashes[start:full])
                 slots.extend(hit)
                 admission.registered += len(hit)
@@ -209,7 +216,8 @@ class SimulatedCache:
             registered = g1.register(slots[at:upto], blocks, parent)
             slots[at:upto] = registered
             admission.registered = upto
-            self._run(self.registry.plan_offload(registered))
+            if self._offloads:
+                self._run(self.registry.plan_offload(registered))
         return len(slots) - start
 
     def finish(self, admission: Admission) -> None:
