@@ -132,6 +132,13 @@ class BlockPool:
         keys = self._keys
         return [keys[slot] for slot in slots]
 
+    def count_inactive(self, sequence_hashes: Iterable[int]) -> int:
+        """How many of ``sequence_hashes`` are cached and referenced by nobody (evictable)."""
+        by_hash, ref = self._by_hash, self._ref
+        return sum(
+            1 for seq in sequence_hashes if (slot := by_hash.get(seq)) is not None and not ref[slot]
+        )
+
     def probe(self, sequence_hashes: Iterable[int]) -> int:
         """Length of the cached prefix of ``sequence_hashes``; changes nothing."""
         by_hash = self._by_hash

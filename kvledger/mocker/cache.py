@@ -156,18 +156,23 @@ class SimulatedCache:
         local_hashes: Sequence[int],
         *,
         full: int | None = None,
+        blocks: int | None = None,
     ) -> int:
         """Add newly completed blocks (decode) to a held request; returns how many fit.
 
+        The request now has the first ``blocks`` (default: all) of ``sequence_hashes``: a
+        count rather than a slice, since a decoding sequence's hashes grow by one block at a
+        time and copying them all each time costs as much as the rest of the call.
         With ``full``, blocks from ``full`` on are still filling (no name, as in ``admit``), and
         held blocks that filled up since (before ``full``) are named, once every block asked
         for has a slot (as vLLM caches a step's full blocks only when its allocation succeeded)."""
+        wanted = len(sequence_hashes) if blocks is None else min(blocks, len(sequence_hashes))
         if full is not None:
-            return self._extend_unnamed(admission, sequence_hashes, local_hashes, full)
+            return self._extend_unnamed(admission, sequence_hashes, local_hashes, full, wanted)
         g1 = self.registry.g1
         slots = admission.slots
         start = len(slots)
-        new = sequence_hashes[start:]
+        new = sequence_hashes[start:wanted]
         if not new:
             return 0
         hit = g1.match(new) if admission.registered == start else []
@@ -177,7 +182,7 @@ class SimulatedCache:
         slots.extend(hit)
         admission.registered += len(hit)
         if fresh:
-            self._place(admission, fresh, sequence_hashes, local_hashes, len(sequence_hashes))
+            self._place(admission, fresh, sequence_hashes, local_hashes, wanted)
         admission.placed = len(slots)
         return len(slots) - start
 
@@ -187,6 +192,7 @@ class SimulatedCache:
         sequence_hashes: Sequence[int],
         local_hashes: Sequence[int],
         full: int,
+        wanted: int,
     ) -> int:
         """``extend`` when only full blocks are named: slots first, then one run of names.
 
@@ -195,7 +201,6 @@ class SimulatedCache:
         g1 = self.registry.g1
         slots = admission.slots
         start = len(slots)
-        wanted = len(sequence_hashes)
         if wanted > start:
             hit: list[int] = []
             if full > start and admission.registered == start:
