@@ -270,7 +270,9 @@ class BlockPool:
         if new_block:
             # The common case (every block is new): no dedup bookkeeping, one Stored.
             parents = [parent_hash, *seqs[:-1]]
-            for slot, seq, (_, local), parent in zip(slots, seqs, blocks, parents, strict=True):
+            # strict=False: the lengths are checked above, and a strict zip's end check costs
+            # as much as the loop for the one block of a decode step
+            for slot, seq, (_, local), parent in zip(slots, seqs, blocks, parents, strict=False):
                 hashes[slot] = seq
                 local_of[slot] = local
                 parent_of[slot] = parent
