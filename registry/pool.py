@@ -268,15 +268,18 @@ class BlockPool:
             seqs = [seq for seq, _ in blocks]
             new_block = by_hash.keys().isdisjoint(seqs) and len(set(seqs)) == len(seqs)
         if new_block:
-            # The common case (every block is new): no dedup bookkeeping, one Stored.
-            parents = [parent_hash, *seqs[:-1]]
+            # The common case (every block is new): no dedup bookkeeping, one Stored. The
+            # loop is the pool's hottest (every block an engine computes passes here once).
             # strict=False: the lengths are checked above, and a strict zip's end check costs
-            # as much as the loop for the one block of a decode step
-            for slot, seq, (_, local), parent in zip(slots, seqs, blocks, parents, strict=False):
+            # as much as the loop for the one block of a decode step.
+            parent = parent_hash
+            for slot, (seq, local) in zip(slots, blocks, strict=False):
                 hashes[slot] = seq
                 local_of[slot] = local
                 parent_of[slot] = parent
                 by_hash[seq] = slot
+                parent = seq
+            parents = [parent_hash, *seqs[:-1]]
             if packed is not None:
                 self._put_tokens(slots, packed, key)
             self._policy.registered(slots, seqs, parents)

@@ -48,6 +48,7 @@ class SimulatedCache:
         self._next_request = 0
         #: whether a block named on G1 may be copied down (a G2 or G3 exists)
         self._offloads = len(registry.pools) > 1
+        self._g1 = registry.g1  # the registry's tiers are fixed when it is built
 
     @classmethod
     def build(
@@ -98,20 +99,21 @@ class SimulatedCache:
         ``num_tokens`` (the prompt's length, 0: not given) goes into the lookup record.
         """
         reg = self.registry
-        g1 = reg.g1
+        g1 = self._g1
         wanted = len(sequence_hashes) if limit is None else min(limit, len(sequence_hashes))
         hashes = sequence_hashes[:wanted]
         if match is None or match.total > wanted:
             match = reg.match(hashes)
-        reg.note_request(hashes)
         slots = g1.match(hashes[: match.g1])
-        onboard = reg.plan_onboard(hashes, match)
         onboarded: dict[Tier, int] = {}
-        for transfer in onboard:
-            onboarded[transfer.src_tier] = len(transfer)
-        self._run(list(onboard))
-        for transfer in onboard:
-            slots.extend(transfer.landed)
+        if self._offloads:  # lower tiers: count the request there, bring their hits up
+            reg.note_request(hashes)
+            onboard = reg.plan_onboard(hashes, match)
+            for transfer in onboard:
+                onboarded[transfer.src_tier] = len(transfer)
+            self._run(list(onboard))
+            for transfer in onboard:
+                slots.extend(transfer.landed)
         start = len(slots)
         fresh = g1.allocate_upto(wanted - start) if start == match.total else []
         admission = Admission(slots, match, onboarded, start, start)
@@ -142,7 +144,7 @@ class SimulatedCache:
             end = start + named
             blocks = list(zip(sequence_hashes[start:end], local_hashes[start:end], strict=True))
             parent = sequence_hashes[start - 1] if start else None
-            registered = self.registry.g1.register(fresh[:named], blocks[:named], parent)
+            registered = self._g1.register(fresh[:named], blocks[:named], parent)
             slots.extend(registered)
             admission.registered = len(slots)
             if self._offloads:
@@ -169,7 +171,7 @@ class SimulatedCache:
         wanted = len(sequence_hashes) if blocks is None else min(blocks, len(sequence_hashes))
         if full is not None:
             return self._extend_unnamed(admission, sequence_hashes, local_hashes, full, wanted)
-        g1 = self.registry.g1
+        g1 = self._g1
         slots = admission.slots
         start = len(slots)
         new = sequence_hashes[start:wanted]
@@ -198,7 +200,7 @@ class SimulatedCache:
 
         A decoding sequence comes here twice per block, once for a slot and once to name the
         block when it is full, so the common cases skip the work they do not need."""
-        g1 = self.registry.g1
+        g1 = self._g1
         slots = admission.slots
         start = len(slots)
         if wanted > start:
@@ -216,7 +218,10 @@ class SimulatedCache:
         at = admission.registered
         upto = min(full, len(slots))
         if len(slots) == wanted and upto > at:
-            blocks = list(zip(sequence_hashes[at:upto], local_hashes[at:upto], strict=True))
+            if upto == at + 1:  # the one block a decode step filled
+                blocks = [(sequence_hashes[at], local_hashes[at])]
+            else:
+                blocks = list(zip(sequence_hashes[at:upto], local_hashes[at:upto], strict=True))
             parent = sequence_hashes[at - 1] if at else None
             registered = g1.register(slots[at:upto], blocks, parent)
             slots[at:upto] = registered
@@ -228,7 +233,7 @@ class SimulatedCache:
     def finish(self, admission: Admission) -> None:
         """Let go of a request's blocks, last block first, so suffixes are evicted before
         the prefixes other requests share."""
-        self.registry.g1.release(reversed(admission.slots))
+        self._g1.release(reversed(admission.slots))
         admission.slots = []
         if self.lookups is not None:
             self.lookups.released(admission.request_id)
