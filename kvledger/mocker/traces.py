@@ -12,17 +12,19 @@ import json
 import math
 import random
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from kvledger.registry.hashing import chain_sequence_hashes, local_hashes
 
 MOONCAKE_BLOCK_TOKENS = 512
 
 
-@dataclass(frozen=True, slots=True)
-class TraceRequest:
+class TraceRequest(NamedTuple):
+    """One request of a workload. A named tuple rather than a frozen dataclass: a trace holds
+    thousands and is read at every start, and a frozen dataclass sets each field through
+    ``object.__setattr__``."""
+
     arrival_ms: float
     input_length: int
     output_length: int
