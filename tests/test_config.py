@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 from kvledger.config import Settings, SettingsError
@@ -74,34 +72,3 @@ def test_bad_values_name_the_setting(
 def test_unknown_keyword_is_refused() -> None:
     with pytest.raises(SettingsError, match="blok_size"):
         Settings.load(blok_size=16)
-
-
-def test_numbers_from_variables_are_parsed_for_every_kind(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every value of a variable is text: an int with allowed values, a bool and a path are
-    each turned into their type (KVLEDGER_OUTER_DIM=1 once failed as "should be 1 or 2")."""
-    monkeypatch.setenv("KVLEDGER_OUTER_DIM", "1")
-    monkeypatch.setenv("KVLEDGER_LOG_LOOKUPS", "off")
-    monkeypatch.setenv("kvledger_data_dir", "/tmp/somewhere")  # names are not case-sensitive
-    s = Settings.load()
-    assert (s.outer_dim, s.log_lookups, s.data_dir) == (1, False, Path("/tmp/somewhere"))
-    assert s.fields_set == {"outer_dim", "log_lookups", "data_dir"}
-    assert Settings.load(outer_dim=2).fields_set == {"outer_dim", "log_lookups", "data_dir"}
-
-
-def test_a_keyword_wins_over_its_variable_and_every_bad_value_is_named(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    monkeypatch.setenv("KVLEDGER_G1_BLOCKS", "-3")
-    assert Settings.load(g1_blocks=8).g1_blocks == 8
-    with pytest.raises(SettingsError) as info:
-        Settings.load(block_size=1.5, watermark=True)
-    text = str(info.value)
-    assert "g1_blocks (KVLEDGER_G1_BLOCKS): Input should be greater than 0, got '-3'" in text
-    assert "block_size (KVLEDGER_BLOCK_SIZE): Input should be a valid integer" in text
-    assert "watermark (KVLEDGER_WATERMARK): Input should be a valid number, got True" in text
-
-
-def test_settings_built_directly_are_checked_too() -> None:
-    with pytest.raises(SettingsError, match="max_num_seqs"):
-        Settings(max_num_seqs=0)
-    assert Settings(data_dir="x").data_dir == Path("x")  # type: ignore[arg-type]

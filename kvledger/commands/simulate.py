@@ -217,7 +217,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         for name, value in DYNAMO_MODEL.items():
             overrides.setdefault(name, value)
     settings = Settings.load(**overrides)
-    if args.trace and "block_size" not in settings.fields_set:
+    if args.trace and "block_size" not in settings.model_fields_set:
         if is_event_log(args.trace):
             from kvledger.mocker.rerun import recorded_block_size
 

@@ -8,7 +8,6 @@ the replays themselves.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import sys
 import time
@@ -78,7 +77,7 @@ def run(args: argparse.Namespace) -> int:
         update: dict[str, Any] = {"g1_blocks": capacity}
         if policy is not None:
             update["eviction_policy"] = policy
-        settings = dataclasses.replace(base, **update)
+        settings = base.model_copy(update=update)
         counter = EventCounter()
         clock = engine_clock(args)
         emitter = EventEmitter(
