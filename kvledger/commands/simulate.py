@@ -12,12 +12,10 @@ so replaying the whole log gives this run's final state. ``--log`` picks another
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import sys
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
@@ -305,33 +303,12 @@ def run_workload(
     if clock is None:
         if speedup:
             raise ValueError("--speedup needs --engine on (engine off has no clock)")
-        with cycle_collection_paused():
-            return replay_cache(
-                requests,
-                cache,
-                settings.block_size,
-                progress=progress,
-                sample_every=sample_every,
-            )
+        return replay_cache(
+            requests, cache, settings.block_size, progress=progress, sample_every=sample_every
+        )
     config = EngineConfig.from_settings(settings, speedup=speedup)
     engine = MockEngine(cache, config, clock=clock)
-    with cycle_collection_paused():
-        return engine.run(requests, progress=progress, sample_every=sample_every)
-
-
-@contextmanager
-def cycle_collection_paused() -> Iterator[None]:
-    """No cyclic garbage collection while a run lasts. A run allocates millions of short-lived
-    lists and tuples that reference counting frees, and makes no reference cycles; the
-    collector's passes over them cost instructions for nothing (0.6% of a whole synthetic
-    trace run with --dynamo, callgrind)."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
+    return engine.run(requests, progress=progress, sample_every=sample_every)
 
 
 # -- the command -------------------------------------------------------------------------
