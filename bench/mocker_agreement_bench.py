@@ -1,17 +1,10 @@
 """kvledger's mock engine against Dynamo's mocker: the same figures, and at least its speed.
 
 For each Mooncake trace (conversation, synthetic) and G1 size (4,096 and 16,384 blocks of 512
-tokens), one worker, the bench runs, each as a fresh process:
-
-- Dynamo: ``run_mocker_trace_replay`` from ``ai-dynamo-runtime`` (offline replay, vLLM
-  scheduler, its default polynomial timing), with every engine argument that matters given
-  explicitly: ``num_gpu_blocks``, ``block_size`` 512, ``max_num_seqs`` 256,
-  ``max_num_batched_tokens`` 8192, ``speedup_ratio`` 1, prefix caching and chunked prefill on
-  (the bench checks that these are Dynamo's defaults: a run with only the block size and
-  count gives the same figures);
-- kvledger: ``kvledger simulate --trace T --g1-blocks N --dynamo --no-log --json``, the
-  settings for the same model (``--dynamo`` = dynamo timing, whole-prompt admission, partial
-  blocks not cached, LRU; the scheduler limits above are kvledger's defaults too).
+tokens), one worker, the bench runs Dynamo's ``run_mocker_trace_replay`` and ``kvledger
+simulate --dynamo --no-log``, each as a fresh process, as ``dynamo_replay.py`` (beside this
+file) describes; it checks that Dynamo's figures are the same without the explicit engine
+arguments (they are its defaults).
 
 Agreement: TTFT p50 and p99, mean TPOT, preemptions and the token hit rate over every
 admission (Dynamo's ``prefix_cache_reused_ratio``) must be within 5% of Dynamo's; preemption
@@ -27,15 +20,13 @@ Run: .venv/bin/python bench/mocker_agreement_bench.py [--repeat 3] [--requests N
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import resource
 import statistics
-import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
+
+from dynamo_replay import BLOCK, run_dynamo, run_kvledger, warm_up
 
 # The shared data folder sits beside the checkout; KVLEDGER_SHARED_DATA points elsewhere.
 SHARED_DATA = Path(
@@ -43,7 +34,6 @@ SHARED_DATA = Path(
 )
 TRACES = ("conversation_trace.jsonl", "synthetic_trace.jsonl")
 CAPACITIES = (4096, 16384)
-BLOCK = 512
 TOLERANCE = 0.05
 METRICS = (
     ("TTFT p50 ms", "ttft_p50"),
@@ -54,116 +44,6 @@ METRICS = (
     ("token hits, first admission", "hits_first"),
 )
 CHECKED = ("ttft_p50", "ttft_p99", "tpot_mean", "preemptions", "hits_all")
-
-
-def engine_args(g1_blocks: int, *, explicit: bool = True) -> dict[str, Any]:
-    engine: dict[str, Any] = {"num_gpu_blocks": g1_blocks, "block_size": BLOCK}
-    if explicit:
-        engine.update(
-            max_num_seqs=256,
-            max_num_batched_tokens=8192,
-            speedup_ratio=1.0,
-            enable_prefix_caching=True,
-            enable_chunked_prefill=True,
-        )
-    return {"engine": engine}
-
-
-def dynamo_child(trace: str, g1_blocks: int, explicit: bool, requests: int | None) -> None:
-    """Run Dynamo's replay in this process and print its figures as one JSON line."""
-    from dynamo._core import run_mocker_trace_replay
-
-    path = trace
-    if requests is not None:
-        path = _head(trace, requests)
-    start = time.perf_counter()
-    result = run_mocker_trace_replay(
-        [path],
-        extra_engine_args=engine_args(g1_blocks, explicit=explicit),
-        capture_telemetry=True,
-        telemetry_sample_interval_ms=1e12,  # a baseline and a final sample: the totals
-    )
-    call_s = time.perf_counter() - start
-    s = result.summary
-    telemetry = result.telemetry
-    assert telemetry is not None
-    preemptions = sum(
-        sample["decode_interval_metrics"]["preemptions"]
-        + sample["prefill_interval_metrics"]["preemptions"]
-        for sample in telemetry["samples"]
-    )
-    out = {
-        "ttft_p50": s["median_ttft_ms"],
-        "ttft_p99": s["p99_ttft_ms"],
-        "tpot_mean": s["mean_tpot_ms"],
-        "preemptions": preemptions,
-        "hits_all": s["prefix_cache_reused_ratio"],
-        "hits_first": s["first_admission_prefix_cache_reused_ratio"],
-        "requests": s["completed_requests"],
-        "call_s": call_s,
-    }
-    print(json.dumps(out))
-
-
-def _head(trace: str, requests: int) -> str:
-    """The first ``requests`` lines of a trace, in a temporary file (deleted at exit)."""
-    import atexit
-    import tempfile
-
-    fd, name = tempfile.mkstemp(suffix=".jsonl")
-    with open(trace) as src, os.fdopen(fd, "w") as dst:
-        for i, line in enumerate(src):
-            if i >= requests:
-                break
-            dst.write(line)
-    atexit.register(os.unlink, name)
-    return name
-
-
-def timed(cmd: list[str]) -> tuple[float, dict[str, Any]]:
-    """Run ``cmd``; its wall time, and its last output line as JSON with ``cpu_s`` added (user
-    + system time of the process: on a shared machine, what it cost rather than how long it
-    waited for a core)."""
-    before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    start = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
-    wall = time.perf_counter() - start
-    after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    if proc.returncode:
-        raise SystemExit(f"{' '.join(cmd)} failed:\n{proc.stderr}")
-    out: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
-    out["cpu_s"] = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
-    return wall, out
-
-
-def run_dynamo(
-    trace: Path, g1: int, requests: int | None, *, explicit: bool = True
-) -> tuple[float, dict[str, Any]]:
-    cmd = [sys.executable, __file__, "--dynamo-child", str(trace), str(g1)]
-    if not explicit:
-        cmd.append("--defaults")
-    if requests is not None:
-        cmd += ["--requests", str(requests)]
-    return timed(cmd)
-
-
-def run_kvledger(trace: Path, g1: int, requests: int | None) -> tuple[float, dict[str, Any]]:
-    cmd = [sys.executable, "-m", "kvledger.cli", "simulate", "--trace", str(trace)]
-    cmd += ["--g1-blocks", str(g1), "--dynamo", "--no-log", "--json"]
-    if requests is not None:
-        cmd += ["--requests", str(requests)]
-    wall, s = timed(cmd)
-    return wall, {
-        "ttft_p50": s["ttft_ms_p50"],
-        "ttft_p99": s["ttft_ms_p99"],
-        "tpot_mean": s["tpot_ms_mean"],
-        "preemptions": s["preemptions"],
-        "hits_all": s["token_hit_rate_all_admissions"],
-        "hits_first": s["token_hit_rate"],
-        "requests": s["requests"],
-        "loop_s": s["wall_s"],
-        "cpu_s": s["cpu_s"],
-    }
 
 
 def agrees(key: str, ours: float, theirs: float) -> bool:
@@ -184,13 +64,7 @@ def main() -> int:
     parser.add_argument("--requests", type=int, help="only the first N requests of each trace")
     parser.add_argument("--trace", action="append", help="trace file name (default: both)")
     parser.add_argument("--g1-blocks", type=int, action="append", help="default: 4096, 16384")
-    parser.add_argument("--dynamo-child", nargs=2, metavar=("TRACE", "BLOCKS"), help="internal")
-    parser.add_argument("--defaults", action="store_true", help="internal")
     args = parser.parse_args()
-    if args.dynamo_child:
-        trace, blocks = args.dynamo_child
-        dynamo_child(trace, int(blocks), not args.defaults, args.requests)
-        return 0
 
     load = os.getloadavg()
     print(
@@ -199,6 +73,7 @@ def main() -> int:
     failures = 0
     for name in args.trace or TRACES:
         trace = SHARED_DATA / "mooncake" / name
+        warm_up(trace)
         for g1 in args.g1_blocks or CAPACITIES:
             # the explicit engine arguments are Dynamo's defaults: same figures either way
             _, default_run = run_dynamo(trace, g1, args.requests, explicit=False)

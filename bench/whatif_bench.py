@@ -19,6 +19,12 @@ What the records cost: the lookup records' bytes per request (their payloads), a
 file's growth per request against the same simulate run with ``KVLEDGER_LOG_LOOKUPS=0``
 (payloads, the other columns, the index entries and page slack).
 
+Engine on against Dynamo: Dynamo's ``run_mocker_trace_replay`` and ``kvledger simulate
+--engine on --dynamo --no-log`` on the same trace, G1 4096 blocks of 512 tokens, each a fresh
+process started by ``dynamo_replay.py`` (beside this file; ``mocker_agreement_bench.py``
+checks that their figures agree): the best wall and CPU times of ``--repeat`` and the ratio
+Dynamo / kvledger (1 or more: kvledger is at least as fast).
+
 Run: .venv/bin/python bench/whatif_bench.py [--requests N] [--repeat 3]
 """
 
@@ -35,6 +41,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from dynamo_replay import run_dynamo, run_kvledger, warm_up
+
 from kvledger.cli import main
 from kvledger.events.log import EventLog
 from kvledger.mocker.rerun import load_run, rerun
@@ -44,6 +52,7 @@ SHARED_DATA = Path(
 )
 TRACE = SHARED_DATA / "mooncake/conversation_trace.jsonl"
 CACHE = ["--g1-blocks", "4096", "--g2-blocks", "8192", "--g3-blocks", "16384"]
+DYNAMO_G1 = 4096
 
 
 def _quiet(argv: list[str]) -> dict[str, object]:
@@ -126,6 +135,36 @@ def main_bench() -> None:
     print(
         f"ratio whatif / simulate: median {statistics.median(ratios):.2f} "
         f"(min {min(ratios):.2f}, max {max(ratios):.2f}); the bar is 0.8"
+    )
+    engine_on_vs_dynamo(args.requests, args.repeat)
+
+
+def engine_on_vs_dynamo(requests: int | None, repeat: int) -> None:
+    """Dynamo's trace replay against ``simulate --engine on`` (Dynamo's model), whole processes."""
+    warm_up(TRACE)
+    sides: dict[str, list[tuple[float, float]]] = {"Dynamo": [], "kvledger": []}
+    for _ in range(repeat):
+        wall, out = run_dynamo(TRACE, DYNAMO_G1, requests)
+        sides["Dynamo"].append((wall, out["cpu_s"]))
+        wall, out = run_kvledger(TRACE, DYNAMO_G1, requests)
+        sides["kvledger"].append((wall, out["cpu_s"]))
+    print(f"engine on, G1 {DYNAMO_G1} blocks, whole process, best of {repeat} (wall / cpu s):")
+    for name, runs in sides.items():
+        label = (
+            "Dynamo run_mocker_trace_replay"
+            if name == "Dynamo"
+            else "kvledger simulate --engine on --dynamo --no-log"
+        )
+        walls = [w for w, _ in runs]
+        print(
+            f"  {label:<48} {min(walls):.2f} / {min(c for _, c in runs):.2f} "
+            f"(median wall {statistics.median(walls):.2f})"
+        )
+    dyn, ours = sides["Dynamo"], sides["kvledger"]
+    print(
+        f"ratio Dynamo / kvledger simulate --engine on: wall "
+        f"{min(w for w, _ in dyn) / min(w for w, _ in ours):.2f}, cpu "
+        f"{min(c for _, c in dyn) / min(c for _, c in ours):.2f} (1 or more: kvledger as fast)"
     )
 
 

@@ -11,7 +11,6 @@ import argparse
 import importlib
 import os
 import re
-import sqlite3
 import sys
 import warnings
 from collections.abc import Callable, Sequence
@@ -104,6 +103,8 @@ def operator_error(exc: Exception, where: str | None = None) -> str | None:
 
 
 def _database_message(exc: Exception, where: str | None) -> str:
+    import sqlite3  # here, not at start-up: only a database error needs it
+
     import sqlalchemy as sa
 
     from kvledger.events.log.schema import database_url, shown_url

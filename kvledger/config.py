@@ -57,7 +57,9 @@ class Settings(BaseSettings):
     block_size: int = Field(16, gt=0, le=1 << 16, description="tokens per KV block")
     # Model geometry, for bytes per block (turns GB into block counts, sizes tier buffers).
     num_layers: int = Field(32, gt=0)
-    outer_dim: Literal[1, 2] = Field(2, description="2 for separate K and V, 1 for MLA")
+    # an int in 1..2, not Literal[1, 2]: pydantic matches a literal strictly, so the text "1"
+    # of KVLEDGER_OUTER_DIM=1 was refused as "should be 1 or 2"
+    outer_dim: int = Field(2, ge=1, le=2, description="2 for separate K and V, 1 for MLA")
     inner_dim: int = Field(1024, gt=0, description="kv heads x head size")
     dtype: Literal["float32", "float16", "bfloat16", "float8_e4m3fn", "uint8"] = "bfloat16"
 

@@ -75,11 +75,6 @@ class EventEmitter:
             for tier in clear:
                 self.cleared(tier)
 
-    def _next_id(self) -> int:
-        eid = self.next_event_id
-        self.next_event_id = eid + 1
-        return eid
-
     def stored(
         self,
         tier: Tier,
@@ -90,7 +85,8 @@ class EventEmitter:
     ) -> None:
         if not blocks:
             return
-        eid = self._next_id()
+        eid = self.next_event_id  # inline: every registration and eviction passes here
+        self.next_event_id = eid + 1
         if self.sink is None:
             return
         self.sink(
@@ -112,7 +108,8 @@ class EventEmitter:
         hashes = tuple(sequence_hashes)
         if not hashes:
             return
-        eid = self._next_id()
+        eid = self.next_event_id
+        self.next_event_id = eid + 1
         if self.sink is None:
             return
         self.sink(
@@ -140,7 +137,8 @@ class EventEmitter:
             return
         if src_tier == dst_tier:
             raise ValueError(f"a copy needs two different tiers, got {src_tier.name} twice")
-        eid = self._next_id()
+        eid = self.next_event_id
+        self.next_event_id = eid + 1
         if self.sink is None:
             return
         kind = Offloaded if dst_tier > src_tier else Onboarded
@@ -159,7 +157,8 @@ class EventEmitter:
         )
 
     def cleared(self, tier: Tier) -> None:
-        eid = self._next_id()
+        eid = self.next_event_id
+        self.next_event_id = eid + 1
         if self.sink is None:
             return
         self.sink(

@@ -55,7 +55,11 @@ class LruPolicy:
         pass
 
     def released(self, slots: Sequence[int]) -> None:
-        self._inactive.update(dict.fromkeys(slots))
+        # a loop, not update(dict.fromkeys(...)): OrderedDict.update is generic Python code,
+        # 3-7x slower for the few blocks a request releases
+        inactive = self._inactive
+        for slot in slots:
+            inactive[slot] = None
 
     def activated(self, slots: Sequence[int]) -> None:
         pop = self._inactive.pop

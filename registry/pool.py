@@ -132,6 +132,13 @@ class BlockPool:
         keys = self._keys
         return [keys[slot] for slot in slots]
 
+    def count_inactive(self, sequence_hashes: Iterable[int]) -> int:
+        """How many of ``sequence_hashes`` are cached and referenced by nobody (evictable)."""
+        by_hash, ref = self._by_hash, self._ref
+        return sum(
+            1 for seq in sequence_hashes if (slot := by_hash.get(seq)) is not None and not ref[slot]
+        )
+
     def probe(self, sequence_hashes: Iterable[int]) -> int:
         """Length of the cached prefix of ``sequence_hashes``; changes nothing."""
         by_hash = self._by_hash
@@ -251,18 +258,28 @@ class BlockPool:
                 raise ValueError(f"register: {self.tier.name} slot {slot} is not a mutable block")
         if not blocks:
             return []
-        seqs = [seq for seq, _ in blocks]
         packed: list[bytes] | None = None
         if token_ids is not None:
             packed = list(map(token_bytes, token_ids))
-        if by_hash.keys().isdisjoint(seqs) and len(set(seqs)) == len(seqs):
-            # The common case (every block is new): no dedup bookkeeping, one Stored.
-            parents = [parent_hash, *seqs[:-1]]
-            for slot, seq, (_, local), parent in zip(slots, seqs, blocks, parents, strict=True):
+        if len(blocks) == 1:  # a decode block that filled up: the most frequent call
+            seqs = [blocks[0][0]]
+            new_block = seqs[0] not in by_hash
+        else:
+            seqs = [seq for seq, _ in blocks]
+            new_block = by_hash.keys().isdisjoint(seqs) and len(set(seqs)) == len(seqs)
+        if new_block:
+            # The common case (every block is new): no dedup bookkeeping, one Stored. The
+            # loop is the pool's hottest (every block an engine computes passes here once).
+            # strict=False: the lengths are checked above, and a strict zip's end check costs
+            # as much as the loop for the one block of a decode step.
+            parent = parent_hash
+            for slot, (seq, local) in zip(slots, blocks, strict=False):
                 hashes[slot] = seq
                 local_of[slot] = local
                 parent_of[slot] = parent
-            by_hash.update(zip(seqs, slots, strict=True))
+                by_hash[seq] = slot
+                parent = seq
+            parents = [parent_hash, *seqs[:-1]]
             if packed is not None:
                 self._put_tokens(slots, packed, key)
             self._policy.registered(slots, seqs, parents)

@@ -135,6 +135,8 @@ class TieredRegistry:
 
     def match(self, sequence_hashes: Sequence[int]) -> MatchResult:
         """Longest cached prefix: blocks on G1, then how far G2 continues it, then G3."""
+        if len(self.pools) == 1:  # G1 alone (the mock engine's usual cache)
+            return MatchResult(self.pools[Tier.G1].probe(sequence_hashes), 0, 0)
         counts = {Tier.G1: 0, Tier.G2: 0, Tier.G3: 0}
         start = 0
         for tier in (Tier.G1, Tier.G2, Tier.G3):

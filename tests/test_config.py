@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from kvledger.config import Settings, SettingsError
@@ -72,3 +74,16 @@ def test_bad_values_name_the_setting(
 def test_unknown_keyword_is_refused() -> None:
     with pytest.raises(SettingsError, match="blok_size"):
         Settings.load(blok_size=16)
+
+
+def test_values_from_variables_are_parsed_for_every_kind(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every variable's value is text: a bounded int, a bool and a path each become their type
+    (KVLEDGER_OUTER_DIM=1 once failed as "should be 1 or 2"); names ignore case."""
+    monkeypatch.setenv("KVLEDGER_OUTER_DIM", "1")
+    monkeypatch.setenv("KVLEDGER_LOG_LOOKUPS", "off")
+    monkeypatch.setenv("kvledger_data_dir", "/tmp/somewhere")
+    s = Settings.load()
+    assert (s.outer_dim, s.log_lookups, s.data_dir) == (1, False, Path("/tmp/somewhere"))
+    monkeypatch.setenv("KVLEDGER_OUTER_DIM", "3")
+    with pytest.raises(SettingsError, match="outer_dim"):
+        Settings.load()

@@ -123,3 +123,27 @@ def test_remove_drops_only_inactive_blocks() -> None:
 def test_bad_capacity_is_named(capacity: float) -> None:
     with pytest.raises(ValueError, match="capacity must be a positive integer"):
         BlockPool(capacity)  # type: ignore[arg-type]
+
+
+def test_count_inactive_counts_cached_blocks_nobody_holds() -> None:
+    p, _ = pool(6)
+    held = p.register(p.allocate(2), [(10, 1), (11, 2)], None)
+    idle = p.register(p.allocate(1), [(12, 3)], 11)
+    p.release(idle)
+    assert p.count_inactive([10, 11, 12, 99]) == 1  # 10 and 11 held, 99 unknown
+    p.release(held)
+    assert p.count_inactive([10, 11, 12, 99]) == 3
+    assert p.count_inactive([]) == 0
+
+
+def test_a_single_new_block_registers_like_a_run_and_dedups_against_the_pool() -> None:
+    """register's one-block path (a decode block that filled) gives what a run gives."""
+    p, events = pool(4)
+    (first,) = p.register(p.allocate(1), [(10, 1)], None)
+    slot = p.allocate(1)
+    assert p.register(slot, [(10, 1)], None) == [first]  # a duplicate: the existing slot
+    assert p.refcount(first) == 2 and p.num_free == 3
+    stored = [e for e in events if isinstance(e, Stored)]
+    assert [(e.parent_hash, e.blocks) for e in stored] == [(None, ((10, 1),))]
+    (second,) = p.register(p.allocate(1), [(11, 2)], 10)
+    assert p.block_info(second).parent_hash == 10

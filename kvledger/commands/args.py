@@ -7,7 +7,6 @@ any work starts, rather than after a long run or as a traceback from deep inside
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import math
 import re
 from collections.abc import Callable
@@ -68,6 +67,8 @@ def timestamp(text: str) -> float:
     try:
         value = float(text)
     except ValueError:
+        import datetime as dt  # here: every command imports this module, few read times
+
         try:
             when = dt.datetime.fromisoformat(text)
         except ValueError:
@@ -137,6 +138,8 @@ def log_bound(text: str) -> LogBound:
             f"2026-11-25T03:46:35.319, got {text!r}"
         )
     end = timestamp(text)
+    import datetime as dt
+
     start = dt.datetime.fromisoformat(text)
     if start.tzinfo is None:
         start = start.replace(tzinfo=dt.UTC)

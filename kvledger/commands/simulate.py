@@ -304,11 +304,7 @@ def run_workload(
         if speedup:
             raise ValueError("--speedup needs --engine on (engine off has no clock)")
         return replay_cache(
-            requests,
-            cache,
-            settings.block_size,
-            progress=progress,
-            sample_every=sample_every,
+            requests, cache, settings.block_size, progress=progress, sample_every=sample_every
         )
     config = EngineConfig.from_settings(settings, speedup=speedup)
     engine = MockEngine(cache, config, clock=clock)

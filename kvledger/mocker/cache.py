@@ -46,6 +46,9 @@ class SimulatedCache:
         #: where each admission, growth and finish is recorded (None: not recorded)
         self.lookups: LookupRecorder | None = None
         self._next_request = 0
+        #: whether a block named on G1 may be copied down (a G2 or G3 exists)
+        self._offloads = len(registry.pools) > 1
+        self._g1 = registry.g1  # the registry's tiers are fixed when it is built
 
     @classmethod
     def build(
@@ -96,20 +99,21 @@ class SimulatedCache:
         ``num_tokens`` (the prompt's length, 0: not given) goes into the lookup record.
         """
         reg = self.registry
-        g1 = reg.g1
+        g1 = self._g1
         wanted = len(sequence_hashes) if limit is None else min(limit, len(sequence_hashes))
         hashes = sequence_hashes[:wanted]
         if match is None or match.total > wanted:
             match = reg.match(hashes)
-        reg.note_request(hashes)
         slots = g1.match(hashes[: match.g1])
-        onboard = reg.plan_onboard(hashes, match)
         onboarded: dict[Tier, int] = {}
-        for transfer in onboard:
-            onboarded[transfer.src_tier] = len(transfer)
-        self._run(list(onboard))
-        for transfer in onboard:
-            slots.extend(transfer.landed)
+        if self._offloads:  # lower tiers: count the request there, bring their hits up
+            reg.note_request(hashes)
+            onboard = reg.plan_onboard(hashes, match)
+            for transfer in onboard:
+                onboarded[transfer.src_tier] = len(transfer)
+            self._run(list(onboard))
+            for transfer in onboard:
+                slots.extend(transfer.landed)
         start = len(slots)
         fresh = g1.allocate_upto(wanted - start) if start == match.total else []
         admission = Admission(slots, match, onboarded, start, start)
@@ -140,10 +144,11 @@ class SimulatedCache:
             end = start + named
             blocks = list(zip(sequence_hashes[start:end], local_hashes[start:end], strict=True))
             parent = sequence_hashes[start - 1] if start else None
-            registered = self.registry.g1.register(fresh[:named], blocks[:named], parent)
+            registered = self._g1.register(fresh[:named], blocks[:named], parent)
             slots.extend(registered)
             admission.registered = len(slots)
-            self._run(self.registry.plan_offload(registered))
+            if self._offloads:
+                self._run(self.registry.plan_offload(registered))
         slots.extend(fresh[named:])
 
     def extend(
@@ -153,18 +158,23 @@ class SimulatedCache:
         local_hashes: Sequence[int],
         *,
         full: int | None = None,
+        blocks: int | None = None,
     ) -> int:
         """Add newly completed blocks (decode) to a held request; returns how many fit.
 
+        The request now has the first ``blocks`` (default: all) of ``sequence_hashes``: a
+        count rather than a slice, since a decoding sequence's hashes grow by one block at a
+        time and copying them all each time costs as much as the rest of the call.
         With ``full``, blocks from ``full`` on are still filling (no name, as in ``admit``), and
         held blocks that filled up since (before ``full``) are named, once every block asked
         for has a slot (as vLLM caches a step's full blocks only when its allocation succeeded)."""
+        wanted = len(sequence_hashes) if blocks is None else min(blocks, len(sequence_hashes))
         if full is not None:
-            return self._extend_unnamed(admission, sequence_hashes, local_hashes, full)
-        g1 = self.registry.g1
+            return self._extend_unnamed(admission, sequence_hashes, local_hashes, full, wanted)
+        g1 = self._g1
         slots = admission.slots
         start = len(slots)
-        new = sequence_hashes[start:]
+        new = sequence_hashes[start:wanted]
         if not new:
             return 0
         hit = g1.match(new) if admission.registered == start else []
@@ -174,7 +184,7 @@ class SimulatedCache:
         slots.extend(hit)
         admission.registered += len(hit)
         if fresh:
-            self._place(admission, fresh, sequence_hashes, local_hashes, len(sequence_hashes))
+            self._place(admission, fresh, sequence_hashes, local_hashes, wanted)
         admission.placed = len(slots)
         return len(slots) - start
 
@@ -184,15 +194,19 @@ class SimulatedCache:
         sequence_hashes: Sequence[int],
         local_hashes: Sequence[int],
         full: int,
+        wanted: int,
     ) -> int:
-        """``extend`` when only full blocks are named: slots first, then one run of names."""
-        g1 = self.registry.g1
+        """``extend`` when only full blocks are named: slots first, then one run of names.
+
+        A decoding sequence comes here twice per block, once for a slot and once to name the
+        block when it is full, so the common cases skip the work they do not need."""
+        g1 = self._g1
         slots = admission.slots
         start = len(slots)
-        wanted = len(sequence_hashes)
         if wanted > start:
             hit: list[int] = []
-            if admission.registered == start:  # all named: a new block may be cached already
+            if full > start and admission.registered == start:
+                # all named: a new block may be cached already
                 hit = g1.match(sequence_hashes[start:full])
                 slots.extend(hit)
                 admission.registered += len(hit)
@@ -204,18 +218,22 @@ class SimulatedCache:
         at = admission.registered
         upto = min(full, len(slots))
         if len(slots) == wanted and upto > at:
-            blocks = list(zip(sequence_hashes[at:upto], local_hashes[at:upto], strict=True))
+            if upto == at + 1:  # the one block a decode step filled
+                blocks = [(sequence_hashes[at], local_hashes[at])]
+            else:
+                blocks = list(zip(sequence_hashes[at:upto], local_hashes[at:upto], strict=True))
             parent = sequence_hashes[at - 1] if at else None
             registered = g1.register(slots[at:upto], blocks, parent)
             slots[at:upto] = registered
             admission.registered = upto
-            self._run(self.registry.plan_offload(registered))
+            if self._offloads:
+                self._run(self.registry.plan_offload(registered))
         return len(slots) - start
 
     def finish(self, admission: Admission) -> None:
         """Let go of a request's blocks, last block first, so suffixes are evicted before
         the prefixes other requests share."""
-        self.registry.g1.release(reversed(admission.slots))
+        self._g1.release(reversed(admission.slots))
         admission.slots = []
         if self.lookups is not None:
             self.lookups.released(admission.request_id)

@@ -406,7 +406,9 @@ class MockEngine:
                 stats.ttft_ms.append(self.clock.now_ms - s.req.arrival_ms)
             if s.generated >= s.output_length:
                 done.append(s)
-        self._finish(done, running)
+        if done:
+            self._finish(done, running)
+        self._pace()
         if steady is not None:
             for s, _ in batch:
                 if s.admission is not None and s.parked_at < 0:
@@ -480,7 +482,6 @@ class MockEngine:
             self.latency_ms.append(self.clock.now_ms - s.req.arrival_ms)
             if s.generated > 1 and s.first_token_ms is not None:
                 self.tpot_ms.append((self.clock.now_ms - s.first_token_ms) / (s.generated - 1))
-        self._pace()
 
     def _admit(
         self, s: _Sequence, budget: int, others_run: bool, stats: SimStats
@@ -503,7 +504,8 @@ class MockEngine:
             ):
                 return None
         prompt_blocks = -(-s.tokens // bs)
-        self._grow_hashes(s, prompt_blocks)
+        if len(s.seq) < prompt_blocks:
+            self._grow_hashes(s, prompt_blocks)
         hashes, local = s.seq[:prompt_blocks], s.local[:prompt_blocks]
         probe = cache.registry.match(hashes)
         cached = min(probe.total * bs, s.tokens - 1)
@@ -513,8 +515,7 @@ class MockEngine:
         if whole_prompt:
             # Dynamo: the whole uncached prompt must fit in free or evictable blocks now;
             # cached blocks nobody holds are not evictable for it (it is about to use them)
-            hit_slots = [g1.lookup(h) for h in hashes[: probe.g1]]
-            idle_hits = sum(1 for slot in hit_slots if slot is not None and not g1.refcount(slot))
+            idle_hits = g1.count_inactive(hashes[: probe.g1])
             room = g1.num_free + g1.num_inactive
             if prompt_blocks - probe.g1 > room - idle_hits:
                 after = hashes[probe.g1] if probe.g1 < prompt_blocks else None
@@ -529,9 +530,9 @@ class MockEngine:
         admission = cache.admit(
             hashes, local, limit=limit, full=full, match=probe, num_tokens=s.tokens
         )
-        copy_ms = sum(
-            self.config.bandwidth.copy_ms(src, Tier.G1, n) for src, n in admission.onboarded.items()
-        )
+        copy_ms = 0.0
+        for src, n in admission.onboarded.items():
+            copy_ms += self.config.bandwidth.copy_ms(src, Tier.G1, n)
         s.computed = min(admission.hit_blocks * bs, s.tokens - 1)
         n = min(budget, s.tokens - s.computed)
         if admission.placed < -(-(s.computed + n) // bs):
@@ -560,9 +561,10 @@ class MockEngine:
         full = None if self.config.cache_partial_blocks else upto // bs
         if len(admission.slots) >= need and (full is None or admission.registered >= full):
             return True
-        self._grow_hashes(s, need)
+        if len(s.seq) < need:
+            self._grow_hashes(s, need)
         while True:
-            self.cache.extend(admission, s.seq[:need], s.local[:need], full=full)
+            self.cache.extend(admission, s.seq, s.local, full=full, blocks=need)
             if len(admission.slots) >= need:
                 return True
             victim = running[-1]

@@ -98,12 +98,13 @@ class CountingEmitter(EventEmitter):
         key: HashKey | None = None,
     ) -> None:
         self.stored_blocks[tier] += len(blocks)
-        super().stored(tier, parent_hash, blocks, token_ids, key)
+        # the base class by name: super() builds a proxy object on every block registered
+        EventEmitter.stored(self, tier, parent_hash, blocks, token_ids, key)
 
     def removed(self, tier: Tier, sequence_hashes: Iterable[int]) -> None:
         hashes = tuple(sequence_hashes)
         self.removed_blocks[tier] += len(hashes)
-        super().removed(tier, hashes)
+        EventEmitter.removed(self, tier, hashes)
 
     def copied(
         self,
