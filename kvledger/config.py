@@ -113,6 +113,25 @@ class Settings(BaseSettings):
     event_log_url: str | None = Field(
         None, description="SQLAlchemy URL of the event log; default: SQLite under data_dir"
     )
+    event_log_durability: Literal["batch", "fsync", "none"] = Field(
+        "batch",
+        description="batch: a committed batch survives the process dying; fsync: also the "
+        "machine dying; none: no commit-lag bound (tests, throwaway runs)",
+    )
+    event_log_max_delay_s: float = Field(
+        0.05,
+        gt=0,
+        le=60,
+        allow_inf_nan=False,
+        description="longest an appended event waits for its commit; with batch or fsync, "
+        "appends wait once the oldest uncommitted event is this old (what a crash can lose)",
+    )
+    event_log_queue_size: int = Field(
+        100_000,
+        ge=10_000,
+        description="most events appended and not yet committed before appends wait "
+        "(at least one writer batch, 10,000)",
+    )
     redis_url: str | None = Field(
         None, description="shared registry; every event is also published there when set"
     )
@@ -211,6 +230,25 @@ class Settings(BaseSettings):
         if self.g3_capacity:
             path.append(Tier.G3)
         return tuple(path)
+
+    def event_log_options(self) -> dict[str, Any]:
+        """``EventLog``'s keyword arguments for these settings, beside ``log_url``."""
+        return {
+            "durability": self.event_log_durability,
+            "max_delay": self.event_log_max_delay_s,
+            "queue_size": self.event_log_queue_size,
+        }
+
+    def zmq_options(self) -> dict[str, Any]:
+        """``open_publisher``'s keyword arguments for these settings, beside the endpoint,
+        the log it replays from, the worker id and the metrics registry."""
+        return {
+            "block_size": self.block_size,
+            "replay_endpoint": self.zmq_replay_endpoint,
+            "topic": self.zmq_topic,
+            "dp_rank": self.dp_rank,
+            "ring_size": self.zmq_ring_size,
+        }
 
     @property
     def log_url(self) -> str:

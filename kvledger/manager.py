@@ -141,7 +141,9 @@ class BlockManager:
         self._own_log = event_log is None and log_events
         if self._own_log:
             ensure_log_folder(s.log_url)  # a first run in an empty folder makes kvledger-data/
-        self._event_log = EventLog(s.log_url) if self._own_log else event_log
+        self._event_log = (
+            EventLog(s.log_url, **s.event_log_options()) if self._own_log else event_log
+        )
         self._publisher: RedisPublisher | None = None
         self._zmq: ZmqPublisher | None = None
         self._tiers: dict[Tier, StorageTier] = {}
@@ -380,12 +382,8 @@ class BlockManager:
             s.zmq_endpoint,
             log=self._event_log,
             worker_id=s.worker_id,
-            block_size=s.block_size,
-            replay_endpoint=s.zmq_replay_endpoint,
-            topic=s.zmq_topic,
-            dp_rank=s.dp_rank,
-            ring_size=s.zmq_ring_size,
             metrics_registry=metrics.registry if metrics is not None else None,
+            **s.zmq_options(),
         )
 
     @property

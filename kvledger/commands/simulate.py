@@ -321,14 +321,14 @@ class Outcome:
     replay_ok: bool
 
 
-def _open_log(url: str) -> EventLog:
+def _open_log(url: str, settings: Settings) -> EventLog:
     import sqlalchemy as sa
 
     from kvledger.events.log import EventLog
 
     try:
         ensure_log_folder(url)
-        return EventLog(url)
+        return EventLog(url, **settings.event_log_options())
     except sa.exc.ArgumentError as exc:  # unparsable URL, unknown driver
         raise ValueError(f"cannot open the event log {url!r}: {exc}") from None
 
@@ -365,7 +365,7 @@ def simulate(args: argparse.Namespace, note: Callable[[str], None]) -> Outcome:
 
         url = database_url(args.log) if args.log else settings.log_url
         shown = shown_url(url)
-        log = _open_log(url)
+        log = _open_log(url, settings)
     zmq_publisher: ZmqPublisher | None = None
     try:
         sinks: list[Callable[[AnyEvent], None]] = [] if log is None else [log.append]
@@ -375,14 +375,7 @@ def simulate(args: argparse.Namespace, note: Callable[[str], None]) -> Outcome:
             from kvledger.events.shared.zmq_publish import open_publisher
 
             zmq_publisher = open_publisher(
-                settings.zmq_endpoint,
-                log=log,
-                worker_id=worker,
-                block_size=settings.block_size,
-                replay_endpoint=settings.zmq_replay_endpoint,
-                topic=settings.zmq_topic,
-                dp_rank=settings.dp_rank,
-                ring_size=settings.zmq_ring_size,
+                settings.zmq_endpoint, log=log, worker_id=worker, **settings.zmq_options()
             )
             sinks.append(zmq_publisher)
             note(f"publishing KV events on {zmq_publisher.endpoint}")
