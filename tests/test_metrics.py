@@ -133,9 +133,15 @@ def test_a_stalled_log_writer_shows_as_backlog_lag_and_back_pressure(
         blocker = sqlite3.connect(tmp_path / "events.db", isolation_level=None)
         blocker.execute("BEGIN IMMEDIATE")
 
+        stop = threading.Event()
+
         def produce() -> None:
-            for i in range(1, 2000):
+            # until told to stop: a fixed count can all be appended within max_delay on a
+            # quiet machine, and then no append ever has to wait
+            i = 1
+            while not stop.is_set():
                 emitter.stored(Tier.G1, None, [(i, i)])
+                i += 1
 
         producer = threading.Thread(target=produce)
         producer.start()
@@ -148,9 +154,11 @@ def test_a_stalled_log_writer_shows_as_backlog_lag_and_back_pressure(
             assert value(s, "kvbm_event_log_commit_lag_seconds") > 0
             assert value(s, "kvbm_event_log_backpressure_waits") >= 1
         finally:
+            stop.set()
             blocker.rollback()
             blocker.close()
         producer.join(30)
+        assert not producer.is_alive()
         log.flush()
         s = scrape(port)
         assert value(s, "kvbm_event_log_queue_depth") == 0
