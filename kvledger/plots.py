@@ -338,17 +338,26 @@ def plot_report(out: dict[str, Any], path: str | Path) -> Path:
     for kind in kinds:
         ax_rows.plot(mid, [w["rows_by_kind"].get(kind, 0) for w in windows], marker=".", label=kind)
     ax_rows.set_ylabel("rows per window\nby kind")
+    peak_rows = max((v for w in windows for v in w["rows_by_kind"].values()), default=0)
+    ax_rows.set_ylim(0, max(1, peak_rows) * 1.4)  # headroom: the legend sits above the lines
     ax_rows.legend(fontsize=7, ncol=4, loc="upper right")
-    for label, key, style in (
+    moved = (
         ("evicted", "evicted_blocks", "-"),
         ("offloaded", "offloaded_blocks", "--"),
         ("onboarded", "onboarded_blocks", ":"),
-    ):
+    )
+    moved_keys = [key for _, key, _ in moved]
+    for label, key, style in moved:
         for tier in ("G1", "G2", "G3"):
             values = [w[key][tier] for w in windows]
             if any(values):
                 ax_moved.plot(mid, values, ls=style, color=colors[tier], label=f"{label} {tier}")
     ax_moved.set_ylabel("blocks per window")
+    peak_moved = max(
+        (w[key][tier] for w in windows for key in moved_keys for tier in ("G1", "G2", "G3")),
+        default=0,
+    )
+    ax_moved.set_ylim(0, max(1, peak_moved) * 1.4)
     ax_moved.legend(fontsize=7, ncol=3, loc="upper right")
     in_flight = [w["requests_in_flight"] for w in windows]
     ax_flight.step(mid, in_flight, where="mid", color="tab:blue")
