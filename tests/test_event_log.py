@@ -130,6 +130,31 @@ def test_repeats_and_gaps_are_refused_and_the_log_goes_on(log_url: str, bad_id: 
         assert [e.event_id for e in log.read()] == [0, 1, 2, 3]
 
 
+def test_a_batch_mixing_workers_is_checked_per_worker(log_url: str) -> None:
+    """``append_many`` takes an emitter's run of one worker by a short path; a batch that
+    mixes workers, or brings one the log has not seen, is checked worker by worker, and
+    nothing of a refused batch is queued."""
+
+    def removed(worker: int, event_id: int) -> Removed:
+        return Removed(
+            event_id=event_id, worker_id=worker, dp_rank=0, tier=Tier.G1, ts=0.0,
+            sequence_hashes=(event_id,),
+        )  # fmt: skip
+
+    with EventLog(log_url) as log:
+        log.append_many([removed(0, 0), removed(0, 1)])
+        log.append_many([removed(0, 2), removed(1, 0), removed(0, 3)])  # worker 1 is new
+        with pytest.raises(ValueError, match=r"worker 1: event 2 leaves a gap.*expects event 1"):
+            log.append_many([removed(0, 4), removed(1, 2)])
+        with pytest.raises(ValueError, match=r"worker 0: event 3 repeats.*expects event 4"):
+            log.append_many([removed(1, 1), removed(0, 3)])
+        log.append_many([removed(1, 1), removed(0, 4)])
+        log.flush()
+        assert [(e.worker_id, e.event_id) for e in log.read()] == [
+            (0, 0), (0, 1), (0, 2), (1, 0), (0, 3), (1, 1), (0, 4)
+        ]  # fmt: skip
+
+
 def test_bad_event_is_refused_at_append(log_url: str) -> None:
     with EventLog(log_url) as log:
         bad = Stored(

@@ -135,7 +135,10 @@ class EventLog(LogCore):
         backlog = self._backlog
         with self._lock:
             self._check_open()
-            self._accept_ids(rows, self._committed_ids(rows))
+            if not rows:
+                return
+            if not self._accept_run(rows):
+                self._accept_ids(rows, self._committed_ids(rows))
             start = 0
             while start < len(rows):
                 now = monotonic()
