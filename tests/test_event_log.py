@@ -12,6 +12,7 @@ import sqlite3
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import cast
 
@@ -246,6 +247,37 @@ def test_writer_failure_is_reported_not_swallowed(log_url: str) -> None:
         emitter.removed(Tier.G1, [1])
     with pytest.raises(EventLogError):
         log.close()
+
+
+def test_a_batch_of_several_statements_commits_whole_or_not_at_all(log_url: str) -> None:
+    """A batch the writer splits into several INSERTs is one transaction: when a later
+    statement fails, the rows of the earlier ones are not committed either."""
+    log = EventLog(log_url)
+    emitter = EventEmitter(log.append)
+    emitter.stored(Tier.G1, None, [(0, 0)])
+    log.flush()
+    engine = sa.create_engine(log_url)
+    with engine.begin() as conn:  # another writer takes id 900, in the batch's 2nd statement
+        conn.execute(
+            sa.text(
+                "INSERT INTO events (worker, event_id, kind, tier, ts, payload) "
+                "VALUES (0, 900, 'removed', 1, 0.0, :payload)"
+            ),
+            {"payload": b""},
+        )
+    batch: list[AnyEvent] = []
+    EventEmitter(batch.append, first_event_id=1).removed(Tier.G1, [1])
+    for _ in range(1, 1100):
+        batch.append(replace(batch[-1], event_id=batch[-1].event_id + 1))
+    log.append_many(batch)  # one backlog batch of 1,100 rows: INSERTs of 512, 512 and 76
+    with pytest.raises(EventLogError, match=r"writer failed \(IntegrityError"):
+        log.flush()
+    with pytest.raises(EventLogError):
+        log.close()
+    with engine.connect() as conn:
+        ids = conn.execute(sa.text("SELECT event_id FROM events ORDER BY event_id")).scalars()
+        assert list(ids) == [0, 900]
+    engine.dispose()
 
 
 # -- schema ---------------------------------------------------------------------------------
