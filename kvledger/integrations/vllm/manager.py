@@ -88,14 +88,19 @@ def key_hash(key: bytes) -> int:
     return xxhash.xxh3_64_intdigest(key)
 
 
+def _group_of(key: OffloadKey) -> int:
+    """The KV-cache group of ``key`` (vLLM's ``get_offload_group_idx``)."""
+    return int.from_bytes(key[-4:], "big")
+
+
 @dataclass(slots=True)
 class _RequestAccess:
-    """The keys one request touched, per KV-cache group, in the order first seen."""
+    """The keys one request touched, in the order first seen."""
 
     owner: object
     generation: int
     rank: int
-    key_groups: dict[int, list[OffloadKey]] = field(default_factory=dict)
+    order: list[OffloadKey] = field(default_factory=list)
     seen: set[OffloadKey] = field(default_factory=set)
     finished: bool = False
     #: keys this request asked for, counted once each for the ``seen_twice`` filter
@@ -326,22 +331,18 @@ class KvledgerOffloadingManager(OffloadingManager):  # type: ignore[misc]  # vLL
         state = self._request(req_context)
         slots: list[int] = []
         ranks: list[Rank] = []
-        rank_of, where = self._policy.rank, self._slot_of.get
-        seen, groups, request_rank = state.seen, state.key_groups, state.rank
+        where = self._slot_of.get
+        seen, order, request_rank = state.seen, state.order, state.rank
         position_of = req_context.get_offload_key_position
+        finished = state.finished
         for key in keys:
             if key in seen:
                 continue
-            if state.finished:
+            if finished:
                 raise RuntimeError(
                     f"request {req_context.req_id!r} offered a key after it finished"
                 )
-            group = int.from_bytes(key[-4:], "big")  # vLLM's get_offload_group_idx
-            keys_of_group = groups.get(group)
-            if keys_of_group is None:
-                groups[group] = [key]
-            else:
-                keys_of_group.append(key)
+            order.append(key)
             seen.add(key)
             slot = where(key)
             if slot is None:
@@ -349,14 +350,10 @@ class KvledgerOffloadingManager(OffloadingManager):  # type: ignore[misc]  # vLL
             position = position_of(key)
             if position is None:
                 continue
-            rank = (request_rank, -position)
-            current = rank_of(slot)
-            if current is not None and current >= rank:
-                continue
             slots.append(slot)
-            ranks.append(rank)
+            ranks.append((request_rank, -position))
         if slots:
-            self._policy.set_ranks(slots, ranks)
+            self._policy.raise_ranks(slots, ranks)
 
     def _note_chunks(self, keys: Iterable[OffloadKey], req_context: ReqContext) -> None:
         """Remember where each key sits in the request, to name the parents of its stores."""
@@ -659,23 +656,25 @@ class KvledgerOffloadingManager(OffloadingManager):  # type: ignore[misc]  # vLL
         promoting = self._promoting  # blocks on their way from G3 into G2
         to_store: list[OffloadKey] = []
         resident: list[int] = []  # slots of offered keys already stored
-        recorded: set[OffloadKey] = set()
+        offered: list[OffloadKey] = []  # keys neither in flight nor skipped, in order
         for key in keys:
             if key in pending or key in promoting:
                 continue
+            offered.append(key)
             slot = slot_of.get(key)
             if slot is None:
                 to_store.append(key)
             else:
                 resident.append(slot)
-                recorded.add(key)
         if self.counts is not None:
             offers, threshold = self.counts, self.store_threshold
             wanted = [k for k in to_store if offers.get(k, 0) >= threshold]
             self.stores_skipped_in_current_batch += len(to_store) - len(wanted)
+            if len(wanted) < len(to_store):
+                skipped = set(to_store).difference(wanted)
+                offered = [k for k in offered if k not in skipped]
             to_store = wanted
-        recorded.update(to_store)
-        self._record_access((k for k in keys if k in recorded), req_context)
+        self._record_access(offered, req_context)
         if not to_store:
             return PrepareStoreOutput(
                 keys_to_store=[], store_spec=CPULoadStoreSpec([]), evicted_keys=[]
@@ -792,16 +791,18 @@ class KvledgerOffloadingManager(OffloadingManager):  # type: ignore[misc]  # vLL
         ):
             return
         state.finished = True
-        ordered: list[OffloadKey] = []
-        for group in sorted(state.key_groups):
-            ordered.extend(state.key_groups[group])
-        positions = {
-            key: pos
-            for key in ordered
-            if (pos := req_context.get_offload_key_position(key)) is not None
-        }
-        if len(positions) == len(ordered):
-            ordered.sort(key=positions.__getitem__)
+        # The order ranked: by end-token position, then KV-cache group, then first sight;
+        # by group, then first sight, where a position is unknown.
+        order = state.order
+        position_of = req_context.get_offload_key_position
+        positions = [position_of(key) for key in order]
+        if None in positions:
+            ordered = sorted(order, key=_group_of)
+        elif len(set(positions)) == len(positions):  # one group: positions decide alone
+            ordered = [key for _, key in sorted(zip(positions, order, strict=True))]
+        else:
+            at = dict(zip(order, positions, strict=True))
+            ordered = sorted(order, key=lambda key: (at[key], _group_of(key)))
         self._rank_fresh(reversed(ordered))
 
     def reset_cache(self) -> None:
