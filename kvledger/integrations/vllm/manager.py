@@ -178,7 +178,8 @@ class KvledgerOffloadingManager(OffloadingManager):  # type: ignore[misc]  # vLL
         self._slot_of: dict[OffloadKey, int] = {}
         # events for the log, handed over once per scheduler step (one lock, one wake-up)
         self._unlogged: list[AnyEvent] = []
-        self._pending: dict[OffloadKey, int] = {}  # stores in flight: key -> slot
+        # stores in flight: key -> (slot, its hash), the hash to name the block on completion
+        self._pending: dict[OffloadKey, tuple[int, int]] = {}
         self._generation = 0
         self._next_rank = 0
         # G3 below G2 (None: no G3); its maps mirror G2's
@@ -325,9 +326,9 @@ class KvledgerOffloadingManager(OffloadingManager):  # type: ignore[misc]  # vLL
         if slots:
             self._policy.set_ranks(slots, ranks)
 
-    def _record_access(self, keys: Iterable[OffloadKey], req_context: ReqContext) -> None:
+    def _record_access(self, keys: Iterable[OffloadKey], req_context: ReqContext) -> _RequestAccess:
         """First sight of ``keys`` in this request: rank them at the request's rank, tails
-        before heads, never lowering a rank a newer request gave."""
+        before heads, never lowering a rank a newer request gave. Returns the request's state."""
         state = self._request(req_context)
         slots: list[int] = []
         ranks: list[Rank] = []
@@ -354,6 +355,7 @@ class KvledgerOffloadingManager(OffloadingManager):  # type: ignore[misc]  # vLL
             ranks.append((request_rank, -position))
         if slots:
             self._policy.raise_ranks(slots, ranks)
+        return state
 
     def _note_chunks(self, keys: Iterable[OffloadKey], req_context: ReqContext) -> None:
         """Remember where each key sits in the request, to name the parents of its stores."""
@@ -674,7 +676,7 @@ class KvledgerOffloadingManager(OffloadingManager):  # type: ignore[misc]  # vLL
                 skipped = set(to_store).difference(wanted)
                 offered = [k for k in offered if k not in skipped]
             to_store = wanted
-        self._record_access(offered, req_context)
+        state = self._record_access(offered, req_context)
         if not to_store:
             return PrepareStoreOutput(
                 keys_to_store=[], store_spec=CPULoadStoreSpec([]), evicted_keys=[]
@@ -686,19 +688,24 @@ class KvledgerOffloadingManager(OffloadingManager):  # type: ignore[misc]  # vLL
             return None
         evicted, self._evicted = self._evicted, []
         demotion, demotions = self._plan_demotion(evicted)
-        state = self._request(req_context)
         ranks: list[Rank] = []
         parents = self._store_parent if self._chunks is not None else None
+        names, position_of, request_rank = (
+            self._keys,
+            req_context.get_offload_key_position,
+            state.rank,
+        )
         for key, slot in zip(to_store, slots, strict=True):
-            pending[key] = slot
+            h = key_hash(key)
+            pending[key] = (slot, h)
             slot_of[key] = slot
-            self._keys[key_hash(key)] = key
-            position = req_context.get_offload_key_position(key)
+            names[h] = key
+            position = position_of(key)
             if position is None:
                 self._next_rank += 1
                 ranks.append((self._next_rank, 0))
             else:
-                ranks.append((state.rank, -position))
+                ranks.append((request_rank, -position))
             if parents is not None:
                 parents[key] = self._parent(key, position, state)
         self._policy.set_ranks(slots, ranks)
@@ -732,19 +739,25 @@ class KvledgerOffloadingManager(OffloadingManager):  # type: ignore[misc]  # vLL
     def complete_store(
         self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True
     ) -> None:
-        pending = self._pending
-        done = [(key, slot) for key in keys if (slot := pending.pop(key, None)) is not None]
+        pop = self._pending.pop
+        done: list[OffloadKey] = []
+        slots: list[int] = []
+        hashes: list[int] = []
+        for key in keys:
+            entry = pop(key, None)
+            if entry is not None:
+                done.append(key)
+                slots.append(entry[0])
+                hashes.append(entry[1])
         if not done:
             return
         if self._demotion_of:
-            self._finish_demotions([key for key, _ in done], success)
-        slots = [slot for _, slot in done]
+            self._finish_demotions(done, success)
         parents: list[int | None] | None = None
         if self._chunks is not None:
             store_parent = self._store_parent
-            parents = [store_parent.pop(key, None) for key, _ in done]
+            parents = [store_parent.pop(key, None) for key in done]
         if success:
-            hashes = [key_hash(key) for key, _ in done]
             if parents is None:
                 self.pool.register(slots, [(h, h) for h in hashes])
                 parents = [None, *hashes[:-1]]
@@ -752,17 +765,17 @@ class KvledgerOffloadingManager(OffloadingManager):  # type: ignore[misc]  # vLL
                 self._register_chains(slots, hashes, parents)
             self.pool.release(slots)
             if self.g3 is not None:  # what a demotion names each block's parent
-                for (key, _), parent in zip(done, parents, strict=True):
+                for key, parent in zip(done, parents, strict=True):
                     self._parent_of[key] = parent
             return
         self.pool.release(slots)  # never named: the slots go back to the free list
-        for key, _ in done:
-            self._keys.pop(key_hash(key), None)
+        for key, h in zip(done, hashes, strict=True):
+            self._keys.pop(h, None)
             del self._slot_of[key]
         if self.events is not None:
             self.events.append(
                 OffloadingEvent(
-                    keys=[key for key, _ in done],
+                    keys=done,
                     medium=self.medium,
                     removed=True,
                     metadata_only=True,
@@ -797,13 +810,13 @@ class KvledgerOffloadingManager(OffloadingManager):  # type: ignore[misc]  # vLL
         position_of = req_context.get_offload_key_position
         positions = [position_of(key) for key in order]
         if None in positions:
-            ordered = sorted(order, key=_group_of)
+            self._rank_fresh(reversed(sorted(order, key=_group_of)))
         elif len(set(positions)) == len(positions):  # one group: positions decide alone
-            ordered = [key for _, key in sorted(zip(positions, order, strict=True))]
+            tail_first = sorted(zip(positions, order, strict=True), reverse=True)
+            self._rank_fresh([key for _, key in tail_first])
         else:
             at = dict(zip(order, positions, strict=True))
-            ordered = sorted(order, key=lambda key: (at[key], _group_of(key)))
-        self._rank_fresh(reversed(ordered))
+            self._rank_fresh(reversed(sorted(order, key=lambda key: (at[key], _group_of(key)))))
 
     def reset_cache(self) -> None:
         """Drop everything, in use or not: vLLM guarantees no completion of an earlier job
