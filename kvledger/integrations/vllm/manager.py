@@ -44,6 +44,7 @@ Callers hold ``lock`` (vLLM's rule); the manager never takes it.
 from __future__ import annotations
 
 import threading
+import weakref
 from collections import OrderedDict
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -91,6 +92,23 @@ def key_hash(key: bytes) -> int:
 def _group_of(key: OffloadKey) -> int:
     """The KV-cache group of ``key`` (vLLM's ``get_offload_group_idx``)."""
     return int.from_bytes(key[-4:], "big")
+
+
+class _Sink:
+    """The pools' event sink: the manager's ``_on_event`` through a weak reference. A bound
+    method would close a reference cycle (manager -> pool -> emitter -> manager), leaving
+    every dropped manager (a restart, a test) for the engine's garbage collector; this way
+    reference counting frees it at once."""
+
+    __slots__ = ("_manager",)
+
+    def __init__(self, manager: KvledgerOffloadingManager) -> None:
+        self._manager = weakref.ref(manager)
+
+    def __call__(self, event: AnyEvent) -> None:
+        manager = self._manager()
+        if manager is not None:
+            manager._on_event(event)
 
 
 @dataclass(slots=True)
@@ -169,7 +187,7 @@ class KvledgerOffloadingManager(OffloadingManager):  # type: ignore[misc]  # vLL
         self._own_log = event_log is None and log_url is not None
         self.event_log = EventLog(log_url) if self._own_log and log_url else event_log
         self.events: list[OffloadingEvent] | None = [] if enable_events else None
-        self._emitter = EventEmitter(self._on_event, worker_id=worker_id)
+        self._emitter = EventEmitter(_Sink(self), worker_id=worker_id)
         # keys evicted by the allocation under way, for PrepareStoreOutput.evicted_keys
         self._evicted: list[OffloadKey] = []
         self._keys: dict[int, OffloadKey] = {}  # hash -> vLLM key, for every slot in use
