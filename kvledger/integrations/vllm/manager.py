@@ -118,8 +118,8 @@ class _RequestAccess:
     owner: object
     generation: int
     rank: int
-    order: list[OffloadKey] = field(default_factory=list)
-    seen: set[OffloadKey] = field(default_factory=set)
+    #: every key the request showed, first seen first, with its end-token position then
+    seen: dict[OffloadKey, int | None] = field(default_factory=dict)
     finished: bool = False
     #: keys this request asked for, counted once each for the ``seen_twice`` filter
     counted: set[OffloadKey] = field(default_factory=set)
@@ -351,7 +351,7 @@ class KvledgerOffloadingManager(OffloadingManager):  # type: ignore[misc]  # vLL
         slots: list[int] = []
         ranks: list[Rank] = []
         where = self._slot_of.get
-        seen, order, request_rank = state.seen, state.order, state.rank
+        seen, request_rank = state.seen, state.rank
         position_of = req_context.get_offload_key_position
         finished = state.finished
         for key in keys:
@@ -361,13 +361,11 @@ class KvledgerOffloadingManager(OffloadingManager):  # type: ignore[misc]  # vLL
                 raise RuntimeError(
                     f"request {req_context.req_id!r} offered a key after it finished"
                 )
-            order.append(key)
-            seen.add(key)
+            position = seen[key] = position_of(key)
+            if position is None:
+                continue
             slot = where(key)
             if slot is None:
-                continue
-            position = position_of(key)
-            if position is None:
                 continue
             slots.append(slot)
             ranks.append((request_rank, -position))
@@ -824,9 +822,10 @@ class KvledgerOffloadingManager(OffloadingManager):  # type: ignore[misc]  # vLL
         state.finished = True
         # The order ranked: by end-token position, then KV-cache group, then first sight;
         # by group, then first sight, where a position is unknown.
-        order = state.order
-        position_of = req_context.get_offload_key_position
-        positions = [position_of(key) for key in order]
+        order = state.seen
+        positions = list(order.values())
+        if None in positions:  # asked again: a key's position may have come since
+            positions = list(map(req_context.get_offload_key_position, order))
         if None in positions:
             self._rank_fresh(reversed(sorted(order, key=_group_of)))
         elif len(set(positions)) == len(positions):  # one group: positions decide alone
