@@ -48,7 +48,7 @@ import weakref
 from collections import OrderedDict
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, cast
 
 import xxhash
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
@@ -331,18 +331,12 @@ class KvledgerOffloadingManager(OffloadingManager):  # type: ignore[misc]  # vLL
 
     def _rank_fresh(self, keys: Iterable[OffloadKey]) -> None:
         """Each key, in order, becomes the most recent (vLLM's touch order)."""
-        slots: list[int] = []
-        ranks: list[Rank] = []
-        where, rank = self._slot_of.get, self._next_rank
-        for key in keys:
-            slot = where(key)
-            if slot is not None:
-                rank += 1
-                slots.append(slot)
-                ranks.append((rank, 0))
-        self._next_rank = rank
+        where = self._slot_of.get
+        slots = [slot for key in keys if (slot := where(key)) is not None]
         if slots:
-            self._policy.set_ranks(slots, ranks)
+            first = self._next_rank + 1
+            self._next_rank += len(slots)
+            self._policy.set_ranks(slots, [(rank, 0) for rank in range(first, first + len(slots))])
 
     def _record_access(self, keys: Iterable[OffloadKey], req_context: ReqContext) -> _RequestAccess:
         """First sight of ``keys`` in this request: rank them at the request's rank, tails
@@ -630,14 +624,20 @@ class KvledgerOffloadingManager(OffloadingManager):  # type: ignore[misc]  # vLL
             state = req_context.get_state(_RequestAccess)
             if state is not None and state.owner is self and state.g3_loads:
                 keys = self._complete_disk_loads(keys, state)
-        where, refcount = self._slot_of.get, self.pool.refcount
-        slots: list[int] = []
-        for key in keys:
-            slot = where(key)
-            if slot is None or not refcount(slot):
-                raise KeyError(f"complete_load: block {key!r} has no load in flight")
-            slots.append(slot)
-        self.pool.release(slots)
+        where = self._slot_of.get
+        found = [where(key) for key in keys]
+        if None in found:
+            key = list(keys)[found.index(None)]
+            raise KeyError(f"complete_load: block {key!r} has no load in flight")
+        slots = cast(list[int], found)
+        try:
+            self.pool.release(slots)  # checks each reference (and takes none back if one fails)
+        except ValueError:
+            refcount = self.pool.refcount
+            idle = [key for key, slot in zip(keys, slots, strict=True) if not refcount(slot)]
+            raise KeyError(
+                f"complete_load: block {(idle or list(keys))[0]!r} has no load in flight"
+            ) from None
 
     def _note_offers(self, keys: list[OffloadKey]) -> None:
         """The offload filter: count offers, remembering the most recent keys only."""
