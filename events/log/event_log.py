@@ -139,6 +139,11 @@ class EventLog(LogCore):
                 return
             if not self._accept_run(rows):
                 self._accept_ids(rows, self._committed_ids(rows))
+            now = monotonic()
+            if backlog.room(now) >= len(rows):  # the usual case: a scheduler step's few events
+                if backlog.add(rows, now):
+                    self._wake_writer.notify()
+                return
             start = 0
             while start < len(rows):
                 now = monotonic()
