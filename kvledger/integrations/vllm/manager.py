@@ -706,17 +706,16 @@ class KvledgerOffloadingManager(OffloadingManager):  # type: ignore[misc]  # vLL
         demotion, demotions = self._plan_demotion(evicted)
         ranks: list[Rank] = []
         parents = self._store_parent if self._chunks is not None else None
-        names, position_of, request_rank = (
-            self._keys,
-            req_context.get_offload_key_position,
-            state.rank,
-        )
+        names, request_rank = self._keys, state.rank
+        known = state.seen  # every key of to_store, with its position when first seen
         for key, slot in zip(to_store, slots, strict=True):
             h = key_hash(key)
             pending[key] = (slot, h)
             slot_of[key] = slot
             names[h] = key
-            position = position_of(key)
+            position = known.get(key)
+            if position is None:  # asked again: it may have come since
+                position = req_context.get_offload_key_position(key)
             if position is None:
                 self._next_rank += 1
                 ranks.append((self._next_rank, 0))
