@@ -12,6 +12,7 @@ import sqlite3
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import cast
 
@@ -130,6 +131,31 @@ def test_repeats_and_gaps_are_refused_and_the_log_goes_on(log_url: str, bad_id: 
         assert [e.event_id for e in log.read()] == [0, 1, 2, 3]
 
 
+def test_a_batch_mixing_workers_is_checked_per_worker(log_url: str) -> None:
+    """``append_many`` takes an emitter's run of one worker by a short path; a batch that
+    mixes workers, or brings one the log has not seen, is checked worker by worker, and
+    nothing of a refused batch is queued."""
+
+    def removed(worker: int, event_id: int) -> Removed:
+        return Removed(
+            event_id=event_id, worker_id=worker, dp_rank=0, tier=Tier.G1, ts=0.0,
+            sequence_hashes=(event_id,),
+        )  # fmt: skip
+
+    with EventLog(log_url) as log:
+        log.append_many([removed(0, 0), removed(0, 1)])
+        log.append_many([removed(0, 2), removed(1, 0), removed(0, 3)])  # worker 1 is new
+        with pytest.raises(ValueError, match=r"worker 1: event 2 leaves a gap.*expects event 1"):
+            log.append_many([removed(0, 4), removed(1, 2)])
+        with pytest.raises(ValueError, match=r"worker 0: event 3 repeats.*expects event 4"):
+            log.append_many([removed(1, 1), removed(0, 3)])
+        log.append_many([removed(1, 1), removed(0, 4)])
+        log.flush()
+        assert [(e.worker_id, e.event_id) for e in log.read()] == [
+            (0, 0), (0, 1), (0, 2), (1, 0), (0, 3), (1, 1), (0, 4)
+        ]  # fmt: skip
+
+
 def test_bad_event_is_refused_at_append(log_url: str) -> None:
     with EventLog(log_url) as log:
         bad = Stored(
@@ -221,6 +247,37 @@ def test_writer_failure_is_reported_not_swallowed(log_url: str) -> None:
         emitter.removed(Tier.G1, [1])
     with pytest.raises(EventLogError):
         log.close()
+
+
+def test_a_batch_of_several_statements_commits_whole_or_not_at_all(log_url: str) -> None:
+    """A batch the writer splits into several INSERTs is one transaction: when a later
+    statement fails, the rows of the earlier ones are not committed either."""
+    log = EventLog(log_url)
+    emitter = EventEmitter(log.append)
+    emitter.stored(Tier.G1, None, [(0, 0)])
+    log.flush()
+    engine = sa.create_engine(log_url)
+    with engine.begin() as conn:  # another writer takes id 900, in the batch's 2nd statement
+        conn.execute(
+            sa.text(
+                "INSERT INTO events (worker, event_id, kind, tier, ts, payload) "
+                "VALUES (0, 900, 'removed', 1, 0.0, :payload)"
+            ),
+            {"payload": b""},
+        )
+    batch: list[AnyEvent] = []
+    EventEmitter(batch.append, first_event_id=1).removed(Tier.G1, [1])
+    for _ in range(1, 1100):
+        batch.append(replace(batch[-1], event_id=batch[-1].event_id + 1))
+    log.append_many(batch)  # one backlog batch of 1,100 rows: INSERTs of 512, 512 and 76
+    with pytest.raises(EventLogError, match=r"writer failed \(IntegrityError"):
+        log.flush()
+    with pytest.raises(EventLogError):
+        log.close()
+    with engine.connect() as conn:
+        ids = conn.execute(sa.text("SELECT event_id FROM events ORDER BY event_id")).scalars()
+        assert list(ids) == [0, 900]
+    engine.dispose()
 
 
 # -- schema ---------------------------------------------------------------------------------

@@ -70,3 +70,17 @@ def test_reranking_many_inactive_blocks_keeps_the_order() -> None:
     policy.set_ranks([s for s in slots if s is not None], [(1000 - i, 0) for i in range(100)])
     pool.allocate(1)
     assert 199 not in pool and 100 in pool
+
+
+def test_raise_ranks_never_lowers_a_rank_and_requeues_what_it_raises() -> None:
+    pool, policy = stored_pool(4, [(5, 0), (1, 0), (3, 0)])
+    slots = [pool.lookup(h) for h in (100, 101, 102)]
+    assert None not in slots
+    # 100 keeps (5, 0) (higher than (2, 0)); 101 rises to (4, 0); 102 to (3, 1)
+    policy.raise_ranks([s for s in slots if s is not None], [(2, 0), (4, 0), (3, 1)])
+    assert [policy.rank(s) for s in slots if s is not None] == [(5, 0), (4, 0), (3, 1)]
+    pool.allocate(1)  # the free slot
+    pool.allocate(1)  # the lowest rank now: 102 at (3, 1)
+    assert 102 not in pool and 100 in pool and 101 in pool
+    pool.allocate(1)
+    assert 101 not in pool and 100 in pool

@@ -229,6 +229,21 @@ class LogCore:
             return True
         return False
 
+    def _accept_run(self, rows: Sequence[Row]) -> bool:
+        """The hot path of ``append_many``: True when ``rows`` are one known worker's next ids
+        in order (then taken), as an emitter's batch is; False takes nothing and sends the
+        caller through ``_unknown_workers`` and ``_accept_ids``, which check any batch."""
+        worker = rows[0][0]
+        expected = self._next_ids.get(worker)
+        if expected is None:
+            return False
+        for row in rows:
+            if row[1] != expected or row[0] != worker:
+                return False
+            expected += 1
+        self._next_ids[worker] = expected
+        return True
+
     def _unknown_workers(self, rows: Sequence[Row]) -> set[int]:
         """Workers of ``rows`` whose next id must be read from the database first."""
         return set(map(itemgetter(0), rows)).difference(self._next_ids)

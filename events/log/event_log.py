@@ -135,7 +135,15 @@ class EventLog(LogCore):
         backlog = self._backlog
         with self._lock:
             self._check_open()
-            self._accept_ids(rows, self._committed_ids(rows))
+            if not rows:
+                return
+            if not self._accept_run(rows):
+                self._accept_ids(rows, self._committed_ids(rows))
+            now = monotonic()
+            if backlog.room(now) >= len(rows):  # the usual case: a scheduler step's few events
+                if backlog.add(rows, now):
+                    self._wake_writer.notify()
+                return
             start = 0
             while start < len(rows):
                 now = monotonic()
@@ -223,24 +231,32 @@ class EventLog(LogCore):
                 dbapi = conn.connection.dbapi_connection
                 assert dbapi is not None
                 cursor = dbapi.cursor()
-                while True:
-                    with self._lock:
-                        while not self._closing:
-                            wait = backlog.writer_wait(monotonic())
-                            if wait == 0.0:
-                                break
-                            self._wake_writer.wait(wait)
-                        batch = backlog.take()
-                        closing = self._closing
-                    if batch:
-                        for sql, params in statements(batch):
-                            cursor.execute(sql, params)
-                        dbapi.commit()
+                # SQLite: no implicit BEGIN, so a one-statement batch is its own transaction
+                # (``_commit``); given back as it was (the connection returns to the pool)
+                autocommit = conn.dialect.name == "sqlite"
+                if autocommit:
+                    isolation = dbapi.isolation_level
+                    dbapi.isolation_level = None
+                try:
+                    while True:
                         with self._lock:
-                            backlog.done(len(batch), monotonic())
-                            self._committed_cv.notify_all()
-                    elif closing:
-                        return
+                            while not self._closing:
+                                wait = backlog.writer_wait(monotonic())
+                                if wait == 0.0:
+                                    break
+                                self._wake_writer.wait(wait)
+                            batch = backlog.take()
+                            closing = self._closing
+                        if batch:
+                            _commit(dbapi, cursor, list(statements(batch)), autocommit)
+                            with self._lock:
+                                backlog.done(len(batch), monotonic())
+                                self._committed_cv.notify_all()
+                        elif closing:
+                            return
+                finally:
+                    if autocommit:
+                        dbapi.isolation_level = isolation
         except BaseException as exc:
             with self._lock:
                 self._error = exc
@@ -373,6 +389,29 @@ class EventLog(LogCore):
         return checkpoints.latest_checkpoint(
             self._engine, max_position=max_position, max_event_id=max_event_id, max_ts=max_ts
         )
+
+
+def _commit(
+    dbapi: Any, cursor: Any, statements: list[tuple[str, tuple[Any, ...]]], autocommit: bool
+) -> None:
+    """Run a batch's INSERTs as one transaction and commit it.
+
+    With ``autocommit`` (SQLite with its implicit BEGIN turned off), a batch of one statement
+    runs alone: SQLite commits a statement outside a transaction as it completes, so the
+    batch costs one call into SQLite where BEGIN, INSERT and COMMIT cost three. Each such call
+    gives the GIL to the producer, and getting it back waits up to a switch interval (5 ms)
+    while the producer runs: those waits set the writer's pace under load, and with it the
+    back-pressure the producer feels. Larger batches (more than ``STATEMENT_ROWS`` rows) still
+    get BEGIN and COMMIT around their statements.
+    """
+    if autocommit and len(statements) == 1:
+        cursor.execute(*statements[0])
+        return
+    if autocommit:
+        cursor.execute("BEGIN")
+    for sql, params in statements:
+        cursor.execute(sql, params)
+    dbapi.commit()
 
 
 _open_logs: weakref.WeakSet[EventLog] = weakref.WeakSet()

@@ -129,7 +129,7 @@ def test_kvledger_manager_with_g3_through_vllms_interface(
     vllm_run: dict[str, FileOutcome],
 ) -> None:
     outcome = check(vllm_run, G3_MANAGER_TESTS)
-    assert outcome.passed == 8 and not outcome.skipped
+    assert outcome.passed == 10 and not outcome.skipped
 
 
 def test_kvledger_worker_moves_bytes_through_g3(vllm_run: dict[str, FileOutcome]) -> None:

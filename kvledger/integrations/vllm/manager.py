@@ -44,10 +44,11 @@ Callers hold ``lock`` (vLLM's rule); the manager never takes it.
 from __future__ import annotations
 
 import threading
+import weakref
 from collections import OrderedDict
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, cast
 
 import xxhash
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
@@ -88,15 +89,37 @@ def key_hash(key: bytes) -> int:
     return xxhash.xxh3_64_intdigest(key)
 
 
+def _group_of(key: OffloadKey) -> int:
+    """The KV-cache group of ``key`` (vLLM's ``get_offload_group_idx``)."""
+    return int.from_bytes(key[-4:], "big")
+
+
+class _Sink:
+    """The pools' event sink: the manager's ``_on_event`` through a weak reference. A bound
+    method would close a reference cycle (manager -> pool -> emitter -> manager), leaving
+    every dropped manager (a restart, a test) for the engine's garbage collector; this way
+    reference counting frees it at once."""
+
+    __slots__ = ("_manager",)
+
+    def __init__(self, manager: KvledgerOffloadingManager) -> None:
+        self._manager = weakref.ref(manager)
+
+    def __call__(self, event: AnyEvent) -> None:
+        manager = self._manager()
+        if manager is not None:
+            manager._on_event(event)
+
+
 @dataclass(slots=True)
 class _RequestAccess:
-    """The keys one request touched, per KV-cache group, in the order first seen."""
+    """The keys one request touched, in the order first seen."""
 
     owner: object
     generation: int
     rank: int
-    key_groups: dict[int, list[OffloadKey]] = field(default_factory=dict)
-    seen: set[OffloadKey] = field(default_factory=set)
+    #: every key the request showed, first seen first, with its end-token position then
+    seen: dict[OffloadKey, int | None] = field(default_factory=dict)
     finished: bool = False
     #: keys this request asked for, counted once each for the ``seen_twice`` filter
     counted: set[OffloadKey] = field(default_factory=set)
@@ -164,7 +187,7 @@ class KvledgerOffloadingManager(OffloadingManager):  # type: ignore[misc]  # vLL
         self._own_log = event_log is None and log_url is not None
         self.event_log = EventLog(log_url) if self._own_log and log_url else event_log
         self.events: list[OffloadingEvent] | None = [] if enable_events else None
-        self._emitter = EventEmitter(self._on_event, worker_id=worker_id)
+        self._emitter = EventEmitter(_Sink(self), worker_id=worker_id)
         # keys evicted by the allocation under way, for PrepareStoreOutput.evicted_keys
         self._evicted: list[OffloadKey] = []
         self._keys: dict[int, OffloadKey] = {}  # hash -> vLLM key, for every slot in use
@@ -173,7 +196,8 @@ class KvledgerOffloadingManager(OffloadingManager):  # type: ignore[misc]  # vLL
         self._slot_of: dict[OffloadKey, int] = {}
         # events for the log, handed over once per scheduler step (one lock, one wake-up)
         self._unlogged: list[AnyEvent] = []
-        self._pending: dict[OffloadKey, int] = {}  # stores in flight: key -> slot
+        # stores in flight: key -> (slot, its hash), the hash to name the block on completion
+        self._pending: dict[OffloadKey, tuple[int, int]] = {}
         self._generation = 0
         self._next_rank = 0
         # G3 below G2 (None: no G3); its maps mirror G2's
@@ -307,56 +331,41 @@ class KvledgerOffloadingManager(OffloadingManager):  # type: ignore[misc]  # vLL
 
     def _rank_fresh(self, keys: Iterable[OffloadKey]) -> None:
         """Each key, in order, becomes the most recent (vLLM's touch order)."""
-        slots: list[int] = []
-        ranks: list[Rank] = []
-        where, rank = self._slot_of.get, self._next_rank
-        for key in keys:
-            slot = where(key)
-            if slot is not None:
-                rank += 1
-                slots.append(slot)
-                ranks.append((rank, 0))
-        self._next_rank = rank
+        where = self._slot_of.get
+        slots = [slot for key in keys if (slot := where(key)) is not None]
         if slots:
-            self._policy.set_ranks(slots, ranks)
+            first = self._next_rank + 1
+            self._next_rank += len(slots)
+            self._policy.set_ranks(slots, [(rank, 0) for rank in range(first, first + len(slots))])
 
-    def _record_access(self, keys: Iterable[OffloadKey], req_context: ReqContext) -> None:
+    def _record_access(self, keys: Iterable[OffloadKey], req_context: ReqContext) -> _RequestAccess:
         """First sight of ``keys`` in this request: rank them at the request's rank, tails
-        before heads, never lowering a rank a newer request gave."""
+        before heads, never lowering a rank a newer request gave. Returns the request's state."""
         state = self._request(req_context)
         slots: list[int] = []
         ranks: list[Rank] = []
-        rank_of, where = self._policy.rank, self._slot_of.get
-        seen, groups, request_rank = state.seen, state.key_groups, state.rank
+        where = self._slot_of.get
+        seen, request_rank = state.seen, state.rank
         position_of = req_context.get_offload_key_position
+        finished = state.finished
         for key in keys:
             if key in seen:
                 continue
-            if state.finished:
+            if finished:
                 raise RuntimeError(
                     f"request {req_context.req_id!r} offered a key after it finished"
                 )
-            group = int.from_bytes(key[-4:], "big")  # vLLM's get_offload_group_idx
-            keys_of_group = groups.get(group)
-            if keys_of_group is None:
-                groups[group] = [key]
-            else:
-                keys_of_group.append(key)
-            seen.add(key)
+            position = seen[key] = position_of(key)
+            if position is None:
+                continue
             slot = where(key)
             if slot is None:
                 continue
-            position = position_of(key)
-            if position is None:
-                continue
-            rank = (request_rank, -position)
-            current = rank_of(slot)
-            if current is not None and current >= rank:
-                continue
             slots.append(slot)
-            ranks.append(rank)
+            ranks.append((request_rank, -position))
         if slots:
-            self._policy.set_ranks(slots, ranks)
+            self._policy.raise_ranks(slots, ranks)
+        return state
 
     def _note_chunks(self, keys: Iterable[OffloadKey], req_context: ReqContext) -> None:
         """Remember where each key sits in the request, to name the parents of its stores."""
@@ -615,14 +624,20 @@ class KvledgerOffloadingManager(OffloadingManager):  # type: ignore[misc]  # vLL
             state = req_context.get_state(_RequestAccess)
             if state is not None and state.owner is self and state.g3_loads:
                 keys = self._complete_disk_loads(keys, state)
-        where, refcount = self._slot_of.get, self.pool.refcount
-        slots: list[int] = []
-        for key in keys:
-            slot = where(key)
-            if slot is None or not refcount(slot):
-                raise KeyError(f"complete_load: block {key!r} has no load in flight")
-            slots.append(slot)
-        self.pool.release(slots)
+        where = self._slot_of.get
+        found = [where(key) for key in keys]
+        if None in found:
+            key = list(keys)[found.index(None)]
+            raise KeyError(f"complete_load: block {key!r} has no load in flight")
+        slots = cast(list[int], found)
+        try:
+            self.pool.release(slots)  # checks each reference (and takes none back if one fails)
+        except ValueError:
+            refcount = self.pool.refcount
+            idle = [key for key, slot in zip(keys, slots, strict=True) if not refcount(slot)]
+            raise KeyError(
+                f"complete_load: block {(idle or list(keys))[0]!r} has no load in flight"
+            ) from None
 
     def _note_offers(self, keys: list[OffloadKey]) -> None:
         """The offload filter: count offers, remembering the most recent keys only."""
@@ -659,23 +674,25 @@ class KvledgerOffloadingManager(OffloadingManager):  # type: ignore[misc]  # vLL
         promoting = self._promoting  # blocks on their way from G3 into G2
         to_store: list[OffloadKey] = []
         resident: list[int] = []  # slots of offered keys already stored
-        recorded: set[OffloadKey] = set()
+        offered: list[OffloadKey] = []  # keys neither in flight nor skipped, in order
         for key in keys:
             if key in pending or key in promoting:
                 continue
+            offered.append(key)
             slot = slot_of.get(key)
             if slot is None:
                 to_store.append(key)
             else:
                 resident.append(slot)
-                recorded.add(key)
         if self.counts is not None:
             offers, threshold = self.counts, self.store_threshold
             wanted = [k for k in to_store if offers.get(k, 0) >= threshold]
             self.stores_skipped_in_current_batch += len(to_store) - len(wanted)
+            if len(wanted) < len(to_store):
+                skipped = set(to_store).difference(wanted)
+                offered = [k for k in offered if k not in skipped]
             to_store = wanted
-        recorded.update(to_store)
-        self._record_access((k for k in keys if k in recorded), req_context)
+        state = self._record_access(offered, req_context)
         if not to_store:
             return PrepareStoreOutput(
                 keys_to_store=[], store_spec=CPULoadStoreSpec([]), evicted_keys=[]
@@ -687,19 +704,23 @@ class KvledgerOffloadingManager(OffloadingManager):  # type: ignore[misc]  # vLL
             return None
         evicted, self._evicted = self._evicted, []
         demotion, demotions = self._plan_demotion(evicted)
-        state = self._request(req_context)
         ranks: list[Rank] = []
         parents = self._store_parent if self._chunks is not None else None
+        names, request_rank = self._keys, state.rank
+        known = state.seen  # every key of to_store, with its position when first seen
         for key, slot in zip(to_store, slots, strict=True):
-            pending[key] = slot
+            h = key_hash(key)
+            pending[key] = (slot, h)
             slot_of[key] = slot
-            self._keys[key_hash(key)] = key
-            position = req_context.get_offload_key_position(key)
+            names[h] = key
+            position = known.get(key)
+            if position is None:  # asked again: it may have come since
+                position = req_context.get_offload_key_position(key)
             if position is None:
                 self._next_rank += 1
                 ranks.append((self._next_rank, 0))
             else:
-                ranks.append((state.rank, -position))
+                ranks.append((request_rank, -position))
             if parents is not None:
                 parents[key] = self._parent(key, position, state)
         self._policy.set_ranks(slots, ranks)
@@ -733,19 +754,25 @@ class KvledgerOffloadingManager(OffloadingManager):  # type: ignore[misc]  # vLL
     def complete_store(
         self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True
     ) -> None:
-        pending = self._pending
-        done = [(key, slot) for key in keys if (slot := pending.pop(key, None)) is not None]
+        pop = self._pending.pop
+        done: list[OffloadKey] = []
+        slots: list[int] = []
+        hashes: list[int] = []
+        for key in keys:
+            entry = pop(key, None)
+            if entry is not None:
+                done.append(key)
+                slots.append(entry[0])
+                hashes.append(entry[1])
         if not done:
             return
         if self._demotion_of:
-            self._finish_demotions([key for key, _ in done], success)
-        slots = [slot for _, slot in done]
+            self._finish_demotions(done, success)
         parents: list[int | None] | None = None
         if self._chunks is not None:
             store_parent = self._store_parent
-            parents = [store_parent.pop(key, None) for key, _ in done]
+            parents = [store_parent.pop(key, None) for key in done]
         if success:
-            hashes = [key_hash(key) for key, _ in done]
             if parents is None:
                 self.pool.register(slots, [(h, h) for h in hashes])
                 parents = [None, *hashes[:-1]]
@@ -753,17 +780,17 @@ class KvledgerOffloadingManager(OffloadingManager):  # type: ignore[misc]  # vLL
                 self._register_chains(slots, hashes, parents)
             self.pool.release(slots)
             if self.g3 is not None:  # what a demotion names each block's parent
-                for (key, _), parent in zip(done, parents, strict=True):
+                for key, parent in zip(done, parents, strict=True):
                     self._parent_of[key] = parent
             return
         self.pool.release(slots)  # never named: the slots go back to the free list
-        for key, _ in done:
-            self._keys.pop(key_hash(key), None)
+        for key, h in zip(done, hashes, strict=True):
+            self._keys.pop(h, None)
             del self._slot_of[key]
         if self.events is not None:
             self.events.append(
                 OffloadingEvent(
-                    keys=[key for key, _ in done],
+                    keys=done,
                     medium=self.medium,
                     removed=True,
                     metadata_only=True,
@@ -792,17 +819,20 @@ class KvledgerOffloadingManager(OffloadingManager):  # type: ignore[misc]  # vLL
         ):
             return
         state.finished = True
-        ordered: list[OffloadKey] = []
-        for group in sorted(state.key_groups):
-            ordered.extend(state.key_groups[group])
-        positions = {
-            key: pos
-            for key in ordered
-            if (pos := req_context.get_offload_key_position(key)) is not None
-        }
-        if len(positions) == len(ordered):
-            ordered.sort(key=positions.__getitem__)
-        self._rank_fresh(reversed(ordered))
+        # The order ranked: by end-token position, then KV-cache group, then first sight;
+        # by group, then first sight, where a position is unknown.
+        order = state.seen
+        positions = list(order.values())
+        if None in positions:  # asked again: a key's position may have come since
+            positions = list(map(req_context.get_offload_key_position, order))
+        if None in positions:
+            self._rank_fresh(reversed(sorted(order, key=_group_of)))
+        elif len(set(positions)) == len(positions):  # one group: positions decide alone
+            tail_first = sorted(zip(positions, order, strict=True), reverse=True)
+            self._rank_fresh([key for _, key in tail_first])
+        else:
+            at = dict(zip(order, positions, strict=True))
+            self._rank_fresh(reversed(sorted(order, key=lambda key: (at[key], _group_of(key)))))
 
     def reset_cache(self) -> None:
         """Drop everything, in use or not: vLLM guarantees no completion of an earlier job

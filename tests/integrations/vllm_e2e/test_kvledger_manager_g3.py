@@ -10,6 +10,8 @@ the event log of every run replays to the manager's live state on both tiers.
 
 from __future__ import annotations
 
+import gc
+import weakref
 from pathlib import Path
 
 import pytest
@@ -251,3 +253,26 @@ def test_a_second_run_on_the_same_log_goes_on_from_it(log_url: str) -> None:
     log.close()
     assert [tier for _, tier in cleared] == [Tier.G2, Tier.G3]
     assert cleared[0][0] > 0, "the second run's ids go on from the first's"
+
+
+@pytest.mark.parametrize("g3_blocks", [0, 4])
+def test_a_dropped_manager_is_freed_by_reference_counting(g3_blocks: int) -> None:
+    """No reference cycle through the pools' emitter: a manager dropped after a reset or a
+    restart leaves nothing for the engine's garbage collector."""
+    gc.collect()
+    gc.disable()
+    try:
+        m = KvledgerOffloadingManager(2, enable_events=True, g3_blocks=g3_blocks)
+        for i in range(4):  # stores that evict (and, with a G3, demote)
+            ctx = request(f"r{i}", [key(2 * i), key(2 * i + 1)])
+            out = m.prepare_store([key(2 * i), key(2 * i + 1)], ctx)
+            assert out is not None
+            m.complete_store(out.keys_to_store, ctx)
+            m.on_request_finished(ctx)
+        assert list(m.take_events())
+        m.reset_cache()
+        dropped = weakref.ref(m)
+        del m, ctx
+        assert dropped() is None
+    finally:
+        gc.enable()
