@@ -22,7 +22,7 @@ them up as the per-block link table did; it goes once nothing below it is held.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from itertools import repeat
 from typing import Literal, TypeAlias, TypeVar
 
@@ -98,6 +98,14 @@ class _Node:
         # first local hash of each child's run -> the child
         self.children: dict[int, _Node] = {} if children is None else children
         self.parent = parent
+
+
+def _set_bits(bits: int) -> Iterator[int]:
+    """Each set bit of ``bits`` as a mask of its own, lowest first: one per holder slot."""
+    while bits:
+        low = bits & -bits
+        yield low
+        bits ^= low
 
 
 def _common(a: list[int], i: int, b: list[int], j: int, k: int) -> int:
@@ -545,11 +553,9 @@ class RouterIndex:
             del seqs[:at], locals_[:at]
             tail = node
         self._node_of.update(zip(moved.seqs, repeat(moved)))
-        bits, where = node.bits, self._where
-        while bits:
-            low = bits & -bits
+        where = self._where
+        for low in _set_bits(node.bits):
             where[low].add(moved)
-            bits ^= low
         return head, tail
 
     def _isolate(self, node: _Node, start: int, end: int) -> _Node:
@@ -594,11 +600,9 @@ class RouterIndex:
             if parent is not None:
                 parent.children[upper.locals[0]] = lower
         self._node_of.update(zip(gone.seqs, repeat(keep)))
-        bits, where = gone.bits, self._where
-        while bits:
-            low = bits & -bits
+        where = self._where
+        for low in _set_bits(gone.bits):
             where[low].discard(gone)
-            bits ^= low
         return keep
 
     def _collect(self, node: _Node, *, merge: bool) -> None:
@@ -741,12 +745,9 @@ class RouterIndex:
             merged = per_node.get(node)
             if merged is None:
                 merged = per_node[node] = {}
-                bits = node.bits
-                while bits:
-                    low = bits & -bits
+                for low in _set_bits(node.bits):
                     (worker, _dp), tier = owners[low.bit_length() - 1]
                     merged[worker] = merged.get(worker, 0) | tier_bit(tier)
-                    bits ^= low
             out[seq] = dict(merged)
         return out
 
