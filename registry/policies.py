@@ -317,7 +317,10 @@ class MultiLruPolicy:
         self._level_of.clear()
 
 
-Rank = tuple[int, int]
+Rank = int
+"""A ``RankedPolicy`` rank: lower is evicted first. An int, not a tuple of the caller's keys: the
+heap compares ranks on every push and pop, and an engine re-ranks every block of every request
+(the vLLM manager folds its (request, -position) pair into one int, ``manager._rank``)."""
 
 
 class RankedPolicy:
@@ -385,7 +388,7 @@ class RankedPolicy:
     ) -> None:
         rank_of = self._rank
         for slot in slots:
-            rank_of.setdefault(slot, (0, 0))
+            rank_of.setdefault(slot, 0)
 
     def accessed(self, slots: Sequence[int]) -> None:
         pass
@@ -394,7 +397,7 @@ class RankedPolicy:
         rank_of, heap = self._rank, self._heap
         self._inactive.update(slots)
         for slot in slots:
-            heapq.heappush(heap, (rank_of.get(slot, (0, 0)), slot))
+            heapq.heappush(heap, (rank_of.get(slot, 0), slot))
         self._maybe_compact()
 
     def activated(self, slots: Sequence[int]) -> None:
@@ -421,7 +424,7 @@ class RankedPolicy:
 
     def inactive_order(self) -> list[int]:
         rank_of = self._rank
-        return sorted(self._inactive, key=lambda slot: (rank_of.get(slot, (0, 0)), slot))
+        return sorted(self._inactive, key=lambda slot: (rank_of.get(slot, 0), slot))
 
     def clear(self) -> None:
         self._rank.clear()
@@ -430,7 +433,7 @@ class RankedPolicy:
 
     def _rebuild(self) -> None:
         rank_of = self._rank
-        self._heap = [(rank_of.get(slot, (0, 0)), slot) for slot in self._inactive]
+        self._heap = [(rank_of.get(slot, 0), slot) for slot in self._inactive]
         heapq.heapify(self._heap)
 
     def _maybe_compact(self) -> None:

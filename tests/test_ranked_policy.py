@@ -11,7 +11,7 @@ from kvledger.registry.policies import RankedPolicy
 from kvledger.registry.pool import BlockPool
 
 
-def stored_pool(capacity: int, ranks: list[tuple[int, int]]) -> tuple[BlockPool, RankedPolicy]:
+def stored_pool(capacity: int, ranks: list[int]) -> tuple[BlockPool, RankedPolicy]:
     """A pool whose first len(ranks) slots hold blocks 100, 101, ... with those ranks, inactive."""
     policy = RankedPolicy()
     pool = BlockPool(capacity, tier=Tier.G2, policy=policy, fresh_first=True)
@@ -37,50 +37,50 @@ def test_default_pool_order_is_unchanged() -> None:
 
 
 def test_lowest_rank_is_evicted_first_whatever_the_release_order() -> None:
-    pool, _ = stored_pool(3, [(5, 0), (1, 0), (3, 0)])
+    pool, _ = stored_pool(3, [50, 10, 30])
     pool.allocate(1)
     assert 101 not in pool and 100 in pool and 102 in pool
 
 
 def test_a_rank_set_while_in_use_counts_once_released() -> None:
-    pool, policy = stored_pool(2, [(1, 0), (2, 0)])
+    pool, policy = stored_pool(2, [10, 20])
     slot = pool.lookup(100)
     assert slot is not None
     pool.acquire([slot])
-    policy.set_ranks([slot], [(9, 0)])  # a newer request used it while it was pinned
+    policy.set_ranks([slot], [90])  # a newer request used it while it was pinned
     pool.release([slot])
     pool.allocate(1)
     assert 100 in pool and 101 not in pool
 
 
 def test_pinned_blocks_are_not_evicted_and_a_failed_allocation_changes_nothing() -> None:
-    pool, _ = stored_pool(2, [(1, 0), (2, 0)])
+    pool, _ = stored_pool(2, [10, 20])
     pinned = [s for s in (pool.lookup(100), pool.lookup(101)) if s is not None]
     pool.acquire(pinned)
     with pytest.raises(PoolExhausted):
         pool.allocate(1)
     assert 100 in pool and 101 in pool
     pool.release(pinned)
-    assert pool.allocate(1) == [0]  # block 100 (rank 1) goes first
+    assert pool.allocate(1) == [0]  # block 100 (rank 10) goes first
 
 
 def test_reranking_many_inactive_blocks_keeps_the_order() -> None:
-    pool, policy = stored_pool(100, [(i, 0) for i in range(100)])
+    pool, policy = stored_pool(100, list(range(100)))
     slots = [pool.lookup(100 + i) for i in range(100)]
-    policy.set_ranks([s for s in slots if s is not None], [(1000 - i, 0) for i in range(100)])
+    policy.set_ranks([s for s in slots if s is not None], [1000 - i for i in range(100)])
     pool.allocate(1)
     assert 199 not in pool and 100 in pool
 
 
 def test_raise_ranks_never_lowers_a_rank_and_requeues_what_it_raises() -> None:
-    pool, policy = stored_pool(4, [(5, 0), (1, 0), (3, 0)])
+    pool, policy = stored_pool(4, [50, 10, 30])
     slots = [pool.lookup(h) for h in (100, 101, 102)]
     assert None not in slots
-    # 100 keeps (5, 0) (higher than (2, 0)); 101 rises to (4, 0); 102 to (3, 1)
-    policy.raise_ranks([s for s in slots if s is not None], [(2, 0), (4, 0), (3, 1)])
-    assert [policy.rank(s) for s in slots if s is not None] == [(5, 0), (4, 0), (3, 1)]
+    # 100 keeps 50 (higher than 20); 101 rises to 40; 102 to 31
+    policy.raise_ranks([s for s in slots if s is not None], [20, 40, 31])
+    assert [policy.rank(s) for s in slots if s is not None] == [50, 40, 31]
     pool.allocate(1)  # the free slot
-    pool.allocate(1)  # the lowest rank now: 102 at (3, 1)
+    pool.allocate(1)  # the lowest rank now: 102 at 31
     assert 102 not in pool and 100 in pool and 101 in pool
     pool.allocate(1)
     assert 101 not in pool and 100 in pool

@@ -89,6 +89,12 @@ def key_hash(key: bytes) -> int:
     return xxhash.xxh3_64_intdigest(key)
 
 
+RANK_SHIFT = 40
+"""A block's rank is one int (``RankedPolicy``): its request's rank shifted left by this many
+bits, less the block's end-token position, so a request's tails sort before its heads and every
+block of an older request before any of a newer one. Token positions stay far below 2**40."""
+
+
 def _group_of(key: OffloadKey) -> int:
     """The KV-cache group of ``key`` (vLLM's ``get_offload_group_idx``)."""
     return int.from_bytes(key[-4:], "big")
@@ -336,7 +342,8 @@ class KvledgerOffloadingManager(OffloadingManager):  # type: ignore[misc]  # vLL
         if slots:
             first = self._next_rank + 1
             self._next_rank += len(slots)
-            self._policy.set_ranks(slots, [(rank, 0) for rank in range(first, first + len(slots))])
+            step = 1 << RANK_SHIFT
+            self._policy.set_ranks(slots, range(first * step, (first + len(slots)) * step, step))
 
     def _record_access(self, keys: Iterable[OffloadKey], req_context: ReqContext) -> _RequestAccess:
         """First sight of ``keys`` in this request: rank them at the request's rank, tails
@@ -345,7 +352,7 @@ class KvledgerOffloadingManager(OffloadingManager):  # type: ignore[misc]  # vLL
         slots: list[int] = []
         ranks: list[Rank] = []
         where = self._slot_of.get
-        seen, request_rank = state.seen, state.rank
+        seen, request_rank = state.seen, state.rank << RANK_SHIFT
         position_of = req_context.get_offload_key_position
         finished = state.finished
         for key in keys:
@@ -362,7 +369,7 @@ class KvledgerOffloadingManager(OffloadingManager):  # type: ignore[misc]  # vLL
             if slot is None:
                 continue
             slots.append(slot)
-            ranks.append((request_rank, -position))
+            ranks.append(request_rank - position)
         if slots:
             self._policy.raise_ranks(slots, ranks)
         return state
@@ -572,9 +579,9 @@ class KvledgerOffloadingManager(OffloadingManager):  # type: ignore[misc]  # vLL
             position = req_context.get_offload_key_position(key)
             if position is None:
                 self._next_rank += 1
-                ranks.append((self._next_rank, 0))
+                ranks.append(self._next_rank << RANK_SHIFT)
             else:
-                ranks.append((state.rank, -position))
+                ranks.append((state.rank << RANK_SHIFT) - position)
         self._policy.set_ranks(fresh, ranks)
         for i in on_disk:
             state.g3_loads[keys[i]] = (g3_slots[i], slots[i])
@@ -706,7 +713,7 @@ class KvledgerOffloadingManager(OffloadingManager):  # type: ignore[misc]  # vLL
         demotion, demotions = self._plan_demotion(evicted)
         ranks: list[Rank] = []
         parents = self._store_parent if self._chunks is not None else None
-        names, request_rank = self._keys, state.rank
+        names, request_rank = self._keys, state.rank << RANK_SHIFT
         known = state.seen  # every key of to_store, with its position when first seen
         for key, slot in zip(to_store, slots, strict=True):
             h = key_hash(key)
@@ -718,9 +725,9 @@ class KvledgerOffloadingManager(OffloadingManager):  # type: ignore[misc]  # vLL
                 position = req_context.get_offload_key_position(key)
             if position is None:
                 self._next_rank += 1
-                ranks.append((self._next_rank, 0))
+                ranks.append(self._next_rank << RANK_SHIFT)
             else:
-                ranks.append((request_rank, -position))
+                ranks.append(request_rank - position)
             if parents is not None:
                 parents[key] = self._parent(key, position, state)
         self._policy.set_ranks(slots, ranks)
