@@ -240,6 +240,70 @@ def test_events_left_in_a_buffer_at_exit_are_appended(log_url: str, tmp_path: Pa
     assert b"kvledger" not in done.stderr
 
 
+def test_closing_the_log_hands_over_what_waits_in_its_buffers(log_url: str) -> None:
+    log = EventLog(log_url)
+    buffers = [AppendBuffer(log, batch_size=1000, max_hold=60.0) for _ in range(2)]
+    for worker, buffer in enumerate(buffers):
+        buffer.extend(events(3, worker=worker))
+    log.close()  # neither buffer was closed
+    with EventLog(log_url, read_only=True) as read:
+        got = list(read.read())
+    for worker in range(2):
+        assert [e for e in got if e.worker_id == worker] == events(3, worker=worker)
+    with pytest.raises(EventLogError, match="closed"):
+        buffers[0].extend(events(1, start=3))
+
+
+BUSY_PRODUCER = textwrap.dedent(
+    """
+    import sys
+    from kvledger.events.log import AppendBuffer, EventLog
+    from kvledger.events.types import Tier
+    from kvledger.registry.emitter import EventEmitter
+
+    log = EventLog(sys.argv[1])
+    buffer = AppendBuffer(log)
+    step = []
+    emitter = EventEmitter(step.append, worker_id=0)
+    held = []
+    i = 0
+    print("started", flush=True)
+    while True:  # a scheduler's steps, until killed
+        i += 1
+        emitter.stored(Tier.G2, held[-1] if held else None, [(i, i)])
+        held.append(i)
+        if len(held) > 64:
+            emitter.removed(Tier.G2, held[:3])
+            del held[:3]
+        buffer.extend(step)
+        step.clear()
+    """
+)
+
+
+def test_a_busy_producer_killed_mid_stream_leaves_a_prefix_that_replays(
+    log_url: str, tmp_path: Path
+) -> None:
+    EventLog(log_url).close()
+    script = tmp_path / "producer.py"
+    script.write_text(BUSY_PRODUCER)
+    proc = subprocess.Popen(
+        [sys.executable, str(script), log_url], stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == b"started"
+        wait_until(lambda: committed(log_url) >= 3000, "the producer's events did not go in", 60)
+        os.kill(proc.pid, signal.SIGKILL)
+    finally:
+        proc.kill()
+        proc.wait()
+    with EventLog(log_url, read_only=True) as log:
+        ids = [e.event_id for e in log.read()]
+        assert ids == list(range(len(ids))) and len(ids) >= 3000  # a prefix, in order
+        state = replay(log)  # it folds: no block removed that was not stored
+    assert state.snapshot()
+
+
 def test_an_emitter_can_feed_a_buffer_through_a_step_list(log_url: str) -> None:
     """The vLLM manager's shape: an emitter appends to a list, each step hands the list over."""
     with EventLog(log_url) as log:

@@ -21,7 +21,7 @@ from collections.abc import Generator, Iterable, Iterator, Sequence
 from itertools import chain
 from pathlib import Path
 from time import monotonic
-from typing import Any
+from typing import Any, Protocol
 
 import sqlalchemy as sa
 
@@ -40,6 +40,17 @@ from kvledger.events.log.schema import (
 )
 from kvledger.events.types import AnyEvent, LogRecord
 from kvledger.registry.state import RegistryState
+
+
+class Feed(Protocol):
+    """What the writer asks of an ``AppendBuffer`` attached to its log."""
+
+    @property
+    def due(self) -> float | None:
+        """When the oldest waiting event must be handed over (None: none waits)."""
+
+    def hand_over_from_writer(self) -> None:
+        """Hand what waits to the log now, without waiting for room (the writer makes it)."""
 
 
 class EventLog(LogCore):
@@ -89,6 +100,8 @@ class EventLog(LogCore):
         self._wake_writer = threading.Condition(self._lock)
         self._committed_cv = threading.Condition(self._lock)
         self._writer: threading.Thread | None = None
+        # append buffers in front of this log: the writer hands over what waits in them
+        self._feeds: list[Feed] = []
         if not read_only:
             self._writer = threading.Thread(target=self._run_writer, name="kvledger-log-writer")
             self._writer.daemon = True  # closed at exit by _close_open_logs, not by join order
@@ -131,16 +144,24 @@ class EventLog(LogCore):
 
     def append_many(self, batch: Iterable[LogRecord]) -> None:
         """Queue several events (checked as a whole before any is queued)."""
+        self._append_many(batch, wait=True)
+
+    def _append_many(self, batch: Iterable[LogRecord], *, wait: bool) -> None:
+        """``append_many``; with ``wait`` False, queued whatever the backlog holds: how the
+        writer itself hands over what waits in an ``AppendBuffer`` (it would wait for itself)."""
         rows = [to_row(e) for e in batch]
         backlog = self._backlog
         with self._lock:
-            self._check_open()
+            if wait:
+                self._check_open()
+            else:  # the writer: also while the log closes (its last hand-over)
+                self._raise_writer_failure()
             if not rows:
                 return
             if not self._accept_run(rows):
                 self._accept_ids(rows, self._committed_ids(rows))
             now = monotonic()
-            if backlog.room(now) >= len(rows):  # the usual case: a scheduler step's few events
+            if not wait or backlog.room(now) >= len(rows):  # the usual case
                 if backlog.add(rows, now):
                     self._wake_writer.notify()
                 return
@@ -241,10 +262,17 @@ class EventLog(LogCore):
                     while True:
                         with self._lock:
                             while not self._closing:
-                                wait = backlog.writer_wait(monotonic())
+                                now = monotonic()
+                                wait = self._writer_wait(now)
                                 if wait == 0.0:
                                     break
+                                backlog.writer_deadline = None if wait is None else now + wait
                                 self._wake_writer.wait(wait)
+                                backlog.writer_deadline = 0.0
+                            feeds = list(self._feeds)
+                        for feed in feeds:  # outside the lock: a buffer's producer takes both
+                            feed.hand_over_from_writer()
+                        with self._lock:
                             batch = backlog.take()
                             closing = self._closing
                         if batch:
@@ -261,6 +289,39 @@ class EventLog(LogCore):
             with self._lock:
                 self._error = exc
                 self._committed_cv.notify_all()
+
+    def _writer_wait(self, now: float) -> float | None:
+        """Seconds until the writer's next commit or hand-over is due (None: nothing waits)."""
+        wait = self._backlog.writer_wait(now)
+        if wait == 0.0:
+            return wait
+        for feed in self._feeds:
+            due = feed.due  # read without the buffer's lock: ``_feed_due`` covers a race
+            if due is not None and (wait is None or due - now < wait):
+                wait = max(0.0, due - now)
+        return wait
+
+    # -- append buffers (``buffer.AppendBuffer``) -------------------------------------------------
+
+    def _attach(self, feed: Feed) -> None:
+        with self._lock:
+            self._check_open()
+            self._feeds.append(feed)
+
+    def _detach(self, feed: Feed) -> None:
+        with self._lock:
+            if feed in self._feeds:
+                self._feeds.remove(feed)
+
+    def _feed_due(self, due: float) -> None:
+        """A buffer's oldest event must be handed over by ``due``: wake the writer unless it
+        wakes by then anyway. (The buffer updated ``due`` before; the writer reads it under
+        this lock, so it either saw it or is waiting, and then this wakes it.) Raises when the
+        log takes nothing more, as an append would."""
+        with self._lock:
+            self._check_open()
+            if self._backlog.wakes_too_late(due):
+                self._wake_writer.notify()
 
     # -- reading: every read goes through ``read_chunks`` ----------------------------------------
 
