@@ -14,14 +14,22 @@ Run in the vLLM test venv (tests/integrations/setup_vllm_test_venv.sh):
 
 ``--g3-blocks N`` gives kvledger's manager a G3 below G2 (vLLM's has none): G2's evictions
 are then demoted and G3 hits promoted, which is the bookkeeping a G3 costs per operation.
+
+``--kills N`` then runs kvledger's manager on the same stream at full rate in a child process
+N times, SIGKILLs it at a random moment each time, and prints what its log holds against the
+events the manager had made (reported every 5 ms by the child), and whether the log replays.
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import os
 import random
+import signal
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -95,6 +103,62 @@ def rate(manager: OffloadingManager, stream: list[list[bytes]]) -> tuple[float, 
     return calls / seconds, calls / cpu
 
 
+KILLED_CHILD = """
+import sys, time
+sys.path.insert(0, sys.argv[2])
+from offload_bench import key_stream, drive
+from kvledger.integrations.vllm.manager import KvledgerOffloadingManager
+stream = key_stream(int(sys.argv[3]))
+manager = KvledgerOffloadingManager(int(sys.argv[4]), enable_events=True, log_url=sys.argv[1])
+print("started", flush=True)
+last = time.monotonic()
+for i in range(0, len(stream), 50):
+    drive(manager, stream[i : i + 50])
+    now = time.monotonic()
+    if now - last > 0.005:
+        print(manager._emitter.next_event_id, now, flush=True)
+        last = now
+"""
+
+
+def kills(count: int, chunks: int, tmp: Path) -> None:
+    """SIGKILL a full-rate run ``count`` times; print how far its log was behind and that the
+    log replays."""
+    from kvledger.events.log import EventLog
+    from kvledger.events.log.replay import replay
+
+    rng = random.Random(11)
+    script = tmp / "killed_child.py"
+    script.write_text(KILLED_CHILD)
+    for n in range(count):
+        url = f"sqlite:///{tmp / f'killed-{n}.db'}"
+        args = [sys.executable, str(script), url, str(Path(__file__).parent), "400000", str(chunks)]
+        child = subprocess.Popen(args, stdout=subprocess.PIPE, text=True)
+        assert child.stdout is not None and child.stdout.readline().strip() == "started"
+        started = time.monotonic()
+        time.sleep(rng.uniform(0.5, 3.0))
+        killed_at = time.monotonic()
+        os.kill(child.pid, signal.SIGKILL)
+        child.wait()
+        made, made_at = 0, killed_at
+        for line in child.stdout.read().splitlines():
+            fields = line.split()
+            if len(fields) == 2:  # the last line may be cut short by the kill
+                made, made_at = int(fields[0]), float(fields[1])
+        with EventLog(url, read_only=True) as log:
+            ids = [event.event_id for event in log.read()]
+            blocks = sum(len(tier) for tier in replay(log).snapshot().values())
+        in_order = ids == list(range(len(ids)))
+        rate = made / max(made_at - started, 1e-9)
+        behind = made - len(ids)
+        print(
+            f"kill {n + 1}: the manager had made >= {made:,} events ({rate:,.0f}/s; counted"
+            f" {1000 * (killed_at - made_at):.0f} ms before the kill), the log holds {len(ids):,}"
+            f" (ids 0.. in order: {in_order}), behind by <= {behind:,} events"
+            f" (~{1000 * behind / rate:.0f} ms); replayed to {blocks:,} blocks"
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=20_000)
@@ -104,6 +168,7 @@ def main() -> None:
         "--g3-blocks", type=int, default=0, help="kvledger only: a G3 of this many blocks below G2"
     )
     parser.add_argument("--offload-filter", default="always", help="with --g3-blocks")
+    parser.add_argument("--kills", type=int, default=0, help="SIGKILLed full-rate runs (0: none)")
     args = parser.parse_args()
     stream = key_stream(args.requests)
     tmp = Path(tempfile.mkdtemp())
@@ -140,6 +205,8 @@ def main() -> None:
             medians.append(statistics.median(values))
             print(f"{name:26}: {medians[-1]:12,.0f} {unit}  (runs {values})")
         print(f"ratio kvledger / vLLM     : {medians[1] / medians[0]:.2f}x ({unit})")
+    if args.kills:
+        kills(args.kills, args.chunks, tmp)
 
 
 if __name__ == "__main__":

@@ -320,7 +320,7 @@ class MultiLruPolicy:
 Rank = int
 """A ``RankedPolicy`` rank: lower is evicted first. An int, not a tuple of the caller's keys: the
 heap compares ranks on every push and pop, and an engine re-ranks every block of every request
-(the vLLM manager folds its (request, -position) pair into one int, ``manager._rank``)."""
+(the vLLM manager folds its (request, -position) pair into one int: ``manager.RANK_SHIFT``)."""
 
 
 class RankedPolicy:
