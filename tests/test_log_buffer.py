@@ -86,9 +86,9 @@ def test_a_quiet_producers_events_reach_the_log_within_the_hold(log_url: str) ->
         buffer = AppendBuffer(log, batch_size=1000, max_hold=0.02)
         sent = events(5)
         buffer.extend(sent[:3])
-        wait_until(lambda: log.committed == 3, "the timer did not append the waiting events")
-        buffer.extend(sent[3:])  # a second quiet spell: the timer wakes again
-        wait_until(lambda: log.committed == 5, "the timer did not append the second spell")
+        wait_until(lambda: log.committed == 3, "the writer did not hand over the waiting events")
+        buffer.extend(sent[3:])  # a second quiet spell: the writer wakes again
+        wait_until(lambda: log.committed == 5, "the writer did not hand over the second spell")
         assert buffer.waiting == 0
         assert logged(log) == sent
         buffer.close()
@@ -150,12 +150,12 @@ def test_a_refused_event_costs_only_itself_and_raises_from_the_call_that_appende
 def test_a_failed_timed_append_is_raised_at_the_next_call_naming_the_loss(log_url: str) -> None:
     with EventLog(log_url) as log:
         buffer = AppendBuffer(log, batch_size=1000, max_hold=0.01)
-        buffer.extend(events(1, start=5))  # id 5 where the log expects 0: refused by the timer
-        wait_until(lambda: buffer.waiting == 0, "the timer did not try the append")
+        buffer.extend(events(1, start=5))  # id 5 where the log expects 0: refused at the hand-over
+        wait_until(lambda: buffer.waiting == 0, "the writer did not try the hand-over")
         with pytest.raises(EventLogError, match=r"1 events are not in the log.*leaves a gap"):
             buffer.extend(events(1))
-        buffer.extend(events(2))  # raised once; the buffer and its timer go on
-        wait_until(lambda: log.committed == 2, "the timer stopped after the failure")
+        buffer.extend(events(2))  # raised once; the buffer goes on
+        wait_until(lambda: log.committed == 2, "the writer stopped handing over after the failure")
         buffer.close()
         assert logged(log) == events(2)
 
@@ -199,24 +199,31 @@ def committed(url: str) -> int:
         return log.last_position()
 
 
-def test_events_handed_before_a_quiet_spell_survive_sigkill(log_url: str, tmp_path: Path) -> None:
-    EventLog(log_url).close()  # the schema, before the child writes
+def kill_when(
+    tmp_path: Path, producer: str, args: list[str], says: bytes, ready: Callable[[], bool]
+) -> None:
+    """Run ``producer`` (a script) until it prints ``says`` and ``ready()`` holds, then
+    SIGKILL it."""
     script = tmp_path / "producer.py"
-    script.write_text(QUIET_PRODUCER)
+    script.write_text(producer)
     proc = subprocess.Popen(
-        [sys.executable, str(script), log_url, "30", "idle"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
+        [sys.executable, str(script), *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE
     )
     try:
-        assert proc.stdout is not None and proc.stdout.readline().strip() == b"handed"
-        # 30 stores and 10 removals, below the batch size: only the timer can append them
-        wait_until(lambda: committed(log_url) == 40, "handed events did not become durable")
+        assert proc.stdout is not None and proc.stdout.readline().strip() == says
+        wait_until(ready, "the producer's events did not become durable", 60)
         os.kill(proc.pid, signal.SIGKILL)
     finally:
         proc.kill()
         proc.wait()
     assert proc.returncode == -signal.SIGKILL
+
+
+def test_events_handed_before_a_quiet_spell_survive_sigkill(log_url: str, tmp_path: Path) -> None:
+    EventLog(log_url).close()  # the schema, before the child writes
+    # 30 stores and 10 removals, below the batch size: only the log's writer can append them
+    args = [log_url, "30", "idle"]
+    kill_when(tmp_path, QUIET_PRODUCER, args, b"handed", lambda: committed(log_url) == 40)
     with EventLog(log_url, read_only=True) as log:
         state = replay(log)
     live: dict[tuple[int, Tier], dict[int, tuple[int, int | None]]] = {
@@ -285,18 +292,7 @@ def test_a_busy_producer_killed_mid_stream_leaves_a_prefix_that_replays(
     log_url: str, tmp_path: Path
 ) -> None:
     EventLog(log_url).close()
-    script = tmp_path / "producer.py"
-    script.write_text(BUSY_PRODUCER)
-    proc = subprocess.Popen(
-        [sys.executable, str(script), log_url], stdout=subprocess.PIPE, stderr=subprocess.PIPE
-    )
-    try:
-        assert proc.stdout is not None and proc.stdout.readline().strip() == b"started"
-        wait_until(lambda: committed(log_url) >= 3000, "the producer's events did not go in", 60)
-        os.kill(proc.pid, signal.SIGKILL)
-    finally:
-        proc.kill()
-        proc.wait()
+    kill_when(tmp_path, BUSY_PRODUCER, [log_url], b"started", lambda: committed(log_url) >= 3000)
     with EventLog(log_url, read_only=True) as log:
         ids = [e.event_id for e in log.read()]
         assert ids == list(range(len(ids))) and len(ids) >= 3000  # a prefix, in order
