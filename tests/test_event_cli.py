@@ -14,7 +14,7 @@ from event_streams import tee
 from kvledger.cli import main
 from kvledger.events.log import EventLog
 from kvledger.events.log.replay import replay_report, save_state
-from kvledger.events.types import AnyEvent, BlockInfo, Tier
+from kvledger.events.types import AnyEvent, BlockInfo, Lookup, Tier
 from kvledger.migrations import runner
 from kvledger.registry.emitter import EventEmitter
 from kvledger.registry.state import RegistryState
@@ -97,6 +97,36 @@ def test_tail_prints_then_follows(log_url: str, capsys: pytest.CaptureFixture[st
     assert len(lines) == 5
     assert all("removed 1: " in line for line in lines[2:])
     assert lines[-1].split()[0] == str(int(lines[0].split()[0]) + 4)
+
+
+def test_tail_counts_events_not_the_lookup_records_between_them(
+    log_url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    seen = write_log(log_url, n=4)
+    with EventLog(log_url) as log:  # a run that logs lookups ends with lookup records
+        for request in range(3):
+            log.append(
+                Lookup(
+                    event_id=request,
+                    worker_id=0,
+                    dp_rank=0,
+                    tier=Tier.G1,
+                    ts=9.0,
+                    request_id=request,
+                    num_tokens=16,
+                    start=0,
+                    hits=(1, 0, 0),
+                    sequence_hashes=(1,),
+                )
+            )
+    assert main(["tail", log_url, "-n", "2", "--no-follow"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 2
+    assert [line.split()[1] for line in lines] == [f"w0#{e.event_id}" for e in seen[-2:]]
+    assert main(["tail", log_url, "-n", "100", "--no-follow"]) == 0
+    assert len(capsys.readouterr().out.splitlines()) == len(seen)
+    assert main(["tail", log_url, "-n", "0", "--no-follow"]) == 0
+    assert capsys.readouterr().out == ""
 
 
 def test_db_commands(log_url: str, capsys: pytest.CaptureFixture[str]) -> None:

@@ -423,6 +423,10 @@ class EventLog(LogCore):
         """The newest committed row's position; 0 for an empty log."""
         return reader.last_position(self._engine)
 
+    def tail_start(self, count: int) -> int:
+        """The position after which the newest ``count`` events lie (``kvledger tail -n``)."""
+        return reader.tail_start(self._engine, count)
+
     def summary(self) -> LogSummary:
         return reader.summary(self._engine)
 

@@ -122,6 +122,18 @@ def last_position(engine: sa.Engine) -> int:
     return 0 if value is None else int(value)
 
 
+def tail_start(engine: sa.Engine, count: int) -> int:
+    """The position after which the newest ``count`` transitions lie (lookup records, which
+    ``read`` leaves out, not counted); 0 when the log holds fewer."""
+    c = events.c
+    if count <= 0:
+        return last_position(engine)
+    stmt = sa.select(c.id).where(c.worker >= 0).order_by(c.id.desc()).offset(count - 1).limit(1)
+    with engine.connect() as conn:
+        value = conn.execute(stmt).scalar()
+    return 0 if value is None else int(value) - 1
+
+
 def summary(engine: sa.Engine) -> LogSummary:
     """Row counts by kind and tier, each worker's id range, positions, times and checkpoints."""
     c = events.c

@@ -69,7 +69,7 @@ def run(args: argparse.Namespace) -> int:
         return _tail_zmq(args)
     with EventLog(args.log, read_only=True) as log:
         last = log.last_position()
-        start = max(0, last - args.lines)
+        start = min(log.tail_start(args.lines), last)
         for position, event in log.read_positions(after_position=start, until_position=last):
             print(describe(position, event), flush=True)
         if args.no_follow:
