@@ -38,6 +38,7 @@ from sglang.srt.mem_cache.hicache_storage import (
     HiCacheStorageExtraInfo,
 )
 
+from kvledger.config import Settings
 from kvledger.events.log import EventLog
 from kvledger.events.log.replay import replay
 from kvledger.events.shared import FanOut, RedisPublisher, SharedRegistry, connect
@@ -139,7 +140,7 @@ class KvledgerHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang sh
                 )
             return
         self.data_dir.mkdir(parents=True, exist_ok=True)
-        event_log = EventLog(self.log_url)
+        event_log = EventLog(self.log_url, **Settings.load().event_log_options())
         try:
             first_id = event_log.last_event_id(self.worker_id) + 1
             known: list[KnownBlocks] = [{}]

@@ -149,7 +149,7 @@ def test_kvledger_manager_hands_its_log_batches_and_bounds_the_hold(
     vllm_run: dict[str, FileOutcome],
 ) -> None:
     outcome = check(vllm_run, LOG_TESTS)
-    assert outcome.passed == 2 and not outcome.skipped
+    assert outcome.passed == 3 and not outcome.skipped
 
 
 def test_kvledger_manager_with_g3_as_a_state_machine(vllm_run: dict[str, FileOutcome]) -> None:

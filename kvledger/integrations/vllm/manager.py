@@ -70,6 +70,7 @@ from vllm.v1.kv_offload.base import (
 from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec, CPUOffloadingMetrics
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
+from kvledger.config import Settings
 from kvledger.events.log import AppendBuffer, EventLog
 from kvledger.events.types import AnyEvent, BlockInfo, Offloaded, Onboarded, Removed, Stored, Tier
 from kvledger.integrations.vllm.specs import DiskMoves, KvledgerLoadSpec, KvledgerStoreSpec
@@ -191,7 +192,13 @@ class KvledgerOffloadingManager(OffloadingManager):  # type: ignore[misc]  # vLL
         self._config_info: ConfigInfoMapping = info.as_config_info() if info is not None else {}
         self._lock = threading.Lock()
         self._own_log = event_log is None and log_url is not None
-        self.event_log = EventLog(log_url) if self._own_log and log_url else event_log
+        # a log of its own takes the KVLEDGER_EVENT_LOG_* settings (durability, max delay,
+        # queue size), as every kvledger log does
+        self.event_log = (
+            EventLog(log_url, **Settings.load().event_log_options())
+            if self._own_log and log_url
+            else event_log
+        )
         self.events: list[OffloadingEvent] | None = [] if enable_events else None
         self._emitter = EventEmitter(_Sink(self), worker_id=worker_id)
         # keys evicted by the allocation under way, for PrepareStoreOutput.evicted_keys

@@ -36,6 +36,7 @@ factory = pytest.importorskip(
     reason=NOT_HERE,
 )
 
+from kvledger.config import SettingsError  # noqa: E402
 from kvledger.events.log import EventLog  # noqa: E402
 from kvledger.events.log.replay import replay  # noqa: E402
 from kvledger.events.types import Removed, Stored, Tier  # noqa: E402
@@ -463,3 +464,16 @@ def test_a_peer_reads_only_what_the_owners_g3_holds_now(tmp_path: Path) -> None:
             assert got is not None and bytes(got) == bytes(values[8].numpy())
         finally:
             peer.close()
+
+
+def test_the_backends_log_takes_the_event_log_settings(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("KVLEDGER_EVENT_LOG_MAX_DELAY_S", "0.2")
+    monkeypatch.setenv("KVLEDGER_EVENT_LOG_QUEUE_SIZE", "20000")
+    with open_backend(tmp_path, page_bytes=PAGE_BYTES) as b:
+        log = b.event_log
+        assert log is not None and (log.max_delay, log.queue_size) == (0.2, 20_000)
+    monkeypatch.setenv("KVLEDGER_EVENT_LOG_DURABILITY", "sometimes")
+    with pytest.raises(SettingsError, match="KVLEDGER_EVENT_LOG_DURABILITY"):
+        open_backend(tmp_path / "bad", page_bytes=PAGE_BYTES)

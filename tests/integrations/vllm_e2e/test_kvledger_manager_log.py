@@ -7,9 +7,11 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+import pytest
 from vllm.v1.kv_offload.base import OffloadKey, ReqContext, make_offload_key
 
 from kvledger import replay
+from kvledger.config import SettingsError
 from kvledger.events.log import EventLog
 from kvledger.events.types import Removed, Stored
 from kvledger.integrations.vllm.manager import KvledgerOffloadingManager
@@ -68,3 +70,20 @@ def test_a_busy_schedulers_events_go_in_batches_and_replay(tmp_path: Path) -> No
     assert replay(log_url) == m.state()
     m.shutdown()
     assert committed(log_url).count(Stored) == 400
+
+
+def test_the_managers_own_log_takes_the_event_log_settings(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("KVLEDGER_EVENT_LOG_DURABILITY", "fsync")
+    monkeypatch.setenv("KVLEDGER_EVENT_LOG_MAX_DELAY_S", "0.2")
+    m = KvledgerOffloadingManager(4, log_url=f"sqlite:///{tmp_path / 'settings.db'}")
+    log = m.event_log
+    assert log is not None and log.max_delay == 0.2
+    assert m._log_buffer is not None and m._log_buffer.max_hold == 0.05  # a quarter of it
+    with log._engine.connect() as conn:  # fsync: SQLite's synchronous=FULL
+        assert conn.exec_driver_sql("PRAGMA synchronous").scalar() == 2
+    m.shutdown()
+    monkeypatch.setenv("KVLEDGER_EVENT_LOG_DURABILITY", "sometimes")
+    with pytest.raises(SettingsError, match="KVLEDGER_EVENT_LOG_DURABILITY"):
+        KvledgerOffloadingManager(4, log_url=f"sqlite:///{tmp_path / 'bad.db'}")
