@@ -128,8 +128,8 @@ class AppendBuffer:
         before its ``max_hold``, never after). Given up after a millisecond while a producer
         holds the buffer: it is appending itself, or waiting for room, which only the writer
         makes (the writer comes back once it has committed)."""
-        if not self._lock.acquire(timeout=0.001):
-            return
+        if not self._events or not self._lock.acquire(timeout=0.001):
+            return  # (an unlocked look: events that come now are the producer's to announce)
         try:
             if self._events and not self._closed:
                 try:
@@ -158,13 +158,13 @@ class AppendBuffer:
 
     def _append_one_by_one(self, batch: list[LogRecord], wait: bool) -> None:
         refused: list[tuple[LogRecord, ValueError]] = []
-        for event in batch:
+        for i, event in enumerate(batch):
             try:
                 self.log._append_many([event], wait=wait)
             except ValueError as exc:
                 refused.append((event, exc))
             except BaseException:
-                self._failed = len(batch)
+                self._failed = len(refused) + len(batch) - i  # the earlier good ones went in
                 raise
         self._failed = len(refused)
         event, first = refused[0]

@@ -262,7 +262,7 @@ class KvledgerOffloadingManager(OffloadingManager):  # type: ignore[misc]  # vLL
 
     def _on_event(self, event: AnyEvent) -> None:
         """Every pool change: to the durable log, and as vLLM's event for take_events."""
-        if self.event_log is not None:
+        if self._log_buffer is not None:
             self._unlogged.append(event)
         if self.g3 is not None and (event.tier is not Tier.G2 or isinstance(event, Onboarded)):
             self._on_disk_event(event)
@@ -421,8 +421,9 @@ class KvledgerOffloadingManager(OffloadingManager):  # type: ignore[misc]  # vLL
     def flush_log(self) -> None:
         """Wait until every event so far is durable in the log."""
         self._hand_to_log()
-        if self._log_buffer is not None and self.event_log is not None:
+        if self._log_buffer is not None:
             self._log_buffer.flush()
+        if self.event_log is not None:
             self.event_log.flush()
 
     # -- OffloadingManager -----------------------------------------------------------
@@ -898,6 +899,7 @@ class KvledgerOffloadingManager(OffloadingManager):  # type: ignore[misc]  # vLL
         self._hand_to_log()
         if self._log_buffer is not None:
             self._log_buffer.close()
+            self._log_buffer = None  # nothing more goes to the log
         if self._own_log and self.event_log is not None:
             self.event_log.close()
             self.event_log = None
