@@ -45,7 +45,9 @@ from kvledger.registry.state import RegistryState
 
 log = logging.getLogger(__name__)
 
-CommitSink = Callable[[Sequence[AnyEvent]], object]
+Committed = tuple[AnyEvent, bytes]
+"""A committed transition and its record, the bytes the log stored (``codec.encode``)."""
+CommitSink = Callable[[Sequence[Committed]], object]
 """Called by the writer with each committed batch's transitions (``EventLog.on_commit``)."""
 
 RETRY_FOR = 60.0
@@ -355,8 +357,9 @@ class EventLog(LogCore):
     def _committed(self, batch: list[Row], events: list[LogRecord]) -> None:
         """``batch`` is in the database: hand its events to the commit sinks, then count it
         (so a ``flush`` returns only once the sinks have them)."""
-        if events:
-            self._hand_to_commit_sinks(events)
+        if events:  # the events of the newest rows of the batch, in order
+            records = [row[5] for row in batch[len(batch) - len(events) :]]
+            self._hand_to_commit_sinks(list(zip(events, records, strict=True)))
         with self._lock:
             self._backlog.done(len(batch), monotonic())
             self._committed_cv.notify_all()
@@ -380,7 +383,9 @@ class EventLog(LogCore):
 
     def on_commit(self, sink: CommitSink, *, worker_id: int | None = None) -> None:
         """Hand ``sink`` every transition committed from now on (of ``worker_id`` only, when
-        given), in commit order, a committed batch per call, from the writer thread.
+        given), in commit order, a committed batch per call, from the writer thread, each as
+        (event, record): the record is the row's payload, so a sink that ships events on
+        (the shared registry's stream) sends the very bytes the log stored.
 
         This is how views outside the process (the shared registry, the ZMQ stream) are fed:
         they receive an event only once it is committed, so a crash never un-says what they
@@ -401,14 +406,14 @@ class EventLog(LogCore):
             if not self._commit_sinks:
                 self._pending_events = None
 
-    def _hand_to_commit_sinks(self, records: list[LogRecord]) -> None:
+    def _hand_to_commit_sinks(self, pairs: list[tuple[LogRecord, bytes]]) -> None:
         with self._lock:
             sinks = list(self._commit_sinks)
-        events = [e for e in records if not isinstance(e, _LOOKUP_TYPES)]
+        events: list[Committed] = [p for p in pairs if not isinstance(p[0], _LOOKUP_TYPES)]  # type: ignore[misc]
         if not events or not sinks:
             return
         for sink, worker in sinks:
-            mine = events if worker is None else [e for e in events if e.worker_id == worker]
+            mine = events if worker is None else [p for p in events if p[0].worker_id == worker]
             if not mine:
                 continue
             try:

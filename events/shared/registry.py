@@ -8,7 +8,9 @@ checks the records and reduces a run of events to what it leaves behind (each to
 once, with the bits it ends set or cleared, and the Cleared count per tier), so Lua only does
 the part that needs the stored values; a long batch goes out as several calls in one pipeline.
 The same script appends every applied event to one Redis stream (trimmed approximately), so
-routers reading it with a consumer group see each event exactly once, in order per worker.
+routers reading it with a consumer group see each event exactly once, in order per worker. The
+stream's record of an event is its durable-log record (``codec.encode``, checksummed): a
+publisher fed by the log's commits sends the very bytes the log stored.
 
 The index may be split over N shards by sequence hash (``keys.KeySpace.shards``); every shard
 keeps all the keys below for its blocks (its own applied id per worker, generations, lease),
@@ -53,29 +55,34 @@ import contextlib
 import hashlib
 import itertools
 import struct
-import zlib
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import msgpack
 import numpy as np
 import redis
+from xxhash import xxh3_64_intdigest
 
+from kvledger.events import codec
 from kvledger.events.codec import KIND_CODES
 from kvledger.events.shared import scripts as lua
 from kvledger.events.shared.claims import ClaimLost, Holder, WorkerIdTaken
 from kvledger.events.shared.client import Client
 from kvledger.events.shared.keys import MAX_SHARDS, KeySpace
-from kvledger.events.types import AnyEvent, Cleared, Removed, Tier
-from kvledger.events.wire import (
-    KIND_OF_CODE,
-    STREAM_RECORD_VERSION,
-    WireFormatError,
-    encode_baseline,
-    encode_record,
-    hash_key,
+from kvledger.events.types import (
+    AnyEvent,
+    Cleared,
+    LogRecord,
+    Lookup,
+    Offloaded,
+    Onboarded,
+    Released,
+    Removed,
+    RunInfo,
+    Stored,
+    Tier,
 )
+from kvledger.events.wire import encode_baseline, hash_key, pack_hashes
 from kvledger.registry.columns import BlockColumns
 from kvledger.registry.index import prefix_depths
 
@@ -98,10 +105,11 @@ _NOT_PURGED = -4
 
 
 def record_tip(record: bytes) -> int:
-    """The checksum a shard keeps of the last record it applied for a worker (its tip): a
+    """The hash a shard keeps of the last record it applied for a worker (its tip): a
     restarted worker compares it with the same event of its own log, to tell a log that
-    still holds what the registry applied from one that was replaced or rolled back."""
-    return zlib.crc32(record)
+    still holds what the registry applied from one that was replaced or rolled back. (Not
+    the CRC-32: that of a record which ends with its own CRC is the same for every record.)"""
+    return xxh3_64_intdigest(record)
 
 
 @dataclass
@@ -218,26 +226,22 @@ class SharedRegistry:
 
     # -- writing -------------------------------------------------------------------------
 
-    def apply(self, worker_id: int, events: Sequence[AnyEvent], *, token: int = 0) -> ApplyResult:
+    def apply(
+        self,
+        worker_id: int,
+        events: Sequence[AnyEvent],
+        *,
+        token: int = 0,
+        records: Sequence[bytes] | None = None,
+    ) -> ApplyResult:
         """Apply one worker's events, in id order, atomically up to the first gap.
 
-        ``token`` is the worker's fencing token (``claim``); 0 writes unclaimed, which every
-        shard allows only while nobody has claimed the worker id. A shard that holds a newer
-        claim's fence refuses the call (``ClaimLost``)."""
-        for event in events:
-            if event.worker_id != worker_id:
-                raise ValueError(
-                    f"event {event.event_id} is from worker {event.worker_id}, not {worker_id}"
-                )
-        return self.apply_records(worker_id, [encode_record(e) for e in events], token=token)
+        The stream gets each event's log record (``codec.encode``): ``records``, when the
+        caller has them (a publisher fed by the log's commits has the bytes the log stored),
+        else encoded here. ``token`` is the worker's fencing token (``claim``); 0 writes
+        unclaimed, which every shard allows only while nobody has claimed the worker id. A
+        shard that holds a newer claim's fence refuses the call (``ClaimLost``).
 
-    def apply_records(
-        self, worker_id: int, records: Sequence[bytes], *, token: int = 0
-    ) -> ApplyResult:
-        """``apply`` for records already encoded with ``wire.encode_record``.
-
-        Every record is checked here before anything is sent, so a malformed one
-        (``WireFormatError``) or one of another worker (``ValueError``) leaves Redis as it was.
         A run of consecutive event ids goes out as script calls of up to ``events_per_call``
         events, each cut by shard and sent to every shard (a shard none of whose blocks the
         call touches still moves its applied id), all in one pipeline per node: with one
@@ -249,12 +253,30 @@ class SharedRegistry:
         """
         if not 0 <= worker_id < 1 << 32:
             raise ValueError(f"worker ids must fit in 32 bits, got {worker_id}")
-        parsed = [_parse_record(worker_id, record) for record in records]
+        for event in events:
+            if event.worker_id != worker_id:
+                raise ValueError(
+                    f"event {event.event_id} is from worker {event.worker_id}, not {worker_id}"
+                )
+        if records is None:
+            records = [codec.encode(e) for e in events]
+        elif len(records) != len(events):
+            raise ValueError(f"{len(events)} events but {len(records)} records")
+        parsed = [_parsed(event) for event in events]
         try:
             return self._apply_parsed(worker_id, records, parsed, token)
         except redis.exceptions.NoScriptError:  # a restarted or flushed Redis: load, send again
             self._load_scripts()
             return self._apply_parsed(worker_id, records, parsed, token)
+
+    def apply_records(
+        self, worker_id: int, records: Sequence[bytes], *, token: int = 0
+    ) -> ApplyResult:
+        """``apply`` for log records (``codec.encode``), each checked by decoding it before
+        anything is sent, so a damaged one (``CodecError``) or one of another worker
+        (``ValueError``) leaves Redis as it was."""
+        events = [_transition(codec.decode(record)) for record in records]
+        return self.apply(worker_id, events, token=token, records=records)
 
     def _apply_parsed(
         self, worker_id: int, records: Sequence[bytes], parsed: Sequence[_Parsed], token: int
@@ -357,8 +379,9 @@ class SharedRegistry:
         """Send commands to the one server in one pipeline; their replies.
 
         Packed and sent here rather than through a redis-py pipeline, which packs every call
-        before sending any: sending each call as soon as it is packed lets Redis run it while
-        the next one is packed. ``calls`` may be a generator: it is read once.
+        before sending any: the first call goes out as soon as it is packed, so Redis runs it
+        while the others are packed, and they follow in one write. ``calls`` may be a
+        generator: it is read once.
         """
         assert isinstance(self.client, redis.Redis)
         packed = iter(calls)
@@ -367,12 +390,19 @@ class SharedRegistry:
         sent: list[bytes] = []  # what went out, for a retry on a fresh connection
 
         def send_and_read() -> list[Any]:
-            for part in sent:
-                conn.send_packed_command([part])  # type: ignore[no-untyped-call]
-            for args in packed:
-                data = b"*%d\r\n" % len(args) + _resp_args(args)
-                sent.append(data)
-                conn.send_packed_command([data])  # type: ignore[no-untyped-call]
+            if not sent:  # the first call at once, so Redis starts on it while the rest is packed
+                first = next(packed, None)
+                if first is not None:
+                    sent.append(b"*%d\r\n" % len(first) + _resp_args(first))
+                    conn.send_packed_command(sent)  # type: ignore[no-untyped-call]
+                rest = len(sent)
+            else:  # a retry on a fresh connection: all of it again
+                rest = 0
+            sent.extend(b"*%d\r\n" % len(args) + _resp_args(args) for args in packed)
+            if len(sent) > rest:
+                # the rest in one write: each system call gives the interpreter to the engine's
+                # thread, and getting it back can take a whole switch interval (5 ms)
+                conn.send_packed_command([b"".join(sent[rest:])])  # type: ignore[no-untyped-call]
             replies, error = [], None
             for _ in sent:  # read every reply, so the connection stays in step
                 try:
@@ -881,28 +911,26 @@ def _resp_args(args: Sequence[bytes | str | int]) -> bytes:
     return b"".join(out)
 
 
-def _parse_record(worker_id: int, record: bytes) -> _Parsed:
-    """The fields of a stream record the index needs, after the checks the script relies on."""
-    try:
-        fields = msgpack.unpackb(record, raw=True, use_list=False)
-    except (ValueError, msgpack.UnpackException) as exc:
-        raise WireFormatError(f"stream record is not msgpack: {exc}") from None
-    if not isinstance(fields, tuple) or len(fields) != 9:
-        raise WireFormatError("a stream record is a 9-item array")
-    version, kind, event_id, worker, _dp_rank, tier, _ts, seqs, _body = fields
-    if version != STREAM_RECORD_VERSION:
-        raise WireFormatError(f"stream record version {version!r}; this reader knows 1")
-    if worker != worker_id:
-        raise ValueError(f"record of worker {worker!r} sent as worker {worker_id}")
-    if kind not in KIND_OF_CODE:
-        raise WireFormatError(f"unknown event kind {kind!r}")
-    if tier not in (1, 2, 3, 4):
-        raise WireFormatError(f"unknown tier {tier!r}")
-    if not isinstance(event_id, int) or event_id < 0:
-        raise WireFormatError(f"event id {event_id!r} is not a non-negative integer")
-    if not isinstance(seqs, bytes) or len(seqs) % 8:
-        raise WireFormatError(f"event {event_id}: hash blob is not whole 8-byte hashes")
-    return event_id, kind, tier, seqs
+def _parsed(event: AnyEvent) -> _Parsed:
+    """What the apply needs of an event: id, kind code, tier, its blocks' packed hashes."""
+    hashes: Sequence[int]
+    if isinstance(event, Stored):
+        hashes = [seq for seq, _ in event.blocks]
+    elif isinstance(event, Removed):
+        hashes = event.sequence_hashes
+    elif isinstance(event, Offloaded | Onboarded):
+        hashes = [b.sequence_hash for b in event.blocks]
+    elif isinstance(event, Cleared):
+        hashes = ()
+    else:
+        raise TypeError(f"not an event: {event!r}")
+    return event.event_id, KIND_CODES[type(event)], int(event.tier), pack_hashes(hashes)
+
+
+def _transition(record: LogRecord) -> AnyEvent:
+    if isinstance(record, Lookup | Released | RunInfo):
+        raise ValueError(f"a lookup record is not a transition: {record!r}")
+    return record
 
 
 def _net_changes(parsed: Sequence[_Parsed]) -> _Changes:

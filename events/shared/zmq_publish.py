@@ -141,9 +141,9 @@ class ZmqPublisher:
             if self._idle:  # waking a busy thread would cost the engine a lock for nothing
                 self._wake.set()
 
-    def _committed(self, events: Sequence[AnyEvent]) -> None:
+    def _committed(self, batch: Sequence[tuple[AnyEvent, bytes]]) -> None:
         """The log's writer, after a commit: queue the worker's newly committed events."""
-        self._queue.extend(events)
+        self._queue.extend(event for event, _record in batch)
         if self._idle:
             self._wake.set()
 
