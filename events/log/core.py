@@ -183,14 +183,23 @@ def _category(exc: BaseException) -> tuple[BaseException, str]:
     return cause, category
 
 
-_LASTING = ("no such table", "no such column", "readonly database", "has no column")
-"""SQLite reports these as OperationalError too, but they do not pass with time."""
+_LASTING = (
+    "no such table",
+    "no such column",
+    "has no column",
+    "readonly database",
+    "disk i/o error",
+    "disk is full",
+    "no space left",
+)
+"""OperationalErrors that do not pass by waiting a minute (a missing table, a read-only file, a
+full disk): reported at once, not retried."""
 
 
 def is_outage(exc: BaseException) -> bool:
     """Whether ``exc`` means the database is out of reach for now (a dropped connection, a
-    server restarting, a locked or full SQLite file), so that the writer tries again: PEP
-    249's OperationalError and InterfaceError, less what waiting cannot mend."""
+    server restarting, a locked SQLite file), so that the writer tries again: PEP 249's
+    OperationalError and InterfaceError, less what waiting cannot mend (``_LASTING``)."""
     cause, category = _category(exc)
     if category not in ("OperationalError", "InterfaceError"):
         return False

@@ -32,7 +32,7 @@ import redis
 from kvledger.events import codec
 from kvledger.events.log import Committed
 from kvledger.events.log.replay import replay
-from kvledger.events.shared.claims import ClaimLost, Holder
+from kvledger.events.shared.claims import ClaimLost, Holder, WorkerIdTaken
 from kvledger.events.shared.registry import SharedRegistry, record_tip
 from kvledger.events.types import AnyEvent
 
@@ -234,22 +234,27 @@ class RedisPublisher:
     def start(self) -> RedisPublisher:
         """Claim the worker id, bring the registry in step with the log, then publish what
         the log commits from now on. Raises ``WorkerIdTaken`` (and publishes nothing) when
-        another live process holds the id; Redis out of reach defers the check to the
-        thread, which retries."""
+        another live process holds the id. With Redis out of reach both wait for the thread,
+        which retries; a claim refused then stops it (``error``)."""
         if self._thread is not None:
             return self
-        if self.claims:
-            self.token = self.registry.claim(self.worker_id, self._holder)
         if self.log is not None:
             self.log.on_commit(self._committed, worker_id=self.worker_id)
             self.last_seen_id = self.log.last_event_id(self.worker_id)
-            with contextlib.suppress(*OUTAGES):  # else the thread checks once Redis answers
+        with contextlib.suppress(*OUTAGES):  # else the thread does both once Redis answers
+            self._claim()
+            if self.log is not None:
                 self.reconciled = self.reconcile()
         self._thread = threading.Thread(
             target=self._run, name=f"kvledger-publish-{self.worker_id}", daemon=True
         )
         self._thread.start()
         return self
+
+    def _claim(self) -> None:
+        """Claim the worker id (once), unless this publisher writes unclaimed."""
+        if self.claims and not self.token:
+            self.token = self.registry.claim(self.worker_id, self._holder)
 
     def reconcile(self) -> Reconciliation:
         """Compare what every shard applied for this worker with the log, and replace the
@@ -362,6 +367,7 @@ class RedisPublisher:
             try:
                 now = time.monotonic()
                 if now >= next_beat:
+                    self._claim()  # when Redis was out of reach at start
                     if not self.registry.heartbeat(self.worker_id, self.token, self._holder):
                         raise ClaimLost(
                             f"worker {self.worker_id}: another process claimed this worker id"
@@ -399,7 +405,7 @@ class RedisPublisher:
                     )
                 self._stop.wait(self.retry_s)
                 next_beat = 0.0
-            except ClaimLost as exc:
+            except (ClaimLost, WorkerIdTaken) as exc:
                 self.error = exc
                 log.error("%s; this process stopped publishing", exc)
                 return
