@@ -69,16 +69,19 @@ def hash_key(seq: int) -> bytes:
 # -- our stream record -------------------------------------------------------------------
 
 
-def encode_record(event: AnyEvent) -> bytes:
+def encode_record(event: AnyEvent, *, token_ids: bool = True) -> bytes:
     """The stream record of one event: what the Redis apply script and routers decode.
 
-    ``[version, kind, event_id, worker_id, dp_rank, tier, ts, sequence_hashes, body]``
+    ``[version, kind, event_id, worker_id, dp_rank, tier, ts, sequence_hashes, body]``;
+    ``token_ids`` False leaves a ``Stored`` event's token ids out (users' prompts).
     """
     body: Any
     if isinstance(event, Stored):
         seqs = pack_hashes([seq for seq, _ in event.blocks])
         parent = None if event.parent_hash is None else pack_hashes([event.parent_hash])
-        tokens = None if event.token_ids is None else [list(t) for t in event.token_ids]
+        tokens = (
+            None if event.token_ids is None or not token_ids else [list(t) for t in event.token_ids]
+        )
         body = [parent, pack_hashes([local for _, local in event.blocks]), tokens]
     elif isinstance(event, Offloaded | Onboarded):
         seqs = pack_hashes([b.sequence_hash for b in event.blocks])

@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from xxhash import xxh3_64_intdigest
 
-from kvledger.config import Settings, ensure_log_folder
+from kvledger.config import Settings
 from kvledger.events.log import EventLog
 from kvledger.events.log.replay import replay
 from kvledger.events.shared.client import connect
@@ -140,7 +140,7 @@ class BlockManager:
         )
         self._own_log = event_log is None and log_events
         if self._own_log:
-            ensure_log_folder(s.log_url)  # a first run in an empty folder makes kvledger-data/
+            s.prepare_log_folder()  # a first run in an empty folder makes kvledger-data/
         self._event_log = (
             EventLog(s.log_url, **s.event_log_options()) if self._own_log else event_log
         )
@@ -235,6 +235,7 @@ class BlockManager:
         self._transfers = TransferEngine()
         self._in_flight: dict[TransferHandle, CopyPlan] = {}
         self._failed_copies = 0
+        self._copy_thread_errors = 0
         self._g4: G4Link | None = None
         if s.g4:
             self._g4 = self._link_g4(s, metrics)
@@ -395,7 +396,9 @@ class BlockManager:
         """Publish to the shared registry at ``redis_url``, catching up from the event log."""
         if self._event_log is None or s.redis_url is None:
             raise ValueError("redis_url needs the event log: the publisher catches up from it")
-        shared = SharedRegistry(connect(s.redis_url), s.redis_namespace)
+        shared = SharedRegistry(
+            connect(s.redis_url), s.redis_namespace, token_ids=s.persist_token_ids
+        )
         return RedisPublisher(
             shared, s.worker_id, log=self._event_log, linger_s=s.redis_linger_s
         ).start()
@@ -819,7 +822,15 @@ class BlockManager:
         return handle
 
     def _record_offload(self, plan: CopyPlan, handle: TransferHandle) -> None:
-        self._record(plan, handle)
+        """Record a finished offload, on the copy thread. A sink that fails here (the log's
+        disk is full) fails the engine's next call too, which is where it is reported: on
+        this thread it is said once, in one line, not as a traceback per copy."""
+        try:
+            self._record(plan, handle)
+        except Exception as exc:
+            if not self._copy_thread_errors:
+                log.error("kvledger: recording a finished copy failed: %s", exc)
+            self._copy_thread_errors += 1
 
     def _observe_transfer(self, plan: CopyPlan, handle: TransferHandle, started: float) -> None:
         assert self.metrics is not None

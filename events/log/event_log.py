@@ -30,7 +30,7 @@ from kvledger.events.log.checkpoints import Checkpoint
 from kvledger.events.log.core import LogCore
 from kvledger.events.log.engine import Durability, make_engine, open_read_only
 from kvledger.events.log.reader import READ_CHUNK, LogSummary
-from kvledger.events.log.rows import InsertStatements, max_params, to_row
+from kvledger.events.log.rows import InsertStatements, max_params
 from kvledger.events.log.schema import (
     DEFAULT_URL,
     SchemaError,
@@ -62,6 +62,7 @@ class EventLog(LogCore):
     process dying), "fsync" (also survives the machine dying), "none". ``Backlog`` states the
     bound on what a crash loses and the back-pressure that keeps it. ``read_only`` opens an
     existing log without a writer, also where it cannot be written (see ``open_read_only``).
+    ``token_ids`` False stores ``Stored`` events without their token ids (users' prompts).
     """
 
     def __init__(
@@ -74,9 +75,14 @@ class EventLog(LogCore):
         max_delay: float = 0.05,
         read_only: bool = False,
         create: bool = True,
+        token_ids: bool = True,
     ) -> None:
         super().__init__(
-            batch_size=batch_size, queue_size=queue_size, max_delay=max_delay, durability=durability
+            batch_size=batch_size,
+            queue_size=queue_size,
+            max_delay=max_delay,
+            durability=durability,
+            token_ids=token_ids,
         )
         self.url = database_url(url)
         parsed = sa.make_url(self.url)
@@ -130,7 +136,7 @@ class EventLog(LogCore):
     def append(self, event: LogRecord) -> None:
         """Queue one event (or lookup record); waits while the backlog is at its bound. Usable
         as an emitter's sink."""
-        rows = [to_row(event)]
+        rows = [self._to_row(event)]
         backlog = self._backlog
         with self._lock:
             self._check_open()
@@ -149,7 +155,7 @@ class EventLog(LogCore):
     def _append_many(self, batch: Iterable[LogRecord], *, wait: bool) -> None:
         """``append_many``; with ``wait`` False, queued whatever the backlog holds: how the
         writer itself hands over what waits in an ``AppendBuffer`` (it would wait for itself)."""
-        rows = [to_row(e) for e in batch]
+        rows = [self._to_row(e) for e in batch]
         backlog = self._backlog
         with self._lock:
             if wait:

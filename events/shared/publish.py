@@ -19,6 +19,7 @@ from typing import Protocol
 
 import redis
 
+from kvledger.events.shared.client import REFUSALS
 from kvledger.events.shared.registry import SharedRegistry
 from kvledger.events.types import AnyEvent
 
@@ -185,6 +186,15 @@ class RedisPublisher:
                 if not self._publish_some():
                     self._wake.wait(min(self.heartbeat_s, 0.05, self.linger_s or 0.05))
                     self._wake.clear()
+            except REFUSALS as exc:  # a wrong password or a missing ACL permission
+                self.error = exc
+                log.error(
+                    "worker %d: Redis refused the publisher (%s); it stopped, and the events "
+                    "stay in the log (docs/security.md lists what a worker's user needs)",
+                    self.worker_id,
+                    exc,
+                )
+                return
             except OUTAGES as exc:
                 self.outages += 1
                 if down_since is None:

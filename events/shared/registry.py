@@ -49,7 +49,6 @@ no-op Cleared skip the sweep.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import itertools
 import struct
@@ -63,7 +62,7 @@ import redis
 
 from kvledger.events.codec import KIND_CODES
 from kvledger.events.shared import scripts as lua
-from kvledger.events.shared.client import Client
+from kvledger.events.shared.client import REFUSALS, Client
 from kvledger.events.shared.keys import MAX_SHARDS, KeySpace
 from kvledger.events.types import AnyEvent, Cleared, Removed, Tier
 from kvledger.events.wire import (
@@ -121,6 +120,7 @@ class SharedRegistry:
         stream_maxlen: int = 1_000_000,
         sweep_slice: int = 256,
         events_per_call: int = 512,
+        token_ids: bool = True,
     ) -> None:
         keys = KeySpace(namespace)
         if lease_ttl_s <= 0:
@@ -145,6 +145,8 @@ class SharedRegistry:
         self.stream_maxlen = stream_maxlen
         self.sweep_slice = sweep_slice
         """Blocks of a running stale-entry sweep each apply cleans (0: only ``sweep`` does)."""
+        self.token_ids = token_ids
+        """False: stream records of ``Stored`` events go without their token ids."""
         self.events_per_call = events_per_call
         """Events per apply script call; a longer batch is several calls in one pipeline (with
         one server the first of them an eighth of this, so Redis starts on it while the rest
@@ -155,11 +157,19 @@ class SharedRegistry:
         self.workers_key = keys.workers
         self.index_key = keys.index
         self._sha = {src: hashlib.sha1(src.encode()).hexdigest() for src in _SCRIPTS}
+        self._read_eval = "EVALSHA_RO"
+        """How ``who_has`` calls its script: read-only (Redis >= 7), so a router whose ACL
+        user may only read the namespace's keys can ask (docs/security.md)."""
         self._wanted_shards = shards
         self._shard_keys: list[KeySpace] | None = None
-        # read on first use when Redis is down: a publisher started then retries it
-        with contextlib.suppress(redis.ConnectionError, redis.TimeoutError):
+        # read on first use when Redis is down: a publisher started then retries it (a
+        # refused login is not an outage: it is reported at once)
+        try:
             self._shard_keys = keys.shards(self._recorded_shards(shards))
+        except REFUSALS:
+            raise
+        except (redis.ConnectionError, redis.TimeoutError):
+            pass
 
     @property
     def shard_keys(self) -> list[KeySpace]:
@@ -212,7 +222,8 @@ class SharedRegistry:
                 raise ValueError(
                     f"event {event.event_id} is from worker {event.worker_id}, not {worker_id}"
                 )
-        return self.apply_records(worker_id, [encode_record(e) for e in events])
+        keep = self.token_ids
+        return self.apply_records(worker_id, [encode_record(e, token_ids=keep) for e in events])
 
     def apply_records(self, worker_id: int, records: Sequence[bytes]) -> ApplyResult:
         """``apply`` for records already encoded with ``wire.encode_record``.
@@ -402,7 +413,7 @@ class SharedRegistry:
         try:
             for args in calls:
                 listed.append(args)
-                key = args[3 if args[0] == "EVALSHA" else 1]
+                key = args[3 if args[0] in ("EVALSHA", "EVALSHA_RO") else 1]
                 node = self.client.get_node_from_key(key)  # type: ignore[no-untyped-call]
                 if node.name not in opened:
                     pool = self.client.get_redis_connection(node).connection_pool
@@ -522,16 +533,18 @@ class SharedRegistry:
         for shard, at in positions.items():
             k = self.shard_keys[shard]
             keys = [hash_key(sequence_hashes[i]) for i in at]
-            calls.append(["EVALSHA", sha, 3, k.index, k.generations, k.sweep, k.prefix, *keys])
-        if len(calls) == 1 and not self.cluster:
-            # one server, one shard: EVALSHA itself (a pipeline costs ~30 us a call here)
-            try:
-                replies = [self.client.execute_command(*calls[0])]  # type: ignore[no-untyped-call]
-            except redis.exceptions.NoScriptError:
-                self._load_scripts()
-                replies = [self.client.execute_command(*calls[0])]  # type: ignore[no-untyped-call]
-        else:
-            replies = self._scripted(calls)
+            calls.append(
+                [self._read_eval, sha, 3, k.index, k.generations, k.sweep, k.prefix, *keys]
+            )
+        try:
+            replies = self._read_calls(calls)
+        except redis.ResponseError as exc:
+            if self._read_eval == "EVALSHA" or "unknown command" not in str(exc).lower():
+                raise
+            self._read_eval = "EVALSHA"  # a Redis before 7.0: no read-only script calls
+            for call in calls:
+                call[0] = "EVALSHA"
+            replies = self._read_calls(calls)
         out: list[dict[int, int]] = [{}] * len(sequence_hashes)
         for at, values in zip(positions.values(), replies, strict=True):
             for position, value in zip(at, values, strict=True):
@@ -541,6 +554,16 @@ class SharedRegistry:
                 if not holders:
                     return out[:position]
         return out
+
+    def _read_calls(self, calls: Sequence[Sequence[bytes | str | int]]) -> list[Any]:
+        if len(calls) == 1 and not self.cluster:
+            # one server, one shard: the call itself (a pipeline costs ~30 us a call here)
+            try:
+                return [self.client.execute_command(*calls[0])]  # type: ignore[no-untyped-call]
+            except redis.exceptions.NoScriptError:
+                self._load_scripts()
+                return [self.client.execute_command(*calls[0])]  # type: ignore[no-untyped-call]
+        return self._scripted(calls)
 
     def prefix_depths(self, sequence_hashes: Sequence[int]) -> dict[int, dict[Tier, int]]:
         """Per worker and tier, how many leading blocks of the prefix it holds."""

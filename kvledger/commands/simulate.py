@@ -29,7 +29,7 @@ from kvledger.commands.args import (
     positive_float,
     positive_int,
 )
-from kvledger.config import Settings, ensure_log_folder
+from kvledger.config import Settings
 from kvledger.events.types import AnyEvent, lookup_stream
 from kvledger.mocker.cache import SimulatedCache
 from kvledger.mocker.engine import EngineConfig, MockEngine, SimClock
@@ -321,13 +321,16 @@ class Outcome:
     replay_ok: bool
 
 
-def _open_log(url: str, settings: Settings) -> EventLog:
+def _open_log(url: str, settings: Settings, default: bool) -> EventLog:
+    """The run's log; the data folder is made for the default one (``default``), while a
+    log given by ``--log`` needs its folder to exist."""
     import sqlalchemy as sa
 
     from kvledger.events.log import EventLog
 
     try:
-        ensure_log_folder(url)
+        if default:
+            settings.prepare_log_folder()
         return EventLog(url, **settings.event_log_options())
     except sa.exc.ArgumentError as exc:  # unparsable URL, unknown driver
         raise ValueError(f"cannot open the event log {url!r}: {exc}") from None
@@ -365,7 +368,7 @@ def simulate(args: argparse.Namespace, note: Callable[[str], None]) -> Outcome:
 
         url = database_url(args.log) if args.log else settings.log_url
         shown = shown_url(url)
-        log = _open_log(url, settings)
+        log = _open_log(url, settings, default=not args.log)
     zmq_publisher: ZmqPublisher | None = None
     try:
         sinks: list[Callable[[AnyEvent], None]] = [] if log is None else [log.append]
