@@ -94,6 +94,11 @@ class DecodedChunk:
     last_event_id: dict[int, int]  # per worker in the chunk, its last event id
     headers: Headers | None = None  # every record's, those after the event-id bound too
 
+    @property
+    def lookup_records(self) -> int:
+        """How many of the chunk's records were lookup records (which fold nothing)."""
+        return 0 if self.headers is None else int(_LOOKUP[self.headers.kind].sum())
+
 
 def decode_chunk(
     payloads: Sequence[bytes],

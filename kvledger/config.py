@@ -402,6 +402,11 @@ _MESSAGES = {
 def _message(err: Any) -> str:
     """pydantic's message, in the words of a setting (a model validator's "Value error, "
     prefix dropped: the message is ours)."""
+    value = err.get("input")
+    if err["type"] == "int_type" and isinstance(value, float) and value.is_integer():
+        return f"must be a whole number written as one ({int(value)})"
+    if err["type"] == "missing":
+        return "is required"
     return _MESSAGES.get(err["type"]) or str(err["msg"]).removeprefix("Value error, ")
 
 

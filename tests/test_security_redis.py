@@ -53,7 +53,12 @@ class Users:
         name = f"kvl-test-{role}-{uuid.uuid4().hex[:10]}"
         password = uuid.uuid4().hex
         self.admin.execute_command(
-            "ACL", "SETUSER", name, "on", f">{password}", *setuser_args(namespace, role)  # type: ignore[arg-type]
+            "ACL",
+            "SETUSER",
+            name,
+            "on",
+            f">{password}",
+            *setuser_args(namespace, role),  # type: ignore[arg-type]
         )
         self.names.append(name)
         return f"redis://{name}:{password}@127.0.0.1:6379/0"

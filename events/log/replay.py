@@ -32,6 +32,7 @@ from kvledger.events.codec import (
     encode_state,
     lookup_record_ts,
 )
+from kvledger.events.files import write_private
 from kvledger.events.log import Checkpoint, EventLog
 from kvledger.events.types import AnyEvent, LogRecord, Lookup, Released, RunInfo
 from kvledger.registry.columns import ops_from_events
@@ -57,7 +58,15 @@ class ReplayReport:
     start_position: int  # 0, or the checkpoint replay started from
     last_position: int  # the last row folded (start_position when none was)
     rows_folded: int
+    """Rows read and checked: events and lookup records (``kvledger inspect`` counts rows)."""
     checkpoints_written: list[int] = field(default_factory=list)
+    lookup_records: int = 0
+    """How many of ``rows_folded`` were lookup records, which fold nothing."""
+
+    @property
+    def events(self) -> int:
+        """Rows that were events (block transitions)."""
+        return self.rows_folded - self.lookup_records
 
 
 def replay(
@@ -142,7 +151,7 @@ def _replay(
                 take = len(chunk) if not every else min(len(chunk), every - since_checkpoint)
                 piece, chunk = chunk[:take], chunk[take:]
                 try:
-                    fold_chunk(state, piece, until_event_id)
+                    report.lookup_records += fold_chunk(state, piece, until_event_id)
                 except (CodecError, RowOrderError) as exc:
                     raise _stopped_at(log, exc, piece, report.last_position) from None
                 max_ts = max(max_ts, max(map(_TS, piece)))
@@ -167,7 +176,7 @@ def fold_chunk(
     state: RegistryState,
     chunk: Sequence[tuple[int, float, bytes]],
     until_event_id: int | None = None,
-) -> None:
+) -> int:
     """Fold log rows ``(position, ts, payload)`` into ``state``, skipping events after
     ``until_event_id``.
 
@@ -176,28 +185,34 @@ def fold_chunk(
     into the state's arrays in one batch. A chunk the array decoder does not vouch for is
     decoded row by row, which raises the precise error or skips a repeated event. Either way
     every record's checksum and its ``ts`` column are checked, skipped events' too.
+    Returns how many of the rows were lookup records.
     """
     if not chunk:
-        return
+        return 0
     ts = np.fromiter(map(_TS, chunk), np.float64, len(chunk))
     decoded = decode_chunk(list(map(_PAYLOAD, chunk)), state.last_event_id, ts, until_event_id)
     if decoded is None:
         last_event_id = dict(state.last_event_id)
-        ops = ops_from_events(_accepted(chunk, last_event_id, until_event_id))
+        lookups = [0]
+        ops = ops_from_events(_accepted(chunk, last_event_id, until_event_id, lookups))
+        lookup_records = lookups[0]
     else:
         ops, last_event_id = decoded.ops, decoded.last_event_id
+        lookup_records = decoded.lookup_records
     for key, batch in ops.items():
         state.fold_ops(key, batch)
     state.last_event_id.update(last_event_id)
+    return lookup_records
 
 
 def _accepted(
     chunk: Sequence[tuple[int, float, bytes]],
     last_event_id: dict[int, int],
     until_event_id: int | None,
+    lookups: list[int],
 ) -> Iterator[AnyEvent]:
     """The chunk's events one by one, repeats and events after the bound skipped, a gap or a
-    bad record raised."""
+    bad record raised; ``lookups[0]`` counts the lookup records passed over."""
     for position, ts, payload in chunk:
         record_ts = lookup_record_ts(payload, position)
         if record_ts is not None:  # a lookup record: verified, folds nothing
@@ -205,9 +220,11 @@ def _accepted(
                 raise CodecError(
                     f"damaged: its ts column reads {ts!r} but its record {record_ts!r}", position
                 )
+            lookups[0] += 1
             continue
         event = _checked(position, ts, payload)
         if isinstance(event, Lookup | Released | RunInfo):
+            lookups[0] += 1
             continue
         if until_event_id is not None and event.event_id > until_event_id:
             continue
@@ -296,8 +313,9 @@ def verify(replayed: RegistryState, live: RegistryState) -> list[str]:
 
 
 def save_state(path: str | Path, state: RegistryState) -> None:
-    """Dump a (live) state to a file that ``kvledger replay --verify`` reads."""
-    Path(path).write_bytes(encode_state(state))
+    """Dump a (live) state to a file that ``kvledger replay --verify`` reads (readable by its
+    owner only: it names every cached block)."""
+    write_private(path, encode_state(state))
 
 
 def load_state(path: str | Path) -> RegistryState:

@@ -394,6 +394,7 @@ def simulate(args: argparse.Namespace, note: Callable[[str], None]) -> Outcome:
                 sink(event)
 
         previous = -1 if log is None else log.last_event_id(worker)
+        lookups_before = -1 if log is None else log.last_event_id(lookup_stream(worker))
         clock = engine_clock(args)
         emitter = counter = CountingEmitter(
             fan_out if len(sinks) > 1 else (sinks[0] if sinks else None),
@@ -433,6 +434,9 @@ def simulate(args: argparse.Namespace, note: Callable[[str], None]) -> Outcome:
         elapsed = time.perf_counter() - started
         if metrics is not None:
             metrics.refresh(cache.registry.pools)
+        lookup_records = (
+            0 if log is None else log.last_event_id(lookup_stream(worker)) - lookups_before
+        )
     finally:
         if zmq_publisher is not None:
             zmq_publisher.close()
@@ -448,6 +452,7 @@ def simulate(args: argparse.Namespace, note: Callable[[str], None]) -> Outcome:
 
     summary = stats.summary(cache, counter)
     summary.update(
+        lookup_records_written=lookup_records,
         workload=workload,
         engine=args.engine,
         **(
@@ -524,10 +529,12 @@ def print_table(s: dict[str, Any], out: TextIO | None = None) -> None:
             "  ".join(f"from {t} {n}" for t, n in s["onboarded_blocks"].items() if t != "G1"),
         ),
         (
-            "events written",
-            f"{s['events_written']} to {s['log']}"
+            "written",
+            # the words of `kvledger replay` and `inspect`: events, lookup records, rows
+            f"{s['events_written']} events and {s['lookup_records_written']} lookup records "
+            f"to {s['log']}"
             if s["log"]
-            else f"none ({s['events_written']} counted, no log)",
+            else f"nothing ({s['events_written']} events counted, no log)",
         ),
     ]
     if "ttft_ms_p50" in s:
