@@ -169,11 +169,11 @@ class Settings(BaseSettings):
         "(needs G2, redis_url and the remote extra)",
     )
     g4_timeout_s: float = Field(5.0, gt=0, description="longest wait for one remote read")
-    g4_interface: str = Field(
-        "lo",
+    g4_interface: str | None = Field(
+        None,
         description="the network devices NIXL (UCX) listens and reads on, as UCX names them "
-        "(lo, eth0, mlx5_0:1; comma-separated), or 'all'; default loopback: G4 between the "
-        "workers of one machine",
+        "(lo, eth0, mlx5_0:1; comma-separated), or 'all'; default: UCX_NET_DEVICES when set, "
+        "else loopback (G4 between the workers of one machine)",
     )
     zmq_endpoint: str | None = Field(
         None,
@@ -215,8 +215,8 @@ class Settings(BaseSettings):
 
     @field_validator("g4_interface")
     @classmethod
-    def _interface(cls, devices: str) -> str:
-        if not _DEVICES.match(devices):
+    def _interface(cls, devices: str | None) -> str | None:
+        if devices is not None and not _DEVICES.match(devices):
             raise ValueError(
                 "must name network devices as UCX does (lo, eth0, mlx5_0:1; comma-separated) "
                 f"or be 'all', got {devices!r}"

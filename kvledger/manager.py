@@ -341,7 +341,7 @@ class BlockManager:
 
         assert s.redis_url is not None and self._publisher is not None  # checked by Settings
         g2 = self._tiers[Tier.G2]
-        agent = RemoteAgent(s.worker_id)
+        agent = RemoteAgent(s.worker_id, devices=s.g4_interface)
         try:
             agent.register(g2)  # type: ignore[arg-type]
             directory = RemoteDirectory(connect(s.redis_url), s.redis_namespace)

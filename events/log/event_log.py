@@ -36,6 +36,7 @@ from kvledger.events.log.schema import (
     SchemaError,
     check_schema,
     database_url,
+    paste_note,
     shown_url,
 )
 from kvledger.events.types import AnyEvent, LogRecord
@@ -123,7 +124,8 @@ class EventLog(LogCore):
             if not create:
                 raise SchemaError(
                     f"{shown_url(self.url)} holds no event log; run "
-                    f"`kvledger db upgrade --url '{shown_url(self.url)}'` or open it for writing"
+                    f"`kvledger db upgrade --url '{shown_url(self.url)}'`{paste_note(self.url)} "
+                    "or open it for writing"
                 )
             from kvledger.migrations.runner import upgrade
 

@@ -71,17 +71,12 @@ def shown_url(url: str) -> str:
 
 
 def paste_note(url: str) -> str:
-    """What to add after a command that shows ``url`` (``shown_url``): pasted as printed, a
-    URL whose password reads ``***`` would log in with the password "***"."""
+    """What to add after a command that shows ``url`` (as ``shown_url`` does, or ``url`` as
+    shown): pasted as printed, a URL whose password reads ``***`` would log in with the
+    password "***"."""
     if sa.make_url(url).password is None:
         return ""
     return " (the password is shown as ***: put yours back before running it)"
-
-
-def shown_command(command: str, url: str) -> str:
-    """``command`` (which names ``url``, its password hidden) quoted for a message, with the
-    note a hidden password calls for."""
-    return f"`{command}`{paste_note(url)}"
 
 
 def upgrade_hint(url: str) -> str:
@@ -147,13 +142,13 @@ def check_schema(conn: sa.Connection, url: str) -> bool:
             raise SchemaError(
                 f"{where} has an '{events.name}' table but no kvledger schema version; it was "
                 f"not created by kvledger. Point the log at an empty database, or run "
-                f"`{upgrade_hint(url)}` on one."
+                f"`{upgrade_hint(url)}`{paste_note(url)} on one."
             )
         return False
     if revision in KNOWN_REVISIONS:
         raise SchemaError(
             f"{where} has event-log schema revision {revision}, older than this kvledger's "
-            f"{SCHEMA_HEAD}. Run `{upgrade_hint(url)}` to migrate it."
+            f"{SCHEMA_HEAD}. Run `{upgrade_hint(url)}`{paste_note(url)} to migrate it."
         )
     raise SchemaError(
         f"{where} has event-log schema revision {revision!r}, which this kvledger does not know "

@@ -148,10 +148,16 @@ class ZmqPublisher:
         self.replay_endpoint = (
             None if self._replay is None else self._replay.getsockopt_string(zmq.LAST_ENDPOINT)
         )
+        logger = logging.getLogger(__name__)  # ``log`` is the event log here
+        logger.info(
+            "publishing KV events on %s%s",
+            self.endpoint,
+            "" if self.replay_endpoint is None else f" (replay: {self.replay_endpoint})",
+        )
         if curve is None:
             for bound in (self.endpoint, self.replay_endpoint):
                 if bound is not None and not is_loopback(bound):
-                    log.warning(
+                    logger.warning(
                         "the ZMQ socket %s listens beyond this machine without CurveZMQ: "
                         "whoever reaches it reads every KV event%s; bind 127.0.0.1, or set "
                         "zmq_curve_secret_key (docs/security.md)",

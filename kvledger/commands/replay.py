@@ -27,6 +27,7 @@ from kvledger.events.log.replay import (
     save_state,
     verify,
 )
+from kvledger.events.log.schema import database_url, paste_note, shown_url
 from kvledger.progress import Progress
 from kvledger.registry.state import RegistryState
 
@@ -137,9 +138,10 @@ def run(args: argparse.Namespace) -> int:
         # a damaged row: say where, and how to replay what comes before it
         hint = ""
         if exc.last_good is not None:
+            url = database_url(args.log)
             hint = (
-                f"; `kvledger replay {shlex.quote(args.log)} --until-position {exc.last_good}` "
-                f"replays the log up to it"
+                f"; `kvledger replay {shlex.quote(shown_url(url))} --until-position "
+                f"{exc.last_good}`{paste_note(url)} replays the log up to it"
             )
         print(f"kvledger replay: error: {exc}{hint}", file=sys.stderr)
         return 2

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import sys
 import time
 from collections.abc import Callable
@@ -321,6 +322,13 @@ class Outcome:
     replay_ok: bool
 
 
+def _bound(publisher: ZmqPublisher) -> str:
+    """Where a ZMQ publisher listens, with the ports the system picked for ``:*``."""
+    if publisher.replay_endpoint is None:
+        return publisher.endpoint
+    return f"{publisher.endpoint} (replay: {publisher.replay_endpoint})"
+
+
 def _open_log(url: str, settings: Settings, default: bool) -> EventLog:
     """The run's log; the data folder is made for the default one (``default``), while a
     log given by ``--log`` needs its folder to exist."""
@@ -381,7 +389,7 @@ def simulate(args: argparse.Namespace, note: Callable[[str], None]) -> Outcome:
                 settings.zmq_endpoint, log=log, worker_id=worker, **settings.zmq_options()
             )
             sinks.append(zmq_publisher)
-            note(f"publishing KV events on {zmq_publisher.endpoint}")
+            note(f"publishing KV events on {_bound(zmq_publisher)}")
         if metrics is not None:
             sinks.append(metrics.observe_event)
             metrics.serve(args.metrics_port)
@@ -561,9 +569,11 @@ def print_table(s: dict[str, Any], out: TextIO | None = None) -> None:
     for name, value in rows:
         print(f"{name:<{width}}{value}", file=out)
     if s["log"] is not None and s["replay_matches"]:
+        from kvledger.events.log.schema import paste_note  # a log was written: loaded
+
         print(
-            f"\n`kvledger replay {s['log']}` reproduces the final per-tier state "
-            f"(digest {s['state_digest']}).",
+            f"\n`kvledger replay {shlex.quote(s['log'])}`{paste_note(s['log'])} reproduces the "
+            f"final per-tier state (digest {s['state_digest']}).",
             file=out,
         )
     elif s["log"] is not None:
