@@ -198,8 +198,6 @@ class RunInfo(Event):
     offload_filter: str
 
 
-_WITH_TOKENS = (Stored, Offloaded, Onboarded)
-
 LookupRecord: TypeAlias = Lookup | Released | RunInfo
 LogRecord: TypeAlias = AnyEvent | LookupRecord
 
@@ -219,6 +217,6 @@ def lookup_stream(worker_id: int) -> int:
 def without_token_ids(event: AnyEvent) -> AnyEvent:
     """``event`` without the token ids it carries (users' prompts); the same event when it has
     none. What the ``token_ids`` setting sends where prompts must not go."""
-    if type(event) in _WITH_TOKENS and event.token_ids is not None:  # type: ignore[union-attr]
-        return replace(event, token_ids=None)  # type: ignore[type-var]
+    if isinstance(event, Stored | Offloaded | Onboarded) and event.token_ids is not None:
+        return replace(event, token_ids=None)
     return event

@@ -13,7 +13,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import redis
@@ -94,7 +94,10 @@ def run_manager(tmp_path: Path, namespace: str, token_ids: str) -> dict[str, Any
     with EventLog(log_url, read_only=True) as log:
         logged = list(log.read(worker_id=5))
     client = redis.Redis.from_url(REDIS_URL)
-    stream = client.xrange(SharedRegistry(client, namespace).stream_keys[0])
+    stream = cast(
+        list[tuple[bytes, dict[bytes, bytes]]],
+        client.xrange(SharedRegistry(client, namespace).stream_keys[0]),
+    )
     records = [fields[b"r"] for _, fields in stream if b"r" in fields]
     return {
         "live": live_batches,

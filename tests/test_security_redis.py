@@ -11,7 +11,7 @@ import re
 import subprocess
 import sys
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -20,7 +20,7 @@ from services import REDIS_URL, redis_or_skip
 
 from kvledger.events.log import EventLog
 from kvledger.events.shared import RedisPublisher, SharedRegistry, StreamSubscriber, connect
-from kvledger.events.shared.acl import setuser_args, setuser_line
+from kvledger.events.shared.acl import ROLES, Role, setuser_args, setuser_line
 from kvledger.events.types import AnyEvent, Stored, Tier
 from kvledger.registry.emitter import EventEmitter
 from kvledger.registry.hashing import TokenBlockSequence
@@ -48,18 +48,12 @@ class Users:
         self.admin = admin
         self.names: list[str] = []
 
-    def make(self, namespace: str, role: str) -> str:
+    def make(self, namespace: str, role: Role) -> str:
         """A user of ``role`` in ``namespace``; returns its Redis URL."""
         name = f"kvl-test-{role}-{uuid.uuid4().hex[:10]}"
         password = uuid.uuid4().hex
-        self.admin.execute_command(
-            "ACL",
-            "SETUSER",
-            name,
-            "on",
-            f">{password}",
-            *setuser_args(namespace, role),  # type: ignore[arg-type]
-        )
+        args = ["SETUSER", name, "on", f">{password}", *setuser_args(namespace, role)]
+        self.admin.execute_command("ACL", *args)  # type: ignore[no-untyped-call]
         self.names.append(name)
         return f"redis://{name}:{password}@127.0.0.1:6379/0"
 
@@ -69,7 +63,7 @@ def users(admin: redis.Redis) -> Iterator[Users]:
     made = Users(admin)
     yield made
     for name in made.names:
-        admin.execute_command("ACL", "DELUSER", name)
+        admin.execute_command("ACL", "DELUSER", name)  # type: ignore[no-untyped-call]
 
 
 def stored_events(worker: int, count: int) -> list[AnyEvent]:
@@ -118,7 +112,7 @@ def test_a_worker_user_publishes_and_a_read_only_router_user_reads_but_cannot_wr
     # ... and cannot write: not the index, not the stream, not the applied ids, not a lease
     client = router.client
     worker_side = SharedRegistry(connect(router_url), namespace)
-    forbidden = [
+    forbidden: list[Callable[[], object]] = [
         lambda: worker_side.apply(7, stored_events(7, 6)[5:]),
         lambda: client.xadd(router.keys.stream, {"w": "7", "r": b"x"}),
         lambda: client.hset(router.keys.index, "x", "y"),
@@ -153,8 +147,8 @@ def test_a_worker_user_is_held_to_its_namespace(namespace: str, users: Users) ->
 
 def test_the_acl_lines_in_the_docs_are_the_ones_tested() -> None:
     text = DOCS.read_text()
-    for role in ("worker", "router"):
-        line = setuser_line(f"kvledger-{role}", "prod", role)  # type: ignore[arg-type]
+    for role in ROLES:
+        line = setuser_line(f"kvledger-{role}", "prod", role)
         assert line in " ".join(text.split()), f"docs/security.md lacks: {line}"
 
 
@@ -172,8 +166,8 @@ def test_a_wrong_password_is_reported_at_once_and_never_retried(
     # a publisher whose password is changed under it stops with the error on its next try
     registry = SharedRegistry(connect(good), namespace)
     user = good.split("//")[1].split(":")[0]
-    admin.execute_command("ACL", "SETUSER", user, "resetpass", ">changed")
-    admin.execute_command("CLIENT", "KILL", "USER", user)
+    admin.execute_command("ACL", "SETUSER", user, "resetpass", ">changed")  # type: ignore[no-untyped-call]
+    admin.execute_command("CLIENT", "KILL", "USER", user)  # type: ignore[no-untyped-call]
     log = EventLog(f"sqlite:///{tmp_path / 'p.db'}")
     publisher = RedisPublisher(registry, 3, log=log).start()
     publisher.stop(drain_timeout=5)

@@ -51,7 +51,7 @@ def to_row_without_tokens(event: LogRecord) -> Row:
     """``to_row`` with a ``Stored`` event's token ids left out: what a log that must not hold
     prompts stores (the ``token_ids`` setting). Replay needs none of them."""
     if type(event) is Stored:
-        return to_row(without_token_ids(event))  # type: ignore[arg-type]
+        return to_row(without_token_ids(event))
     return to_row(event)
 
 

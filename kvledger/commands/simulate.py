@@ -325,7 +325,7 @@ class Outcome:
 def _bound(publisher: ZmqPublisher) -> str:
     """Where a ZMQ publisher listens, with the ports the system picked for ``:*``."""
     if publisher.replay_endpoint is None:
-        return publisher.endpoint
+        return str(publisher.endpoint)
     return f"{publisher.endpoint} (replay: {publisher.replay_endpoint})"
 
 

@@ -13,6 +13,7 @@ import argparse
 import json
 import sys
 import time
+from collections.abc import Callable
 from typing import Any, TextIO
 
 from kvledger.commands.args import (
@@ -94,9 +95,7 @@ def whatif(args: argparse.Namespace) -> dict[str, Any]:
     try:
         runs = [rerun(run, base, compare=True, on_progress=progress)]
         for i, alt in enumerate(others, 1):
-            runs.append(
-                rerun(run, alt, on_progress=lambda done, at=i * per_run: progress(at + done))
-            )
+            runs.append(rerun(run, alt, on_progress=_from(i * per_run, progress)))
     finally:
         progress.close()
     baseline = runs[0]
@@ -122,6 +121,11 @@ def whatif(args: argparse.Namespace) -> dict[str, Any]:
         plot_whatif(out, args.plot)
         out["plot"] = args.plot
     return out
+
+
+def _from(offset: int, progress: Progress) -> Callable[[int], None]:
+    """A re-run's progress as part of the whole sweep's: its records start at ``offset``."""
+    return lambda done: progress(offset + done)
 
 
 def _settings(s: CacheSettings) -> dict[str, Any]:
