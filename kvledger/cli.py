@@ -92,8 +92,8 @@ def operator_error(exc: Exception, where: str | None = None) -> str | None:
         return _database_message(exc, where)
     if isinstance(exc, redis.AuthenticationError):  # before ConnectionError: it is one
         return (
-            f"Redis refused the login: {_one_line(exc)}; check the user name and password in "
-            "the Redis URL"
+            f"Redis refused the login: {_one_line(exc).rstrip('.')}; check the user name and "
+            "password in the Redis URL"
         )
     if isinstance(exc, redis.exceptions.NoPermissionError):
         return (

@@ -25,13 +25,14 @@ OffloadFilter = Literal["always", "seen_twice", "never"]
 
 
 def _log_url(url: str | None) -> str | None:
+    """A SQLAlchemy URL or a SQLite file's path, whose database kvledger can open here."""
     if url is None:
         return url
-    if "://" not in url:
-        raise ValueError(f"must be a URL such as sqlite:///kvledger.db, got {url!r}")
-    from kvledger.events.log.schema import check_log_url  # SQLAlchemy: only with a log named
+    # SQLAlchemy only when a log is named
+    from kvledger.events.log.schema import check_log_url, database_url
 
-    return check_log_url(url)
+    check_log_url(database_url(url))
+    return url
 
 
 def _folder(path: str | None) -> str | None:
@@ -59,7 +60,7 @@ class VllmExtraConfig(ExtraConfig):
     )
 
     cpu_bytes_to_use: int = Field(gt=0, description="G2 size in bytes")
-    log_url: str | None = Field(None, description="the durable event log")
+    log_url: str | None = Field(None, description="the durable event log: a URL or a path")
     store_threshold: int = Field(
         0, ge=0, description="store a block in G2 once offered this many times (< 2: always)"
     )
