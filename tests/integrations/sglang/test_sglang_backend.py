@@ -11,6 +11,8 @@ layered over the project's venv), which ``make test`` builds and from which
 from __future__ import annotations
 
 import hashlib
+import os
+import stat
 import subprocess
 import sys
 import threading
@@ -511,3 +513,20 @@ def test_the_backends_log_takes_the_event_log_settings(
     monkeypatch.setenv("KVLEDGER_EVENT_LOG_DURABILITY", "sometimes")
     with pytest.raises(SettingsError, match="KVLEDGER_EVENT_LOG_DURABILITY"):
         open_backend(tmp_path / "bad", page_bytes=PAGE_BYTES)
+
+
+def test_its_folder_log_and_g3_file_are_the_owners_alone_under_umask_022(tmp_path: Path) -> None:
+    data = tmp_path / "made" / "hicache"  # neither folder exists yet
+    old = os.umask(0o022)
+    try:
+        with open_backend(data, page_bytes=PAGE_BYTES) as b:
+            assert b.batch_set(chain(2), pages(2))
+            assert b.event_log is not None
+            b.event_log.flush()
+            made = {p.name: stat.S_IMODE(p.stat().st_mode) for p in data.iterdir()}
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE((tmp_path / "made").stat().st_mode) == 0o700
+    assert stat.S_IMODE(data.stat().st_mode) == 0o700
+    assert {"hicache-log-w0.sqlite", "hicache-g3-w0.bin"} <= set(made)
+    assert all(mode == 0o600 for mode in made.values()), made
