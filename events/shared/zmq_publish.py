@@ -144,6 +144,9 @@ class ZmqPublisher:
         except zmq.ZMQError as exc:
             self._close_sockets()
             raise ValueError(f"cannot bind the ZMQ publisher: {exc}") from None
+        except BaseException:  # the client keys' folder: nothing half-made stays open
+            self._close_sockets()
+            raise
         self.endpoint = self._pub.getsockopt_string(zmq.LAST_ENDPOINT)
         self.replay_endpoint = (
             None if self._replay is None else self._replay.getsockopt_string(zmq.LAST_ENDPOINT)

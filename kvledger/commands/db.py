@@ -85,6 +85,10 @@ def _refuse_newer(url: str) -> None:
 
 def upgrade(args: argparse.Namespace) -> int:
     url = _url(args)
+    if args.url is None:  # the default log: its data folder is made (0700), as a run makes it
+        from kvledger.config import Settings
+
+        Settings.load().prepare_log_folder()
     if _exists(url):
         _refuse_newer(url)
     runner.upgrade(url, args.revision)
