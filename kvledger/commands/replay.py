@@ -139,8 +139,10 @@ def run(args: argparse.Namespace) -> int:
         hint = ""
         if exc.last_good is not None:
             url = database_url(args.log)
+            # the log as the operator gave it, unless that shows a password
+            shown = shown_url(url) if paste_note(url) else args.log
             hint = (
-                f"; `kvledger replay {shlex.quote(shown_url(url))} --until-position "
+                f"; `kvledger replay {shlex.quote(shown)} --until-position "
                 f"{exc.last_good}`{paste_note(url)} replays the log up to it"
             )
         print(f"kvledger replay: error: {exc}{hint}", file=sys.stderr)
