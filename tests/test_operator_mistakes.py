@@ -263,6 +263,8 @@ def test_simulate_replay_and_inspect_count_in_the_same_words(tmp_path: Path) -> 
         f"replayed {events} events and {lookups} lookup records ({events + lookups} rows)"
         in replay.stdout
     ), replay.stdout
+    bounded = run_cli("replay", "kvledger-data/events.db", "--until", "10", cwd=tmp_path)
+    assert bounded.stdout.startswith("replayed 11 events and "), bounded.stdout  # ids 0..10
     inspect = run_cli("inspect", "kvledger-data/events.db", cwd=tmp_path)
     assert f": {events} events, {lookups} lookup records" in inspect.stdout, inspect.stdout
     as_json = json.loads(

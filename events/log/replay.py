@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from operator import itemgetter
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import sqlalchemy as sa
@@ -60,13 +61,10 @@ class ReplayReport:
     rows_folded: int
     """Rows read and checked: events and lookup records (``kvledger inspect`` counts rows)."""
     checkpoints_written: list[int] = field(default_factory=list)
+    events: int = 0
+    """Events (block transitions) folded: those of ``rows_folded`` within an event-id bound."""
     lookup_records: int = 0
-    """How many of ``rows_folded`` were lookup records, which fold nothing."""
-
-    @property
-    def events(self) -> int:
-        """Rows that were events (block transitions)."""
-        return self.rows_folded - self.lookup_records
+    """Lookup records among ``rows_folded`` (they fold nothing)."""
 
 
 def replay(
@@ -151,9 +149,11 @@ def _replay(
                 take = len(chunk) if not every else min(len(chunk), every - since_checkpoint)
                 piece, chunk = chunk[:take], chunk[take:]
                 try:
-                    report.lookup_records += fold_chunk(state, piece, until_event_id)
+                    folded = fold_chunk(state, piece, until_event_id)
                 except (CodecError, RowOrderError) as exc:
                     raise _stopped_at(log, exc, piece, report.last_position) from None
+                report.events += folded.events
+                report.lookup_records += folded.lookup_records
                 max_ts = max(max_ts, max(map(_TS, piece)))
                 report.rows_folded += len(piece)
                 report.last_position = piece[-1][0]
@@ -172,11 +172,18 @@ def _replay(
     return report
 
 
+class Folded(NamedTuple):
+    """What ``fold_chunk`` folded: events, and lookup records passed over."""
+
+    events: int
+    lookup_records: int
+
+
 def fold_chunk(
     state: RegistryState,
     chunk: Sequence[tuple[int, float, bytes]],
     until_event_id: int | None = None,
-) -> int:
+) -> Folded:
     """Fold log rows ``(position, ts, payload)`` into ``state``, skipping events after
     ``until_event_id``.
 
@@ -185,34 +192,34 @@ def fold_chunk(
     into the state's arrays in one batch. A chunk the array decoder does not vouch for is
     decoded row by row, which raises the precise error or skips a repeated event. Either way
     every record's checksum and its ``ts`` column are checked, skipped events' too.
-    Returns how many of the rows were lookup records.
+    Returns how many events it folded and lookup records it passed over.
     """
     if not chunk:
-        return 0
+        return Folded(0, 0)
     ts = np.fromiter(map(_TS, chunk), np.float64, len(chunk))
     decoded = decode_chunk(list(map(_PAYLOAD, chunk)), state.last_event_id, ts, until_event_id)
     if decoded is None:
         last_event_id = dict(state.last_event_id)
-        lookups = [0]
-        ops = ops_from_events(_accepted(chunk, last_event_id, until_event_id, lookups))
-        lookup_records = lookups[0]
+        counts = [0, 0]
+        ops = ops_from_events(_accepted(chunk, last_event_id, until_event_id, counts))
+        folded = Folded(*counts)
     else:
         ops, last_event_id = decoded.ops, decoded.last_event_id
-        lookup_records = decoded.lookup_records
+        folded = Folded(decoded.events, decoded.lookup_records)
     for key, batch in ops.items():
         state.fold_ops(key, batch)
     state.last_event_id.update(last_event_id)
-    return lookup_records
+    return folded
 
 
 def _accepted(
     chunk: Sequence[tuple[int, float, bytes]],
     last_event_id: dict[int, int],
     until_event_id: int | None,
-    lookups: list[int],
+    counts: list[int],
 ) -> Iterator[AnyEvent]:
     """The chunk's events one by one, repeats and events after the bound skipped, a gap or a
-    bad record raised; ``lookups[0]`` counts the lookup records passed over."""
+    bad record raised; ``counts`` is [events yielded, lookup records passed over]."""
     for position, ts, payload in chunk:
         record_ts = lookup_record_ts(payload, position)
         if record_ts is not None:  # a lookup record: verified, folds nothing
@@ -220,19 +227,21 @@ def _accepted(
                 raise CodecError(
                     f"damaged: its ts column reads {ts!r} but its record {record_ts!r}", position
                 )
-            lookups[0] += 1
+            counts[1] += 1
             continue
         event = _checked(position, ts, payload)
         if isinstance(event, Lookup | Released | RunInfo):
-            lookups[0] += 1
+            counts[1] += 1
             continue
         if until_event_id is not None and event.event_id > until_event_id:
             continue
         try:
-            if take_next(last_event_id, event):
-                yield event
+            taken = take_next(last_event_id, event)
         except EventOrderError as exc:
             raise RowOrderError(str(exc), position) from None
+        if taken:
+            counts[0] += 1
+            yield event
 
 
 def _checked(position: int, ts: float, payload: bytes) -> LogRecord:
