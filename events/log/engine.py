@@ -13,6 +13,8 @@ from urllib.parse import quote
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
+from kvledger.events.files import check_private, private_file
+
 Durability = Literal["batch", "fsync", "none"]
 DURABILITY_MODES: tuple[Durability, ...] = ("batch", "fsync", "none")
 _SQLITE_SYNC = {"batch": "NORMAL", "fsync": "FULL", "none": "OFF"}
@@ -68,9 +70,26 @@ def install_sqlite_pragmas(engine: sa.Engine, synchronous: str) -> None:
         cur.close()
 
 
+def prepare_sqlite_file(url: str | sa.URL) -> None:
+    """Create a SQLite log's file as 0600 before SQLite opens it (SQLite would create it with
+    the umask's mode, and its ``-wal`` and ``-shm`` files take the database file's mode), or
+    warn when an existing one, or its ``-wal``/``-shm``, is readable by others. Its folder must
+    exist: a mistyped path is reported, never created."""
+    parsed = sa.make_url(url)
+    path = parsed.database
+    if parsed.get_backend_name() != "sqlite" or path in (None, "", ":memory:"):
+        return
+    if path.startswith("file:"):  # a SQLite URI: its options are the operator's
+        return
+    if not private_file(path):
+        check_private(f"{path}-wal", f"{path}-shm")
+
+
 def make_engine(url: str, durability: Durability = "batch") -> sa.Engine:
-    """An engine with the settings that ``durability`` asks for."""
+    """An engine with the settings that ``durability`` asks for (a new SQLite file is made
+    readable by its owner only)."""
     parsed, kwargs, synchronous = engine_args(url, durability)
+    prepare_sqlite_file(parsed)
     engine = sa.create_engine(parsed, **kwargs)
     if synchronous is not None:
         install_sqlite_pragmas(engine, synchronous)
@@ -81,6 +100,7 @@ def make_async_engine(url: str, durability: Durability = "batch") -> AsyncEngine
     """``make_engine`` for SQLAlchemy's asyncio engine (``sqlite+aiosqlite``,
     ``postgresql+psycopg``)."""
     parsed, kwargs, synchronous = engine_args(url, durability)
+    prepare_sqlite_file(parsed)
     engine = create_async_engine(parsed, **kwargs)
     if synchronous is not None:
         install_sqlite_pragmas(engine.sync_engine, synchronous)

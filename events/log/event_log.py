@@ -32,12 +32,13 @@ from kvledger.events.log.checkpoints import Checkpoint
 from kvledger.events.log.core import LogCore, is_outage, outage_failure
 from kvledger.events.log.engine import Durability, make_engine, open_read_only
 from kvledger.events.log.reader import READ_CHUNK, LogSummary
-from kvledger.events.log.rows import InsertStatements, Row, max_params, to_row
+from kvledger.events.log.rows import InsertStatements, Row, max_params
 from kvledger.events.log.schema import (
     DEFAULT_URL,
     SchemaError,
     check_schema,
     database_url,
+    paste_note,
     shown_url,
 )
 from kvledger.events.types import AnyEvent, LogRecord, Lookup, Released, RunInfo
@@ -76,6 +77,7 @@ class EventLog(LogCore):
     process dying), "fsync" (also survives the machine dying), "none". ``Backlog`` states the
     bound on what a crash loses and the back-pressure that keeps it. ``read_only`` opens an
     existing log without a writer, also where it cannot be written (see ``open_read_only``).
+    ``token_ids`` False stores ``Stored`` events without their token ids (users' prompts).
     """
 
     def __init__(
@@ -89,11 +91,16 @@ class EventLog(LogCore):
         read_only: bool = False,
         create: bool = True,
         retry_for: float = RETRY_FOR,
+        token_ids: bool = True,
     ) -> None:
         if not retry_for >= 0:
             raise ValueError(f"retry_for must be 0 or more seconds, got {retry_for}")
         super().__init__(
-            batch_size=batch_size, queue_size=queue_size, max_delay=max_delay, durability=durability
+            batch_size=batch_size,
+            queue_size=queue_size,
+            max_delay=max_delay,
+            durability=durability,
+            token_ids=token_ids,
         )
         self.url = database_url(url)
         parsed = sa.make_url(self.url)
@@ -143,7 +150,8 @@ class EventLog(LogCore):
             if not create:
                 raise SchemaError(
                     f"{shown_url(self.url)} holds no event log; run "
-                    f"`kvledger db upgrade --url '{shown_url(self.url)}'` or open it for writing"
+                    f"`kvledger db upgrade --url '{shown_url(self.url)}'`{paste_note(self.url)} "
+                    "or open it for writing"
                 )
             from kvledger.migrations.runner import upgrade
 
@@ -156,7 +164,7 @@ class EventLog(LogCore):
     def append(self, event: LogRecord) -> None:
         """Queue one event (or lookup record); waits while the backlog is at its bound. Usable
         as an emitter's sink."""
-        rows = [to_row(event)]
+        rows = [self._to_row(event)]
         backlog = self._backlog
         with self._lock:
             self._check_open()
@@ -178,7 +186,7 @@ class EventLog(LogCore):
         """``append_many``; with ``wait`` False, queued whatever the backlog holds: how the
         writer itself hands over what waits in an ``AppendBuffer`` (it would wait for itself)."""
         events = list(batch)
-        rows = [to_row(e) for e in events]
+        rows = [self._to_row(e) for e in events]
         backlog = self._backlog
         with self._lock:
             if wait:

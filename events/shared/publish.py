@@ -33,6 +33,7 @@ from kvledger.events import codec
 from kvledger.events.log import Committed
 from kvledger.events.log.replay import replay
 from kvledger.events.shared.claims import ClaimLost, Holder, WorkerIdTaken
+from kvledger.events.shared.client import REFUSALS
 from kvledger.events.shared.registry import SharedRegistry, record_tip
 from kvledger.events.types import AnyEvent
 
@@ -392,6 +393,15 @@ class RedisPublisher:
                 if not self._publish_some():
                     self._wake.wait(min(self.heartbeat_s, 0.05, self.linger_s or 0.05))
                     self._wake.clear()
+            except REFUSALS as exc:  # a wrong password or a missing ACL permission
+                self.error = exc
+                log.error(
+                    "worker %d: Redis refused the publisher (%s); it stopped, and the events "
+                    "stay in the log (docs/security.md lists what a worker's user needs)",
+                    self.worker_id,
+                    exc,
+                )
+                return
             except OUTAGES as exc:
                 self.outages += 1
                 if down_since is None:

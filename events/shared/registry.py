@@ -67,7 +67,7 @@ from kvledger.events import codec
 from kvledger.events.codec import KIND_CODES
 from kvledger.events.shared import scripts as lua
 from kvledger.events.shared.claims import ClaimLost, Holder, WorkerIdTaken
-from kvledger.events.shared.client import Client
+from kvledger.events.shared.client import REFUSALS, Client
 from kvledger.events.shared.keys import MAX_SHARDS, KeySpace
 from kvledger.events.types import (
     AnyEvent,
@@ -81,6 +81,7 @@ from kvledger.events.types import (
     RunInfo,
     Stored,
     Tier,
+    without_token_ids,
 )
 from kvledger.events.wire import encode_baseline, hash_key, pack_hashes
 from kvledger.registry.columns import BlockColumns
@@ -142,6 +143,7 @@ class SharedRegistry:
         stream_maxlen: int = 1_000_000,
         sweep_slice: int = 256,
         events_per_call: int = 512,
+        token_ids: bool = True,
     ) -> None:
         keys = KeySpace(namespace)
         if lease_ttl_s <= 0:
@@ -166,6 +168,8 @@ class SharedRegistry:
         self.stream_maxlen = stream_maxlen
         self.sweep_slice = sweep_slice
         """Blocks of a running stale-entry sweep each apply cleans (0: only ``sweep`` does)."""
+        self.token_ids = token_ids
+        """False: stream records of ``Stored`` events go without their token ids."""
         self.events_per_call = events_per_call
         """Events per apply script call; a longer batch is several calls in one pipeline (with
         one server the first of them an eighth of this, so Redis starts on it while the rest
@@ -176,11 +180,19 @@ class SharedRegistry:
         self.workers_key = keys.workers
         self.index_key = keys.index
         self._sha = {src: hashlib.sha1(src.encode()).hexdigest() for src in _SCRIPTS}
+        self._read_eval = "EVALSHA_RO"
+        """How ``who_has`` calls its script: read-only (Redis >= 7), so a router whose ACL
+        user may only read the namespace's keys can ask (docs/security.md)."""
         self._wanted_shards = shards
         self._shard_keys: list[KeySpace] | None = None
-        # read on first use when Redis is down: a publisher started then retries it
-        with contextlib.suppress(redis.ConnectionError, redis.TimeoutError):
+        # read on first use when Redis is down: a publisher started then retries it (a
+        # refused login is not an outage: it is reported at once)
+        try:
             self._shard_keys = keys.shards(self._recorded_shards(shards))
+        except REFUSALS:
+            raise
+        except (redis.ConnectionError, redis.TimeoutError):
+            pass
 
     @property
     def shard_keys(self) -> list[KeySpace]:
@@ -258,10 +270,16 @@ class SharedRegistry:
                 raise ValueError(
                     f"event {event.event_id} is from worker {event.worker_id}, not {worker_id}"
                 )
+        keep = self.token_ids
         if records is None:
-            records = [codec.encode(e) for e in events]
+            records = [codec.encode(e if keep else without_token_ids(e)) for e in events]
         elif len(records) != len(events):
             raise ValueError(f"{len(events)} events but {len(records)} records")
+        elif not keep:  # the log may keep what the shared registry must not
+            records = [
+                r if getattr(e, "token_ids", None) is None else codec.encode(without_token_ids(e))
+                for e, r in zip(events, records, strict=True)
+            ]
         parsed = [_parsed(event) for event in events]
         try:
             return self._apply_parsed(worker_id, records, parsed, token)
@@ -473,7 +491,7 @@ class SharedRegistry:
         try:
             for args in calls:
                 listed.append(args)
-                key = args[3 if args[0] == "EVALSHA" else 1]
+                key = args[3 if args[0] in ("EVALSHA", "EVALSHA_RO") else 1]
                 node = self.client.get_node_from_key(key)  # type: ignore[no-untyped-call]
                 if node.name not in opened:
                     pool = self.client.get_redis_connection(node).connection_pool
@@ -742,16 +760,18 @@ class SharedRegistry:
         for shard, at in positions.items():
             k = self.shard_keys[shard]
             keys = [hash_key(sequence_hashes[i]) for i in at]
-            calls.append(["EVALSHA", sha, 3, k.index, k.generations, k.sweep, k.prefix, *keys])
-        if len(calls) == 1 and not self.cluster:
-            # one server, one shard: EVALSHA itself (a pipeline costs ~30 us a call here)
-            try:
-                replies = [self.client.execute_command(*calls[0])]  # type: ignore[no-untyped-call]
-            except redis.exceptions.NoScriptError:
-                self._load_scripts()
-                replies = [self.client.execute_command(*calls[0])]  # type: ignore[no-untyped-call]
-        else:
-            replies = self._scripted(calls)
+            calls.append(
+                [self._read_eval, sha, 3, k.index, k.generations, k.sweep, k.prefix, *keys]
+            )
+        try:
+            replies = self._read_calls(calls)
+        except redis.ResponseError as exc:
+            if self._read_eval == "EVALSHA" or "unknown command" not in str(exc).lower():
+                raise
+            self._read_eval = "EVALSHA"  # a Redis before 7.0: no read-only script calls
+            for call in calls:
+                call[0] = "EVALSHA"
+            replies = self._read_calls(calls)
         out: list[dict[int, int]] = [{}] * len(sequence_hashes)
         for at, values in zip(positions.values(), replies, strict=True):
             for position, value in zip(at, values, strict=True):
@@ -761,6 +781,16 @@ class SharedRegistry:
                 if not holders:
                     return out[:position]
         return out
+
+    def _read_calls(self, calls: Sequence[Sequence[bytes | str | int]]) -> list[Any]:
+        if len(calls) == 1 and not self.cluster:
+            # one server, one shard: the call itself (a pipeline costs ~30 us a call here)
+            try:
+                return [self.client.execute_command(*calls[0])]  # type: ignore[no-untyped-call]
+            except redis.exceptions.NoScriptError:
+                self._load_scripts()
+                return [self.client.execute_command(*calls[0])]  # type: ignore[no-untyped-call]
+        return self._scripted(calls)
 
     def prefix_depths(self, sequence_hashes: Sequence[int]) -> dict[int, dict[Tier, int]]:
         """Per worker and tier, how many leading blocks of the prefix it holds."""
