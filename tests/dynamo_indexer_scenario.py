@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -192,16 +193,37 @@ def workload_one(mgr: BlockManager, prompts: list[list[int]], n: int, rng: rando
     _publisher(mgr).wait_sent()
 
 
+def replays_in_flight(indexer_log: Path, worker: int) -> int:
+    """Replays the indexer asked ``worker`` for and has not finished, by its own log."""
+    text = ANSI.sub("", indexer_log.read_text(errors="replace"))
+    asked = len(re.findall(rf"Requesting replay from engine self\.worker_id={worker}\b", text))
+    done = len(re.findall(rf"Replay complete worker_id={worker}\b", text))
+    return asked - done
+
+
+ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
 def kill_rounds(work: Path, rounds: int) -> list[list[str]]:
     """SIGKILL the child worker while it publishes, restart it, and collect what the
-    indexer got wrong about it after each restart (empty lists: it converged)."""
+    indexer got wrong about it after each restart (empty lists: it converged).
+
+    The kill comes at a random moment while the worker publishes live, not while it serves
+    the indexer a replay: Dynamo's indexer (1.6.1) waits for a replay it asked for without a
+    time limit, so a publisher killed in the middle of one leaves that worker's stream stalled
+    in the indexer until the indexer restarts, whatever the publisher does next (a vLLM
+    engine killed then does the same to it)."""
     here = [sys.executable, __file__, str(work), "--child"]
     found = []
     rng = random.Random(11)
+    indexer_log = work / "indexer.log"
     for number in range(rounds):
         busy = subprocess.Popen([*here, "busy", str(number)], stdout=subprocess.PIPE, text=True)
         assert busy.stdout is not None and busy.stdout.readline().strip() == "started"
         time.sleep(rng.uniform(0.3, 1.2))
+        deadline = time.monotonic() + 30
+        while replays_in_flight(indexer_log, KILLED) and time.monotonic() < deadline:
+            time.sleep(0.01)
         busy.send_signal(signal.SIGKILL)
         busy.wait()
         done = subprocess.run(
