@@ -44,11 +44,19 @@ NAMES_TESTS = "tests/kvledger/test_kvledger_manager_names.py"
 MACHINE_TESTS = "tests/kvledger/test_kvledger_manager_g3_machine.py"
 WORKER_TESTS = "tests/kvledger/test_kvledger_worker_g3.py"
 LOG_TESTS = "tests/kvledger/test_kvledger_manager_log.py"
+POLICY_TESTS = "tests/kvledger/test_kvledger_policies.py"
+#: vLLM's ARC tests that use only the manager's public API: they run with kvledger's ARC
+#: (``cache_policy="arc"``); the others read ARCCachePolicy's own lists (skipped, with why)
+ARC_PUBLIC_API_TESTS = [
+    "test_already_stored_chunk_not_evicted_during_prepare_store[arc]",
+    "test_eviction_with_load",
+]
 
 
 @dataclass
 class FileOutcome:
     passed: int = 0
+    passed_names: list[str] = field(default_factory=list)
     failed: list[str] = field(default_factory=list)
     skipped: list[str] = field(default_factory=list)
 
@@ -74,6 +82,7 @@ def vllm_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, FileOutcome]
     cmd = [str(PYTHON), "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={report}"]
     cmd += ["-c", "pyproject.toml", "--rootdir", ".", MANAGER_TESTS, *CONNECTOR_TESTS]
     cmd += [E2E_TESTS, G3_MANAGER_TESTS, NAMES_TESTS, MACHINE_TESTS, WORKER_TESTS, LOG_TESTS]
+    cmd += [POLICY_TESTS]
     proc = subprocess.run(
         cmd, cwd=VLLM_TESTS, env=env, capture_output=True, text=True, timeout=1200, check=False
     )
@@ -93,6 +102,7 @@ def vllm_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, FileOutcome]
             outcome.skipped.append(f"{name}: {skip.get('message', '')}")
         else:
             outcome.passed += 1
+            outcome.passed_names.append(name)
     return outcomes
 
 
@@ -108,8 +118,23 @@ def test_vllm_manager_tests_pass_against_kvledgers_manager(
     vllm_run: dict[str, FileOutcome],
 ) -> None:
     outcome = check(vllm_run, MANAGER_TESTS)
-    # only tests of CPUOffloadingManager's private parts and ARC policy are skipped
+    # only tests of CPUOffloadingManager's and its policies' private parts are skipped
     assert all("not applicable to kvledger" in why for why in outcome.skipped)
+
+
+@pytest.mark.parametrize("name", ARC_PUBLIC_API_TESTS)
+def test_vllms_arc_tests_pass_with_kvledgers_arc(
+    vllm_run: dict[str, FileOutcome], name: str
+) -> None:
+    outcome = check(vllm_run, MANAGER_TESTS)
+    assert name in outcome.passed_names, f"{name} did not pass: {outcome.skipped}"
+
+
+def test_every_kvledger_policy_for_vllm_users(vllm_run: dict[str, FileOutcome]) -> None:
+    # kvledger's manager and vLLM's CPU manager (through cache_policy_module_path) run lru,
+    # arc, lineage and multi_lru; kvledger's ARC hits as vLLM's does; lineage keeps prefixes
+    outcome = check(vllm_run, POLICY_TESTS)
+    assert outcome.passed == 9 and not outcome.skipped
 
 
 @pytest.mark.parametrize("target", CONNECTOR_TESTS)

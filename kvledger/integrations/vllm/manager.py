@@ -15,8 +15,12 @@ What vLLM's scheduler expects, and how it maps onto the pool:
 - a load pins its blocks (``acquire``) until ``complete_load`` releases them;
 - keys offered in one ``prepare_store`` are never evicted by it: they are pinned around the
   allocation;
-- recency is request-level (``RankedPolicy``): a request's blocks rank when it finishes,
-  tails before heads, so a late completion of an old request does not demote a newer one;
+- eviction follows ``cache_policy``, one of kvledger's policies (``registry.policies``, the
+  same ones ``BlockManager`` runs): ``lru`` ranks per request (``RankedPolicy``: a request's
+  blocks rank when it finishes, tails before heads, so a late completion of an old request
+  does not demote a newer one, as vLLM's LRU does); ``arc``, ``lineage`` and ``multi_lru``
+  (TinyLFU-gated) see a load, a touch or a store offering a stored block as a use, a request
+  finishing as its blocks' recency (tails first), and a store of absent blocks as a miss;
 - ``reset_cache`` always succeeds: the pool is replaced and the log says ``Cleared``.
 
 With ``g3_blocks`` a G3 ``BlockPool`` sits below G2 (the same emitter, so one id sequence):
@@ -50,7 +54,6 @@ from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, cast
 
-import xxhash
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
     OffloadingConnectorStats,
 )
@@ -73,21 +76,27 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from kvledger.config import Settings
 from kvledger.events.log import AppendBuffer, EventLog
 from kvledger.events.types import AnyEvent, BlockInfo, Offloaded, Onboarded, Removed, Stored, Tier
+from kvledger.integrations.vllm.keys import key_hash
 from kvledger.integrations.vllm.specs import DiskMoves, KvledgerLoadSpec, KvledgerStoreSpec
 from kvledger.registry.emitter import EventEmitter
 from kvledger.registry.errors import PoolExhausted
-from kvledger.registry.policies import FrequencySketch, Rank, RankedPolicy
+from kvledger.registry.policies import (
+    POLICY_NAMES,
+    EvictionPolicy,
+    FrequencySketch,
+    Rank,
+    RankedPolicy,
+    make_policy,
+)
 from kvledger.registry.pool import BlockPool
 from kvledger.registry.state import RegistryState
 
-__all__ = ["OFFLOAD_FILTERS", "KvledgerOffloadingManager", "key_hash"]
+__all__ = ["CACHE_POLICIES", "OFFLOAD_FILTERS", "KvledgerOffloadingManager", "key_hash"]
 
 OFFLOAD_FILTERS = ("always", "seen_twice", "never")
-
-
-def key_hash(key: bytes) -> int:
-    """kvledger's sequence hash for a vLLM ``OffloadKey``: stable across processes and runs."""
-    return xxhash.xxh3_64_intdigest(key)
+CACHE_POLICIES = POLICY_NAMES
+"""The ``cache_policy`` values: kvledger's eviction policies (vLLM's own "lru" and "arc" among
+them, each as kvledger implements it)."""
 
 
 RANK_SHIFT = 40
@@ -134,6 +143,11 @@ class _RequestAccess:
     g3_loads: dict[OffloadKey, tuple[int, int]] = field(default_factory=dict)
     #: (group, end-token position) -> key, for each key the request showed (parent links)
     chunk_keys: dict[tuple[int, int], OffloadKey] = field(default_factory=dict)
+    #: for policies other than lru, vLLM's classification of the request's accesses: keys it
+    #: stored, keys it read that it had not stored (a reuse), keys whose miss it reported
+    inserted: set[OffloadKey] = field(default_factory=set)
+    reused: set[OffloadKey] = field(default_factory=set)
+    store_missed: set[OffloadKey] = field(default_factory=set)
 
 
 @dataclass(slots=True)
@@ -150,7 +164,7 @@ class KvledgerOffloadingManager(OffloadingManager):  # type: ignore[misc]  # vLL
     """``num_chunks`` G2 slots; ``log_url`` makes every transition durable.
 
     The constructor takes vLLM's ``CPUOffloadingManager`` arguments, so either can stand in
-    for the other. ``cache_policy`` must be "lru" (request-ranked); ``store_threshold`` >= 2
+    for the other. ``cache_policy`` is one of ``CACHE_POLICIES``; ``store_threshold`` >= 2
     stores only keys offered that many times (the offload filter), remembering at most
     ``max_tracker_size`` keys.
     """
@@ -172,12 +186,16 @@ class KvledgerOffloadingManager(OffloadingManager):  # type: ignore[misc]  # vLL
         offload_filter: str = "seen_twice",
         tokens_per_chunk: Mapping[int, int] | None = None,
     ) -> None:
-        if cache_policy != "lru" or cache_policy_module_path is not None:
+        if cache_policy not in CACHE_POLICIES or cache_policy_module_path is not None:
             raise ValueError(
-                f"kvledger's offloading manager ranks blocks per request (cache_policy 'lru');"
-                f" got cache_policy={cache_policy!r},"
-                f" cache_policy_module_path={cache_policy_module_path!r}"
+                "kvledger's offloading manager runs kvledger's eviction policies: cache_policy"
+                f" (eviction_policy in kv_connector_extra_config) must be one of"
+                f" {', '.join(CACHE_POLICIES)} with no cache_policy_module_path; got"
+                f" cache_policy={cache_policy!r},"
+                f" cache_policy_module_path={cache_policy_module_path!r} (kvledger's policies"
+                " for vLLM's own CPU tier are in kvledger.integrations.vllm.policies)"
             )
+        self.cache_policy = cache_policy
         if not isinstance(num_chunks, int) or num_chunks < 0:
             raise ValueError(f"num_chunks must be a non-negative integer, got {num_chunks!r}")
         if not isinstance(g3_blocks, int) or isinstance(g3_blocks, bool) or g3_blocks < 0:
@@ -248,8 +266,10 @@ class KvledgerOffloadingManager(OffloadingManager):  # type: ignore[misc]  # vLL
             self._emitter.resume(self.event_log.last_event_id(worker_id), [Tier.G2, Tier.G3])
 
     def _new_pool(self) -> None:
-        self._policy = RankedPolicy()
         capacity = max(self.num_chunks, 1)  # a zero-chunk cache still answers lookups
+        # lru: ranked per request, as vLLM ranks; the others as BlockManager runs them
+        self._ranked = RankedPolicy() if self.cache_policy == "lru" else None
+        self._policy: EvictionPolicy = self._ranked or make_policy(self.cache_policy)
         self.pool = BlockPool(
             capacity, tier=Tier.G2, policy=self._policy, emitter=self._emitter, fresh_first=True
         )
@@ -344,15 +364,45 @@ class KvledgerOffloadingManager(OffloadingManager):  # type: ignore[misc]  # vLL
             req_context.set_state(state)
         return state
 
-    def _rank_fresh(self, keys: Iterable[OffloadKey]) -> None:
-        """Each key, in order, becomes the most recent (vLLM's touch order)."""
+    def _rank_fresh(self, keys: Iterable[OffloadKey], *, used: bool = False) -> None:
+        """Each key, in order, becomes the most recent (vLLM's touch order); with ``used``,
+        each also counts as a use (a touch: ARC and the frequency sketch count it)."""
         where = self._slot_of.get
         slots = [slot for key in keys if (slot := where(key)) is not None]
-        if slots:
-            first = self._next_rank + 1
-            self._next_rank += len(slots)
-            step = 1 << RANK_SHIFT
-            self._policy.set_ranks(slots, range(first * step, (first + len(slots)) * step, step))
+        if not slots:
+            return
+        if self._ranked is None:
+            self._refresh(slots, used=used)
+            return
+        first = self._next_rank + 1
+        self._next_rank += len(slots)
+        step = 1 << RANK_SHIFT
+        self._ranked.set_ranks(slots, range(first * step, (first + len(slots)) * step, step))
+
+    def _refresh(self, slots: list[int], *, used: bool) -> None:
+        """For a policy that orders by release: each registered slot becomes the most
+        recently released (an idle one is taken and given back), counted as a use if
+        ``used``. Stores in flight are left alone."""
+        policy, pool = self._policy, self.pool
+        count = used and policy.tracks_access
+        in_flight: set[int] | None = None
+        for slot in slots:
+            if pool.refcount(slot):  # in use: its recency counts from its release
+                if count:
+                    if in_flight is None:
+                        in_flight = {slot for slot, _ in self._pending.values()}
+                    if slot not in in_flight:
+                        policy.accessed([slot])
+                continue
+            one = [slot]
+            policy.activated(one)
+            if count:
+                policy.accessed(one)
+            policy.released(one)
+
+    def _set_ranks(self, slots: Sequence[int], ranks: Sequence[Rank]) -> None:
+        if self._ranked is not None:
+            self._ranked.set_ranks(slots, ranks)
 
     def _record_access(self, keys: Iterable[OffloadKey], req_context: ReqContext) -> _RequestAccess:
         """First sight of ``keys`` in this request: rank them at the request's rank, tails
@@ -379,8 +429,8 @@ class KvledgerOffloadingManager(OffloadingManager):  # type: ignore[misc]  # vLL
                 continue
             slots.append(slot)
             ranks.append(request_rank - position)
-        if slots:
-            self._policy.raise_ranks(slots, ranks)
+        if slots and self._ranked is not None:
+            self._ranked.raise_ranks(slots, ranks)
         return state
 
     def _note_chunks(self, keys: Iterable[OffloadKey], req_context: ReqContext) -> None:
@@ -472,9 +522,12 @@ class KvledgerOffloadingManager(OffloadingManager):  # type: ignore[misc]  # vLL
             slots.append(slot)
         if self._chunks is not None:
             self._note_chunks(keys, req_context)
+        if self._ranked is None:
+            state = self._request(req_context)
+            state.reused.update(key for key in keys if key not in state.inserted)
         if on_disk:
             return self._prepare_disk_load(list(keys), slots, on_disk, req_context)
-        self.pool.acquire(slots)
+        self.pool.acquire(slots, use=False)
         self._record_access(keys, req_context)
         return CPULoadStoreSpec(slots)
 
@@ -564,7 +617,7 @@ class KvledgerOffloadingManager(OffloadingManager):  # type: ignore[misc]  # vLL
         fresh G2 slot and read from there, or read from G3 directly when G2 has no slot."""
         g3 = self.g3
         assert g3 is not None
-        self.pool.acquire([s for s in slots if s >= 0])
+        self.pool.acquire([s for s in slots if s >= 0], use=False)
         g3_slots = [-1] * len(keys)
         for i in on_disk:
             g3_slots[i] = self._g3_slot_of[keys[i]]
@@ -593,7 +646,7 @@ class KvledgerOffloadingManager(OffloadingManager):  # type: ignore[misc]  # vLL
                 ranks.append(self._next_rank << RANK_SHIFT)
             else:
                 ranks.append((state.rank << RANK_SHIFT) - position)
-        self._policy.set_ranks(fresh, ranks)
+        self._set_ranks(fresh, ranks)
         for i in on_disk:
             state.g3_loads[keys[i]] = (g3_slots[i], slots[i])
         self._record_access(keys, req_context)
@@ -635,7 +688,12 @@ class KvledgerOffloadingManager(OffloadingManager):  # type: ignore[misc]  # vLL
         return from_g2
 
     def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
-        self._rank_fresh(reversed(list(keys)))
+        keys = list(keys)
+        self._rank_fresh(reversed(keys), used=True)
+        if self._ranked is None:
+            absent = [key_hash(key) for key in keys if key not in self._slot_of]
+            if absent:
+                self.pool.missed(absent)
 
     def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
         if self.g3 is not None:
@@ -649,7 +707,8 @@ class KvledgerOffloadingManager(OffloadingManager):  # type: ignore[misc]  # vLL
             raise KeyError(f"complete_load: block {key!r} has no load in flight")
         slots = cast(list[int], found)
         try:
-            self.pool.release(slots)  # checks each reference (and takes none back if one fails)
+            # tail first, so the head of the prefix is the most recent (as vLLM's touch ranks)
+            self.pool.release(slots[::-1])  # checks each reference (takes none back on error)
         except ValueError:
             refcount = self.pool.refcount
             idle = [key for key, slot in zip(keys, slots, strict=True) if not refcount(slot)]
@@ -710,6 +769,8 @@ class KvledgerOffloadingManager(OffloadingManager):  # type: ignore[misc]  # vLL
                 skipped = set(to_store).difference(wanted)
                 offered = [k for k in offered if k not in skipped]
             to_store = wanted
+        if self._ranked is None:
+            self._note_offer(offered, to_store, req_context)
         state = self._record_access(offered, req_context)
         if not to_store:
             return PrepareStoreOutput(
@@ -722,6 +783,8 @@ class KvledgerOffloadingManager(OffloadingManager):  # type: ignore[misc]  # vLL
             return None
         evicted, self._evicted = self._evicted, []
         demotion, demotions = self._plan_demotion(evicted)
+        if self._ranked is None:
+            state.inserted.update(to_store)
         ranks: list[Rank] = []
         parents = self._store_parent if self._chunks is not None else None
         names, request_rank = self._keys, state.rank << RANK_SHIFT
@@ -741,7 +804,7 @@ class KvledgerOffloadingManager(OffloadingManager):  # type: ignore[misc]  # vLL
                 ranks.append(request_rank - position)
             if parents is not None:
                 parents[key] = self._parent(key, position, state)
-        self._policy.set_ranks(slots, ranks)
+        self._set_ranks(slots, ranks)
         if demotion is not None:
             for key in to_store:
                 self._demotion_of[key] = demotion
@@ -749,6 +812,24 @@ class KvledgerOffloadingManager(OffloadingManager):  # type: ignore[misc]  # vLL
         else:
             spec = CPULoadStoreSpec(slots)
         return PrepareStoreOutput(keys_to_store=to_store, store_spec=spec, evicted_keys=evicted)
+
+    def _note_offer(
+        self, offered: list[OffloadKey], to_store: list[OffloadKey], req_context: ReqContext
+    ) -> None:
+        """A store's offer, for a policy other than lru: stored blocks it offers are reused
+        (counted when the request finishes, as vLLM does), and the blocks it must store
+        were misses, reported once per request before this store evicts (ARC adapts)."""
+        state = self._request(req_context)
+        missing = set(to_store)
+        state.reused.update(
+            key
+            for key in offered
+            if key not in missing and key not in state.inserted and key not in self._pending
+        )
+        fresh = [key for key in reversed(to_store) if key not in state.store_missed]
+        if fresh:
+            state.store_missed.update(fresh)
+            self.pool.missed([key_hash(key) for key in fresh])
 
     def _allocate(self, count: int, protected: list[int]) -> list[int] | None:
         """``count`` slots, evicting (never the ``protected`` ones) as needed; None, with
@@ -760,7 +841,7 @@ class KvledgerOffloadingManager(OffloadingManager):  # type: ignore[misc]  # vLL
         self._evicted_slots = []
         need_eviction = count > pool.num_free
         if need_eviction and protected:
-            pool.acquire(protected)
+            pool.acquire(protected, use=False)
         try:
             return pool.allocate(count)
         except PoolExhausted:
@@ -844,13 +925,25 @@ class KvledgerOffloadingManager(OffloadingManager):  # type: ignore[misc]  # vLL
         if None in positions:  # asked again: a key's position may have come since
             positions = list(map(req_context.get_offload_key_position, order))
         if None in positions:
-            self._rank_fresh(reversed(sorted(order, key=_group_of)))
+            tail_first = list(reversed(sorted(order, key=_group_of)))
         elif len(set(positions)) == len(positions):  # one group: positions decide alone
-            tail_first = sorted(zip(positions, order, strict=True), reverse=True)
-            self._rank_fresh([key for _, key in tail_first])
+            ordered = sorted(zip(positions, order, strict=True), reverse=True)
+            tail_first = [key for _, key in ordered]
         else:
             at = dict(zip(order, positions, strict=True))
-            self._rank_fresh(reversed(sorted(order, key=lambda key: (at[key], _group_of(key)))))
+            tail_first = list(reversed(sorted(order, key=lambda key: (at[key], _group_of(key)))))
+        if self._ranked is not None:
+            self._rank_fresh(tail_first)
+            return
+        # vLLM's classification: a block the request stored becomes the most recent, one it
+        # reused (read without storing it) is also a use; others (in flight) are left alone
+        where, pending, reused = self._slot_of.get, self._pending, state.reused
+        for key in tail_first:
+            used = key in reused
+            if used or key in state.inserted:
+                slot = where(key)
+                if slot is not None and key not in pending:
+                    self._refresh([slot], used=used)
 
     def reset_cache(self) -> None:
         """Drop everything, in use or not: vLLM guarantees no completion of an earlier job

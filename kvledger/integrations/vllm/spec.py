@@ -14,7 +14,9 @@ Settings, in ``kv_connector_extra_config``:
 - ``data_dir``: where each worker keeps its G3 file, ``vllm-g3-w<worker_id>.bin`` (with
   ``-r<rank>`` when there are several ranks, each holding its share of every block; default
   ``$KVLEDGER_DATA_DIR`` or ``kvledger-data``);
-- ``worker_id``: kvledger's worker id in the log (default: vLLM's rank).
+- ``worker_id``: kvledger's worker id in the log (default: vLLM's rank);
+- ``eviction_policy``: G2's eviction policy, one of kvledger's: ``lru`` (the default, ranked
+  per request as vLLM's LRU is), ``arc``, ``lineage``, ``multi_lru`` (TinyLFU-gated).
 """
 
 from __future__ import annotations
@@ -65,6 +67,10 @@ class KvledgerOffloadingSpec(OffloadingSpec):  # type: ignore[misc]  # vLLM is u
                 "KvledgerOffloadingSpec: offload_filter must be one of"
                 f" {', '.join(OFFLOAD_FILTERS)}, got {self.offload_filter!r}"
             )
+        self.eviction_policy = str(self.extra_config.get("eviction_policy", "lru"))
+        self.cache_policy_module_path: str | None = self.extra_config.get(
+            "cache_policy_module_path"
+        )
         self.data_dir = Path(
             self.extra_config.get("data_dir")
             or os.environ.get("KVLEDGER_DATA_DIR")
@@ -77,6 +83,8 @@ class KvledgerOffloadingSpec(OffloadingSpec):  # type: ignore[misc]  # vLLM is u
         if self._manager is None:
             self._manager = KvledgerOffloadingManager(
                 num_chunks=self.num_chunks,
+                cache_policy=self.eviction_policy,
+                cache_policy_module_path=self.cache_policy_module_path,
                 enable_events=self.kv_events_config.enable_kv_cache_events,
                 store_threshold=int(self.extra_config.get("store_threshold", 0)),
                 max_tracker_size=int(self.extra_config.get("max_tracker_size", 64_000)),

@@ -8,8 +8,11 @@ it there). It does two things:
   KV-cache manager: the offloading-connector tests build a scheduler with it enabled, which
   such a platform refuses although nothing those tests run needs a GPU. A test-only patch.
 - with ``KVLEDGER_VLLM_MANAGER=1``, points every test module that builds vLLM's
-  ``CPUOffloadingManager`` at kvledger's manager, and skips the tests that read or patch
-  that class's private parts (listed below with the reason), which no other manager has.
+  ``CPUOffloadingManager`` at kvledger's manager (and its ``ARCCachePolicy`` at kvledger's
+  ``ArcPolicy``, the class kvledger's manager runs for ``cache_policy="arc"``, which the
+  tests' ``isinstance`` check of ``manager._policy`` then finds), and skips the tests that
+  read or patch that class's or vLLM's policies' private parts (listed below with the
+  reason), which no other manager has.
 """
 
 from __future__ import annotations
@@ -23,13 +26,27 @@ type(current_platform).support_hybrid_kv_cache = classmethod(lambda cls: True)  
 
 POINT_AT_KVLEDGER = os.environ.get("KVLEDGER_VLLM_MANAGER") == "1"
 
-_ARC = "vLLM's ARC policy (t1/t2/b1/b2 ghost lists): kvledger ranks per request (LRU) only"
+_ARC_LISTS = "reads or rewrites ARCCachePolicy's own t1/t2/b1/b2 lists and target"
+_ARC_EVICT = "drives ARCCachePolicy.evict directly, with its chunks' ref_cnt set by hand"
 #: test name (prefix) -> why it cannot apply to any manager but CPUOffloadingManager
 NOT_APPLICABLE = {
-    "test_already_stored_chunk_not_evicted_during_prepare_store[arc]": _ARC,
-    "TestARCPolicy": _ARC,
-    "test_reset_discards_stale_request_access_classification": _ARC,
-    "test_arc_": _ARC,
+    "TestARCPolicy::test_basic": _ARC_LISTS,
+    "TestARCPolicy::test_t1_to_t2_promotion": _ARC_LISTS,
+    "TestARCPolicy::test_adaptive_target": _ARC_LISTS,
+    "TestARCPolicy::test_t1_t2_eviction_policy": _ARC_LISTS,
+    "TestARCPolicy::test_batch_eviction_scans_t1_and_t2_once": _ARC_EVICT,
+    "TestARCPolicy::test_batch_eviction_falls_back_after_t1_iterator_exhausted": _ARC_EVICT,
+    "TestARCPolicy::test_store_falls_back_to_t1_when_t2_cannot_satisfy_eviction": _ARC_LISTS,
+    "TestARCPolicy::test_batch_eviction_failure_is_atomic": _ARC_EVICT,
+    "TestARCPolicy::test_ghost_list_bounds": _ARC_LISTS,
+    "TestARCPolicy::test_touch_ordering": _ARC_LISTS,
+    "TestARCPolicy::test_failed_store": _ARC_LISTS,
+    "TestARCPolicy::test_full_scenario": _ARC_LISTS,
+    "test_reset_discards_stale_request_access_classification": _ARC_LISTS,
+    "test_arc_counts_reuse_once_and_keeps_insertions_in_t1": _ARC_LISTS,
+    "test_arc_reuse_wins_if_same_request_later_reinserts_key": _ARC_LISTS,
+    "test_arc_ghost_hit_adapts_once_per_request_before_insertion": _ARC_LISTS,
+    "test_arc_pending_chunk_is_not_a_frequency_hit": _ARC_LISTS,
     "test_cpu_manager_reports_allocation_size_on_allocation_failure": (
         "monkeypatches CPUOffloadingManager._allocate_chunks"
     ),
@@ -72,3 +89,7 @@ def _kvledger_manager(request: pytest.FixtureRequest, monkeypatch: pytest.Monkey
         from kvledger.integrations.vllm.manager import KvledgerOffloadingManager
 
         monkeypatch.setattr(request.module, "CPUOffloadingManager", KvledgerOffloadingManager)
+        if hasattr(request.module, "ARCCachePolicy"):
+            from kvledger.registry.policies import ArcPolicy
+
+            monkeypatch.setattr(request.module, "ARCCachePolicy", ArcPolicy)
