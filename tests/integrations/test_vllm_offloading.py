@@ -47,6 +47,7 @@ LOG_TESTS = "tests/kvledger/test_kvledger_manager_log.py"
 POLICY_TESTS = "tests/kvledger/test_kvledger_policies.py"
 DISK_TIER_TESTS = "tests/kvledger/test_kvledger_disk_tier.py"
 TIERING_E2E_TESTS = "tests/kvledger/test_kvledger_tiering_e2e.py"
+PEER_TIER_TESTS = "tests/kvledger/test_kvledger_peer_tier.py"
 #: vLLM's own tests of a secondary tier, run with kvledger's G3 tier in the place of vLLM's
 #: fs tier and example tier (the harness conftest says which cannot apply, and why)
 VLLM_TIER_TESTS = [
@@ -90,7 +91,7 @@ def vllm_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, FileOutcome]
     cmd = [str(PYTHON), "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={report}"]
     cmd += ["-c", "pyproject.toml", "--rootdir", ".", MANAGER_TESTS, *CONNECTOR_TESTS]
     cmd += [E2E_TESTS, G3_MANAGER_TESTS, NAMES_TESTS, MACHINE_TESTS, WORKER_TESTS, LOG_TESTS]
-    cmd += [POLICY_TESTS, DISK_TIER_TESTS, TIERING_E2E_TESTS, *VLLM_TIER_TESTS]
+    cmd += [POLICY_TESTS, DISK_TIER_TESTS, TIERING_E2E_TESTS, PEER_TIER_TESTS, *VLLM_TIER_TESTS]
     proc = subprocess.run(
         cmd, cwd=VLLM_TESTS, env=env, capture_output=True, text=True, timeout=1200, check=False
     )
@@ -223,3 +224,13 @@ def test_g2_to_kvledger_g3_and_back_through_vllms_scheduler(
     # -> G1 identical, the log replays to the tier, a restarted engine serves the file
     outcome = check(vllm_run, TIERING_E2E_TESTS)
     assert outcome.passed == 2 and not outcome.skipped
+
+
+def test_worker_b_reads_worker_as_blocks_over_nixl_as_g4(vllm_run: dict[str, FileOutcome]) -> None:
+    # two processes, real Redis and NIXL agents: B's promotions read A's exported blocks
+    # byte-identical; a block A drops (or reuses) between B's lookup and read is a miss for
+    # that key and B goes on; each worker's log replays to its state
+    outcome = vllm_run.get(PEER_TIER_TESTS)
+    if outcome is not None and outcome.skipped and not outcome.passed and not outcome.failed:
+        pytest.skip(f"kvledger's G4 tier test did not run: {outcome.skipped[0]}")
+    assert check(vllm_run, PEER_TIER_TESTS).passed == 5
