@@ -12,9 +12,6 @@ default durability ("batch"), and each of its runs is timed until its last event
 Run in the vLLM test venv (tests/integrations/setup_vllm_test_venv.sh):
     .vllm-test-venv/bin/python bench/offload_bench.py [--requests N] [--repeat R]
 
-``--g3-blocks N`` gives kvledger's manager a G3 below G2 (vLLM's has none): G2's evictions
-are then demoted and G3 hits promoted, which is the bookkeeping a G3 costs per operation.
-
 ``--tiering`` compares secondary tiers under vLLM's tiering layer instead: vLLM's CPU tier
 (``CPUPrimaryTierOffloadingManager``, ``--chunks`` rows of ``--row-kib`` KiB each, real memory)
 with kvledger's G3 tier (``KvledgerDiskTier``, its event log on) against the same CPU tier with
@@ -359,10 +356,6 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=20_000)
     parser.add_argument("--chunks", type=int, default=2_000)
     parser.add_argument("--repeat", type=int, default=3)
-    parser.add_argument(
-        "--g3-blocks", type=int, default=0, help="kvledger only: a G3 of this many blocks below G2"
-    )
-    parser.add_argument("--offload-filter", default="always", help="with --g3-blocks")
     parser.add_argument("--kills", type=int, default=0, help="SIGKILLed full-rate runs (0: none)")
     parser.add_argument(
         "--tiering", action="store_true", help="vLLM CPU + kvledger G3 vs vLLM CPU + vLLM fs"
@@ -384,8 +377,6 @@ def main() -> None:
             args.chunks,
             enable_events=True,
             log_url=url,
-            g3_blocks=args.g3_blocks,
-            offload_filter=args.offload_filter,
         )
 
     def vllms() -> OffloadingManager:
@@ -397,10 +388,7 @@ def main() -> None:
     for _ in range(args.repeat):
         ref.append(rate(vllms(), stream))
         got.append(rate(ours(), stream))
-    print(
-        f"requests={args.requests} chunks={args.chunks} repeat={args.repeat}"
-        f" g3_blocks={args.g3_blocks} offload_filter={args.offload_filter}"
-    )
+    print(f"requests={args.requests} chunks={args.chunks} repeat={args.repeat}")
     # per CPU second: what a busy machine disturbs least (a stalled process uses no CPU)
     for i, unit in enumerate(("ops/s", "ops per CPU-s")):
         medians = []

@@ -39,10 +39,7 @@ CONNECTOR_TESTS = [
 
 MANAGER_TESTS = "tests/v1/kv_offload/cpu/test_manager.py"
 E2E_TESTS = "tests/kvledger/test_kvledger_offloading_e2e.py"
-G3_MANAGER_TESTS = "tests/kvledger/test_kvledger_manager_g3.py"
 NAMES_TESTS = "tests/kvledger/test_kvledger_manager_names.py"
-MACHINE_TESTS = "tests/kvledger/test_kvledger_manager_g3_machine.py"
-WORKER_TESTS = "tests/kvledger/test_kvledger_worker_g3.py"
 LOG_TESTS = "tests/kvledger/test_kvledger_manager_log.py"
 POLICY_TESTS = "tests/kvledger/test_kvledger_policies.py"
 DISK_TIER_TESTS = "tests/kvledger/test_kvledger_disk_tier.py"
@@ -90,7 +87,7 @@ def vllm_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, FileOutcome]
     }
     cmd = [str(PYTHON), "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={report}"]
     cmd += ["-c", "pyproject.toml", "--rootdir", ".", MANAGER_TESTS, *CONNECTOR_TESTS]
-    cmd += [E2E_TESTS, G3_MANAGER_TESTS, NAMES_TESTS, MACHINE_TESTS, WORKER_TESTS, LOG_TESTS]
+    cmd += [E2E_TESTS, NAMES_TESTS, LOG_TESTS]
     cmd += [POLICY_TESTS, DISK_TIER_TESTS, TIERING_E2E_TESTS, PEER_TIER_TESTS, *VLLM_TIER_TESTS]
     proc = subprocess.run(
         cmd, cwd=VLLM_TESTS, env=env, capture_output=True, text=True, timeout=1200, check=False
@@ -156,27 +153,15 @@ def test_vllm_offloading_connector_tests_pass(
 def test_kvledger_spec_end_to_end_through_vllm_scheduler_and_connector(
     vllm_run: dict[str, FileOutcome],
 ) -> None:
-    # through G2, through G3 below a small G2, and a bad G3 setting refused
-    assert check(vllm_run, E2E_TESTS).passed == 3
-
-
-def test_kvledger_manager_with_g3_through_vllms_interface(
-    vllm_run: dict[str, FileOutcome],
-) -> None:
-    outcome = check(vllm_run, G3_MANAGER_TESTS)
-    assert outcome.passed == 10 and not outcome.skipped
-
-
-def test_kvledger_worker_moves_bytes_through_g3(vllm_run: dict[str, FileOutcome]) -> None:
-    outcome = check(vllm_run, WORKER_TESTS)
-    assert outcome.passed == 3 and not outcome.skipped
+    # through G2, and the retired G3 setting refused naming where G3 went
+    assert check(vllm_run, E2E_TESTS).passed == 2
 
 
 def test_kvledger_manager_names_blocks_with_parent_links(
     vllm_run: dict[str, FileOutcome],
 ) -> None:
     outcome = check(vllm_run, NAMES_TESTS)
-    assert outcome.passed == 3 and not outcome.skipped
+    assert outcome.passed == 2 and not outcome.skipped
 
 
 def test_kvledger_manager_hands_its_log_batches_and_bounds_the_hold(
@@ -184,16 +169,6 @@ def test_kvledger_manager_hands_its_log_batches_and_bounds_the_hold(
 ) -> None:
     outcome = check(vllm_run, LOG_TESTS)
     assert outcome.passed == 3 and not outcome.skipped
-
-
-def test_kvledger_manager_with_g3_as_a_state_machine(vllm_run: dict[str, FileOutcome]) -> None:
-    outcome = vllm_run.get(MACHINE_TESTS)
-    if outcome is not None and outcome.skipped and not outcome.passed and not outcome.failed:
-        pytest.skip(
-            "the vLLM test venv has no hypothesis: rerun "
-            f"tests/integrations/setup_vllm_test_venv.sh ({outcome.skipped[0]})"
-        )
-    assert check(vllm_run, MACHINE_TESTS).passed == 2
 
 
 @pytest.mark.parametrize("target", VLLM_TIER_TESTS)

@@ -8,21 +8,17 @@ Settings, in ``kv_connector_extra_config``:
   transition of the run goes there, so ``kvledger replay`` rebuilds the state;
 - ``store_threshold`` / ``max_tracker_size``: vLLM's store filter (store a block in G2 only
   once it was offered that many times);
-- ``g3_blocks``: G3 slots below G2 (default 0: no G3). G2 blocks that evictions push out go
-  down to G3 when ``offload_filter`` lets them (``always``, ``seen_twice`` -- the default, as
-  in kvledger's settings: asked for by two requests or more -- or ``never``);
-- ``data_dir``: where each worker keeps its G3 file, ``vllm-g3-w<worker_id>.bin`` (with
-  ``-r<rank>`` when there are several ranks, each holding its share of every block; default
-  ``$KVLEDGER_DATA_DIR`` or ``kvledger-data``);
 - ``worker_id``: kvledger's worker id in the log (default: vLLM's rank);
 - ``eviction_policy``: G2's eviction policy, one of kvledger's: ``lru`` (the default, ranked
   per request as vLLM's LRU is), ``arc``, ``lineage``, ``multi_lru`` (TinyLFU-gated).
+
+kvledger's G3 and G4 for vLLM are secondary tiers of vLLM's ``TieringOffloadingSpec``
+(``disk_tier``, ``peer_tier``); the ``g3_blocks`` this spec once took is refused with where
+to go (docs/vllm.md says why it was retired).
 """
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
 from typing import Any
 
 from vllm.v1.kv_offload.base import (
@@ -33,14 +29,28 @@ from vllm.v1.kv_offload.base import (
 )
 from vllm.v1.kv_offload.config import OffloadingConfig
 
-from kvledger.integrations.vllm.manager import OFFLOAD_FILTERS, KvledgerOffloadingManager
+from kvledger.integrations.vllm.manager import KvledgerOffloadingManager
+from kvledger.integrations.vllm.worker import KvledgerOffloadingWorker
 
-__all__ = ["KvledgerOffloadingSpec"]
+__all__ = ["RETIRED_SETTINGS", "KvledgerOffloadingSpec"]
+
+RETIRED_SETTINGS = ("g3_blocks", "offload_filter", "data_dir")
+"""Settings of the G3 this spec once kept below G2; kvledger's G3 for vLLM is now a
+secondary tier of vLLM's tiering layer."""
 
 
 class KvledgerOffloadingSpec(OffloadingSpec):  # type: ignore[misc]  # vLLM is untyped here
     def __init__(self, config: OffloadingConfig) -> None:
         super().__init__(config)
+        retired = [name for name in RETIRED_SETTINGS if name in self.extra_config]
+        if retired:
+            raise ValueError(
+                f"KvledgerOffloadingSpec no longer keeps a G3 ({', '.join(retired)} in"
+                " kv_connector_extra_config): use vLLM's TieringOffloadingSpec with"
+                ' {"type": "KvledgerDiskTier", "module_path":'
+                ' "kvledger.integrations.vllm.disk_tier", "num_blocks": N, "data_dir": ...}'
+                " in secondary_tiers (docs/vllm.md)"
+            )
         cpu_bytes = self.extra_config.get("cpu_bytes_to_use")
         if not cpu_bytes or int(cpu_bytes) <= 0:
             raise ValueError(
@@ -60,21 +70,9 @@ class KvledgerOffloadingSpec(OffloadingSpec):  # type: ignore[misc]  # vLLM is u
         self.worker_id = _non_negative(
             "worker_id", self.extra_config.get("worker_id", config.parallel.rank)
         )
-        self.g3_blocks = _non_negative("g3_blocks", self.extra_config.get("g3_blocks", 0))
-        self.offload_filter = str(self.extra_config.get("offload_filter", "seen_twice"))
-        if self.offload_filter not in OFFLOAD_FILTERS:
-            raise ValueError(
-                "KvledgerOffloadingSpec: offload_filter must be one of"
-                f" {', '.join(OFFLOAD_FILTERS)}, got {self.offload_filter!r}"
-            )
         self.eviction_policy = str(self.extra_config.get("eviction_policy", "lru"))
         self.cache_policy_module_path: str | None = self.extra_config.get(
             "cache_policy_module_path"
-        )
-        self.data_dir = Path(
-            self.extra_config.get("data_dir")
-            or os.environ.get("KVLEDGER_DATA_DIR")
-            or "kvledger-data"
         )
         self._manager: KvledgerOffloadingManager | None = None
         self._worker: OffloadingWorker | None = None
@@ -90,8 +88,6 @@ class KvledgerOffloadingSpec(OffloadingSpec):  # type: ignore[misc]  # vLLM is u
                 max_tracker_size=int(self.extra_config.get("max_tracker_size", 64_000)),
                 log_url=self.log_url,
                 worker_id=self.worker_id,
-                g3_blocks=self.g3_blocks,
-                offload_filter=self.offload_filter,
                 tokens_per_chunk={
                     group.group_id: group.tokens_per_block * self.blocks_per_chunk
                     for group in self.config.groups
@@ -101,15 +97,7 @@ class KvledgerOffloadingSpec(OffloadingSpec):  # type: ignore[misc]  # vLLM is u
 
     def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
         if self._worker is None:
-            from kvledger.integrations.vllm.worker import KvledgerOffloadingWorker
-
-            name = f"vllm-g3-w{self.worker_id}"
-            if self.config.parallel.world_size > 1:  # each rank keeps its share of every block
-                name += f"-r{self.config.parallel.rank}"
-            g3_file = self.data_dir / f"{name}.bin" if self.g3_blocks else None
-            self._worker = KvledgerOffloadingWorker(
-                kv_caches, self.num_chunks, g3_blocks=self.g3_blocks, g3_file=g3_file
-            )
+            self._worker = KvledgerOffloadingWorker(kv_caches, self.num_chunks)
         return self._worker
 
 
