@@ -17,6 +17,9 @@ Durability = Literal["batch", "fsync", "none"]
 DURABILITY_MODES: tuple[Durability, ...] = ("batch", "fsync", "none")
 _SQLITE_SYNC = {"batch": "NORMAL", "fsync": "FULL", "none": "OFF"}
 _PG_SYNC = {"batch": "on", "fsync": "on", "none": "off"}
+SQLITE_BUSY_S = 5.0
+"""How long SQLite itself waits for another connection's lock before a statement fails with
+"database is locked"; the log's writer then tries again for up to its ``retry_for``."""
 
 
 def engine_args(url: str, durability: Durability) -> tuple[sa.URL, dict[str, Any], str | None]:
@@ -38,7 +41,7 @@ def engine_args(url: str, durability: Durability) -> tuple[sa.URL, dict[str, Any
             )
         return (
             parsed,
-            {"connect_args": {"timeout": 30}, "hide_parameters": True},
+            {"connect_args": {"timeout": SQLITE_BUSY_S}, "hide_parameters": True},
             _SQLITE_SYNC[durability],
         )
     if backend == "postgresql":
