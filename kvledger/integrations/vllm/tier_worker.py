@@ -10,9 +10,10 @@ process the same one for the same ``(log_url, worker_id)``; each tier gives it b
 ``release`` when it shuts down, and the last one closes it.
 
 Events are gathered as the tiers make them and handed over once per scheduler step
-(``step``, from each tier's ``on_schedule_end``): to the log through an ``AppendBuffer``
-(batched, with a bounded hold, as kvledger's vLLM manager does), then to the Redis publisher,
-which catches up from the log whenever it missed something.
+(``step``, from each tier's ``on_schedule_end``) to the log through an ``AppendBuffer``
+(batched, with a bounded hold, as kvledger's vLLM manager does). The Redis publisher is fed
+by the log's writer once they are committed (``EventLog.on_commit``), as every kvledger
+publisher is: other processes only ever see what the log holds.
 """
 
 from __future__ import annotations
@@ -130,16 +131,12 @@ class TierWorker:
             self._unlogged.append(event)
 
     def step(self) -> None:
-        """Hand the events made since the last step to the log, then to the publisher."""
+        """Hand the events made since the last step to the log (the publisher follows its
+        commits)."""
         with self._lock:
             batch, self._unlogged = self._unlogged, []
-        if not batch:
-            return
-        if self._buffer is not None:
+        if batch and self._buffer is not None:
             self._buffer.extend(batch)
-        if self.publisher is not None:
-            for event in batch:
-                self.publisher(event)
 
     def flush(self) -> None:
         """Wait until every event so far is durable in the log."""
