@@ -12,8 +12,14 @@ default durability ("batch"), and each of its runs is timed until its last event
 Run in the vLLM test venv (tests/integrations/setup_vllm_test_venv.sh):
     .vllm-test-venv/bin/python bench/offload_bench.py [--requests N] [--repeat R]
 
-``--g3-blocks N`` gives kvledger's manager a G3 below G2 (vLLM's has none): G2's evictions
-are then demoted and G3 hits promoted, which is the bookkeeping a G3 costs per operation.
+``--tiering`` compares secondary tiers under vLLM's tiering layer instead: vLLM's CPU tier
+(``CPUPrimaryTierOffloadingManager``, ``--chunks`` rows of ``--row-kib`` KiB each, real memory)
+with kvledger's G3 tier (``KvledgerDiskTier``, its event log on) against the same CPU tier with
+vLLM's own ``fs`` tier, both under vLLM's ``TieringOffloadingManager``, on the same key stream
+and in the same folder (``--dir``, default a temporary one). Every store cascades to the tier
+(real bytes written), and a block found on the tier only is promoted back (read) before it is
+loaded; each run is timed until its last write is on disk and, for kvledger, its last event is
+committed. ``--tier-blocks`` sizes kvledger's G3 (fs has no bound).
 
 ``--kills N`` then runs kvledger's manager on the same stream at full rate in a child process
 N times, SIGKILLs it at a random moment each time, and prints what its log holds against the
@@ -26,17 +32,40 @@ import argparse
 import gc
 import os
 import random
+import shutil
 import signal
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
+from unittest.mock import MagicMock
 
-from vllm.v1.kv_offload.base import LookupResult, OffloadingManager, ReqContext, make_offload_key
+import numpy as np
+from vllm.v1.kv_offload.base import (
+    LookupResult,
+    OffloadingKVEventsConfig,
+    OffloadingManager,
+    ReqContext,
+    ScheduleEndContext,
+    make_offload_key,
+)
+from vllm.v1.kv_offload.config import (
+    OffloadingCacheConfig,
+    OffloadingConfig,
+    OffloadingModelConfig,
+    OffloadingParallelConfig,
+)
 from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
+from vllm.v1.kv_offload.tiering.fs.manager import FileSystemTierManager
+from vllm.v1.kv_offload.tiering.manager import (
+    CPUPrimaryTierOffloadingManager,
+    TieringOffloadingManager,
+)
 
+from kvledger.integrations.vllm.disk_tier import KvledgerDiskTier
 from kvledger.integrations.vllm.manager import KvledgerOffloadingManager
 
 
@@ -82,6 +111,147 @@ def drive(manager: OffloadingManager, stream: list[list[bytes]]) -> int:
         for _ in manager.take_events():
             pass
     return calls
+
+
+def drive_tiering(manager: OffloadingManager, stream: list[list[bytes]]) -> int:
+    """``drive`` for vLLM's tiering manager: a lookup may answer HIT_PENDING (a promotion from
+    the tier was started) or RETRY (the tier is still looking); the scheduler then ends the
+    step and asks again, as vLLM's scheduler does with a request whose lookup is not done."""
+    end_step = ScheduleEndContext(new_req_ids=[], preempted_req_ids=())
+    calls = 0
+    for i, keys in enumerate(stream):
+        ctx = ReqContext(req_id=str(i))
+        for pos, key in enumerate(keys):
+            ctx.set_offload_key_position(key, (pos + 1) * 16)
+        manager.on_new_request(ctx)
+        while True:
+            hits, asked, waiting = 0, 0, False
+            for key in keys:
+                asked += 1
+                found = manager.lookup(key, ctx)
+                if found is LookupResult.HIT:
+                    hits += 1
+                    continue
+                waiting = found in (LookupResult.HIT_PENDING, LookupResult.RETRY)
+                break
+            if not waiting:
+                break
+            manager.on_schedule_end(end_step)
+            time.sleep(0)  # let the tier's I/O threads run, as a model step would
+        # the calls of the pass that settled: the same work on both sides, however many
+        # times a tier made the scheduler ask again (that shows as time, not as calls)
+        calls += asked
+        loaded = keys[:hits]
+        if loaded:
+            manager.prepare_load(loaded, ctx)
+            manager.touch(loaded, ctx)
+            manager.complete_load(loaded, ctx)
+            calls += 3
+        out = manager.prepare_store(keys[hits:], ctx)
+        calls += 1
+        if out is not None and out.keys_to_store:
+            manager.complete_store(out.keys_to_store, ctx)
+            calls += 1
+        manager.on_request_finished(ctx)
+        manager.on_schedule_end(end_step)
+        calls += 2
+        for _ in manager.take_events():
+            pass
+    while manager.has_pending_work():  # every write on the tier's storage
+        manager.on_schedule_end(end_step)
+        time.sleep(0.001)
+    return calls
+
+
+def tiering_rate(
+    make: Callable[[Path], OffloadingManager], where: Path, stream: list[list[bytes]]
+) -> tuple[float, float]:
+    """``rate`` for a tiering manager with its tier in ``where``: built outside the timing,
+    shut down after it."""
+    manager = make(where)
+    gc.collect()
+    start, start_cpu = time.perf_counter(), time.process_time()
+    calls = drive_tiering(manager, stream)
+    tiers = getattr(manager, "secondary_tiers", [])
+    for tier in tiers:
+        flush = getattr(tier, "flush_log", None)
+        if flush is not None:
+            flush()
+    seconds, cpu = time.perf_counter() - start, time.process_time() - start_cpu
+    manager.shutdown()
+    return calls / seconds, calls / cpu
+
+
+def tiering_managers(
+    chunks: int, row_bytes: int, tier_blocks: int
+) -> tuple[Callable[[Path], OffloadingManager], Callable[[Path], OffloadingManager]]:
+    """Builders of (vLLM CPU + kvledger G3, vLLM CPU + vLLM fs) keeping the tier in a
+    given folder."""
+    # what vLLM's spec hands a tier (the fs tier names its files from it), as vLLM's own
+    # fs tier tests build it
+    spec = MagicMock()
+    spec.config = OffloadingConfig(
+        groups=(),
+        worker_kv_bytes_per_block=0,
+        enable_kv_cache_events=True,
+        extra_config={},
+        engine_id="bench",
+        model=OffloadingModelConfig(name="bench-model", dtype="bfloat16"),
+        cache=OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=1),
+        parallel=OffloadingParallelConfig(
+            rank=0,
+            world_size=1,
+            tp_size=1,
+            pp_size=1,
+            pcp_size=1,
+            dcp_size=1,
+            data_parallel_index=0,
+            data_parallel_size=1,
+            data_parallel_rank_local=None,
+            is_parallelism_agnostic=False,
+        ),
+        replicated_layout=False,
+    )
+    spec.blocks_per_chunk = 1
+    spec.kv_events_config = OffloadingKVEventsConfig(
+        enable_kv_cache_events=True, self_describing_kv_events=False
+    )
+
+    def primary() -> CPUPrimaryTierOffloadingManager:
+        # page-aligned rows in real memory, as vLLM's shared region gives
+        raw = np.zeros(chunks * row_bytes + 4096, dtype=np.uint8)
+        start = -raw.ctypes.data % 4096
+        rows = raw[start : start + chunks * row_bytes].reshape(chunks, row_bytes)
+        rows[:] = 1
+        region = MagicMock()
+        region.create_kv_memoryview.return_value = memoryview(rows)
+        return CPUPrimaryTierOffloadingManager(chunks, mmap_region=region, enable_events=True)
+
+    def kvledger(where: Path) -> OffloadingManager:
+        cpu = primary()
+        tier = KvledgerDiskTier(
+            spec,
+            cpu.get_kv_memoryview(),
+            "KvledgerDiskTier",
+            num_blocks=tier_blocks,
+            data_dir=str(where),
+            log_url=f"sqlite:///{where / 'g3.db'}",
+            enable_kv_events=True,
+        )
+        return TieringOffloadingManager(cpu, [tier])
+
+    def fs(where: Path) -> OffloadingManager:
+        cpu = primary()
+        tier = FileSystemTierManager(
+            spec,
+            cpu.get_kv_memoryview(),
+            "fs",
+            root_dir=str(where),
+            enable_kv_events=True,
+        )
+        return TieringOffloadingManager(cpu, [tier])
+
+    return kvledger, fs
 
 
 def rate(manager: OffloadingManager, stream: list[list[bytes]]) -> tuple[float, float]:
@@ -159,19 +329,46 @@ def kills(count: int, chunks: int, tmp: Path) -> None:
         )
 
 
+def compare_tiers(args: argparse.Namespace, stream: list[list[bytes]], folder: Path) -> None:
+    ours, theirs = tiering_managers(args.chunks, args.row_kib << 10, args.tier_blocks)
+    ref: list[tuple[float, float]] = []
+    got: list[tuple[float, float]] = []
+    for run in range(args.repeat):  # interleaved, as below; each run's files removed after
+        for make, results in ((theirs, ref), (ours, got)):
+            where = folder / f"offload-bench-tiering-{os.getpid()}-{run}"
+            results.append(tiering_rate(make, where, stream))
+            shutil.rmtree(where)
+    print(
+        f"tiering: requests={args.requests} cpu chunks={args.chunks} row={args.row_kib} KiB"
+        f" kvledger G3 blocks={args.tier_blocks} repeat={args.repeat} folder={folder}"
+    )
+    for i, unit in enumerate(("ops/s", "ops per CPU-s")):
+        medians = []
+        for name, runs in (("vLLM CPU + vLLM fs", ref), ("vLLM CPU + kvledger G3", got)):
+            values = [round(r[i]) for r in runs]
+            medians.append(statistics.median(values))
+            print(f"{name:26}: {medians[-1]:12,.0f} {unit}  (runs {values})")
+        print(f"ratio kvledger / vLLM fs  : {medians[1] / medians[0]:.2f}x ({unit})")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=20_000)
     parser.add_argument("--chunks", type=int, default=2_000)
     parser.add_argument("--repeat", type=int, default=3)
-    parser.add_argument(
-        "--g3-blocks", type=int, default=0, help="kvledger only: a G3 of this many blocks below G2"
-    )
-    parser.add_argument("--offload-filter", default="always", help="with --g3-blocks")
     parser.add_argument("--kills", type=int, default=0, help="SIGKILLed full-rate runs (0: none)")
+    parser.add_argument(
+        "--tiering", action="store_true", help="vLLM CPU + kvledger G3 vs vLLM CPU + vLLM fs"
+    )
+    parser.add_argument("--row-kib", type=int, default=64, help="with --tiering: chunk size")
+    parser.add_argument("--tier-blocks", type=int, default=16_384, help="with --tiering")
+    parser.add_argument("--dir", type=Path, default=None, help="with --tiering: the folder")
     args = parser.parse_args()
     stream = key_stream(args.requests)
     tmp = Path(tempfile.mkdtemp())
+    if args.tiering:
+        compare_tiers(args, stream, args.dir or tmp)
+        return
     runs = iter(range(1_000_000))
 
     def ours() -> OffloadingManager:
@@ -180,8 +377,6 @@ def main() -> None:
             args.chunks,
             enable_events=True,
             log_url=url,
-            g3_blocks=args.g3_blocks,
-            offload_filter=args.offload_filter,
         )
 
     def vllms() -> OffloadingManager:
@@ -193,10 +388,7 @@ def main() -> None:
     for _ in range(args.repeat):
         ref.append(rate(vllms(), stream))
         got.append(rate(ours(), stream))
-    print(
-        f"requests={args.requests} chunks={args.chunks} repeat={args.repeat}"
-        f" g3_blocks={args.g3_blocks} offload_filter={args.offload_filter}"
-    )
+    print(f"requests={args.requests} chunks={args.chunks} repeat={args.repeat}")
     # per CPU second: what a busy machine disturbs least (a stalled process uses no CPU)
     for i, unit in enumerate(("ops/s", "ops per CPU-s")):
         medians = []

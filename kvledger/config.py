@@ -85,7 +85,7 @@ class Settings(BaseSettings):
         0, ge=0, validation_alias=_env("g3_blocks", "DYN_KVBM_DISK_CACHE_OVERRIDE_NUM_BLOCKS")
     )
 
-    eviction_policy: Literal["lru", "lineage", "multi_lru"] = "lineage"
+    eviction_policy: Literal["lru", "arc", "lineage", "multi_lru"] = "lineage"
     offload_filter: Literal["always", "seen_twice", "never"] = Field(
         "seen_twice", description="which blocks go down to G3 (G2 is write-through)"
     )

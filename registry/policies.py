@@ -5,6 +5,11 @@ when blocks become inactive (``released``), active again (``activated``), newly 
 (``registered``, with each block's sequence hash and parent hash) or looked up (``accessed``),
 and asks it for victims. A policy keeps what it needs of those blocks itself (the lineage
 policy their hashes and parents, the frequency policy their hashes) and never reads the pool.
+An engine may also say that it asked for blocks the pool did not hold (``missed``): ARC learns
+from a miss on a block it evicted lately.
+
+Each policy has one implementation, used by ``BlockManager``'s pools, the vLLM offloading
+manager's pools and, through ``kvledger.integrations.vllm.policies``, vLLM's own CPU tier.
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Protocol
 
-POLICY_NAMES = ("lru", "lineage", "multi_lru")
+POLICY_NAMES = ("lru", "arc", "lineage", "multi_lru")
 
 
 class EvictionPolicy(Protocol):
@@ -28,6 +33,7 @@ class EvictionPolicy(Protocol):
     def released(self, slots: Sequence[int]) -> None: ...
     def activated(self, slots: Sequence[int]) -> None: ...
     def accessed(self, slots: Sequence[int]) -> None: ...
+    def missed(self, sequence_hashes: Sequence[int]) -> None: ...
     def evictable(self) -> int: ...
     def pick_victims(self, count: int) -> list[int]: ...
     def inactive_order(self) -> list[int]: ...
@@ -54,6 +60,9 @@ class LruPolicy:
     def accessed(self, slots: Sequence[int]) -> None:
         pass
 
+    def missed(self, sequence_hashes: Sequence[int]) -> None:
+        pass
+
     def released(self, slots: Sequence[int]) -> None:
         # a loop, not update(dict.fromkeys(...)): OrderedDict.update is generic Python code,
         # 3-7x slower for the few blocks a request releases
@@ -66,7 +75,11 @@ class LruPolicy:
         for slot in slots:
             pop(slot)
 
-    forget = activated
+    def forget(self, slots: Sequence[int]) -> None:
+        """Slots leaving the pool other than by eviction, in use or not."""
+        pop = self._inactive.pop
+        for slot in slots:
+            pop(slot, None)
 
     def evictable(self) -> int:
         return len(self._inactive)
@@ -120,6 +133,9 @@ class LineagePolicy:
                 children[parent] = children.get(parent, 0) + 1
 
     def accessed(self, slots: Sequence[int]) -> None:
+        pass
+
+    def missed(self, sequence_hashes: Sequence[int]) -> None:
         pass
 
     def released(self, slots: Sequence[int]) -> None:
@@ -274,6 +290,9 @@ class MultiLruPolicy:
         for slot in slots:
             increment(hashes[slot])
 
+    def missed(self, sequence_hashes: Sequence[int]) -> None:
+        pass
+
     def _level(self, key: int) -> int:
         seen = self._sketch.estimate(key)
         level = 0
@@ -294,7 +313,13 @@ class MultiLruPolicy:
         for slot in slots:
             del levels[level_of.pop(slot)][slot]
 
-    forget = activated
+    def forget(self, slots: Sequence[int]) -> None:
+        """Slots leaving the pool other than by eviction, in use or not."""
+        level_of, levels = self._level_of, self._levels
+        for slot in slots:
+            level = level_of.pop(slot, None)
+            if level is not None:
+                del levels[level][slot]
 
     def evictable(self) -> int:
         return len(self._level_of)
@@ -315,6 +340,163 @@ class MultiLruPolicy:
         for level in self._levels:
             level.clear()
         self._level_of.clear()
+
+
+class ArcPolicy:
+    """Adaptive Replacement Cache (Megiddo and Modha, FAST 2003), over a pool's slots.
+
+    A resident block is in T1 (seen once since it arrived) or T2 (used again: ``accessed``).
+    Each list keeps its inactive blocks least recently released first. A victim comes from T1
+    while T1 holds at least ``target_t1`` blocks (in use or not), from T2 otherwise, and from
+    the other list when the chosen one has nothing evictable. An evicted block's hash goes to
+    the ghost list of its list (B1 or B2, each at most ``capacity`` long). A miss on a ghost
+    (``missed``, or the block arriving again) moves the target: a B1 ghost says T1 was too
+    small (the target grows by max(1, |B2| / |B1|)), a B2 ghost that T2 was (it shrinks by
+    max(1, |B1| / |B2|)). A block that arrives again enters T1 like any other, as in vLLM's
+    ARC; its arrival moves the target only when no miss of it was reported since it left
+    (an engine that reports misses, as vLLM's manager does, is counted as it reports them).
+    """
+
+    tracks_access = True
+
+    def __init__(self) -> None:
+        self.capacity = 0
+        self.target_t1: float = 0.0
+        #: per slot: 1 (T1) or 2 (T2) while resident, 0 when free
+        self._list: list[int] = []
+        self._hash: list[int] = []
+        self._t1_size = 0  # resident T1 blocks, in use or not: ARC's |T1|
+        self._t1: OrderedDict[int, None] = OrderedDict()  # inactive T1 slots, LRU first
+        self._t2: OrderedDict[int, None] = OrderedDict()
+        self._b1: OrderedDict[int, None] = OrderedDict()  # ghost sequence hashes, LRU first
+        self._b2: OrderedDict[int, None] = OrderedDict()
+        self._adapted: set[int] = set()  # ghosts whose miss already moved the target
+
+    def bind(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._list = [0] * capacity
+        self._hash = [0] * capacity
+
+    # -- what the pool reports -------------------------------------------------------------
+
+    def registered(
+        self, slots: Sequence[int], hashes: Sequence[int], parents: Sequence[int | None]
+    ) -> None:
+        lists, own = self._list, self._hash
+        for slot, seq in zip(slots, hashes, strict=True):
+            if seq in self._b1 or seq in self._b2:
+                if seq not in self._adapted:
+                    self._adapt(seq)
+                self._b1.pop(seq, None)
+                self._b2.pop(seq, None)
+                self._adapted.discard(seq)
+            own[slot] = seq
+            lists[slot] = 1
+        self._t1_size += len(slots)
+
+    def released(self, slots: Sequence[int]) -> None:
+        lists, t1, t2 = self._list, self._t1, self._t2
+        for slot in slots:
+            if lists[slot] == 1:
+                t1[slot] = None
+            else:
+                t2[slot] = None
+
+    def activated(self, slots: Sequence[int]) -> None:
+        lists, t1, t2 = self._list, self._t1, self._t2
+        for slot in slots:
+            del (t1 if lists[slot] == 1 else t2)[slot]
+
+    def accessed(self, slots: Sequence[int]) -> None:
+        """Used again: a T1 block moves to T2 (where an inactive one is most recent)."""
+        lists, t1, t2 = self._list, self._t1, self._t2
+        for slot in slots:
+            if lists[slot] == 1:
+                lists[slot] = 2
+                self._t1_size -= 1
+                if slot in t1:  # inactive: it stays evictable, now in T2
+                    del t1[slot]
+                    t2[slot] = None
+            elif slot in t2:
+                t2.move_to_end(slot)
+
+    def missed(self, sequence_hashes: Sequence[int]) -> None:
+        """Blocks the engine asked for and the pool did not hold: each ghost among them moves
+        the target (every report counts; the block's arrival then does not count again)."""
+        for seq in sequence_hashes:
+            if seq in self._b1 or seq in self._b2:
+                self._adapt(seq)
+                self._adapted.add(seq)
+
+    def _adapt(self, seq: int) -> None:
+        b1, b2 = self._b1, self._b2
+        if seq in b1:
+            self.target_t1 = min(self.target_t1 + max(1.0, len(b2) / len(b1)), self.capacity)
+            b1.move_to_end(seq)
+        else:
+            self.target_t1 = max(self.target_t1 - max(1.0, len(b1) / len(b2)), 0.0)
+            b2.move_to_end(seq)
+
+    def forget(self, slots: Sequence[int]) -> None:
+        """Slots leaving the pool other than by eviction: no ghost is kept."""
+        lists = self._list
+        for slot in slots:
+            if lists[slot] == 1:
+                self._t1_size -= 1
+                self._t1.pop(slot, None)
+            elif lists[slot] == 2:
+                self._t2.pop(slot, None)
+            lists[slot] = 0
+
+    # -- victims ---------------------------------------------------------------------------
+
+    def evictable(self) -> int:
+        return len(self._t1) + len(self._t2)
+
+    def pick_victims(self, count: int) -> list[int]:
+        lists, hashes = self._list, self._hash
+        t1, t2, b1, b2 = self._t1, self._t2, self._b1, self._b2
+        victims: list[int] = []
+        while len(victims) < count and (t1 or t2):
+            if t1 and (self._t1_size >= int(self.target_t1) or not t2):
+                slot = t1.popitem(last=False)[0]
+                self._t1_size -= 1
+                b1[hashes[slot]] = None
+            else:
+                slot = t2.popitem(last=False)[0]
+                b2[hashes[slot]] = None
+            lists[slot] = 0
+            victims.append(slot)
+        for ghost in (b1, b2):
+            for _ in range(len(ghost) - self.capacity):
+                self._adapted.discard(ghost.popitem(last=False)[0])
+        return victims
+
+    def inactive_order(self) -> list[int]:
+        """T1's inactive blocks then T2's: the order of victims while T1 is above target."""
+        return [*self._t1, *self._t2]
+
+    def clear(self) -> None:
+        self._t1.clear()
+        self._t2.clear()
+        self._b1.clear()
+        self._b2.clear()
+        self._adapted.clear()
+        self._list = [0] * self.capacity
+        self._t1_size = 0
+        self.target_t1 = 0.0
+
+    # -- for tests and the vLLM adapter: ARC's lists by sequence hash -------------------------
+
+    def lists(self) -> tuple[list[int], list[int], list[int], list[int]]:
+        """(T1, T2, B1, B2) as sequence hashes, least recent first (T1 and T2: inactive only)."""
+        hashes = self._hash
+        return (
+            [hashes[s] for s in self._t1],
+            [hashes[s] for s in self._t2],
+            list(self._b1),
+            list(self._b2),
+        )
 
 
 Rank = int
@@ -393,6 +575,9 @@ class RankedPolicy:
     def accessed(self, slots: Sequence[int]) -> None:
         pass
 
+    def missed(self, sequence_hashes: Sequence[int]) -> None:
+        pass
+
     def released(self, slots: Sequence[int]) -> None:
         rank_of, heap = self._rank, self._heap
         self._inactive.update(slots)
@@ -448,6 +633,8 @@ def make_policy(name: str) -> EvictionPolicy:
     """The policy called ``name``; a clear error for anything else."""
     if name == "lru":
         return LruPolicy()
+    if name == "arc":
+        return ArcPolicy()
     if name == "lineage":
         return LineagePolicy()
     if name == "multi_lru":

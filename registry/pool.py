@@ -183,8 +183,16 @@ class BlockPool:
             self._policy.accessed(slots)
         return slots
 
-    def acquire(self, slots: Sequence[int]) -> None:
-        """Take one more reference on each registered slot (the engine shares a block)."""
+    def missed(self, sequence_hashes: Sequence[int]) -> None:
+        """The engine asked for these blocks and the pool holds none of them: the policy may
+        learn from it (ARC moves its target on a block it evicted lately)."""
+        self._policy.missed(sequence_hashes)
+
+    def acquire(self, slots: Sequence[int], *, use: bool = True) -> None:
+        """Take one more reference on each registered slot (the engine shares a block).
+
+        ``use=False`` pins without counting a use (an engine that reports its uses itself,
+        as vLLM's offloading manager does at the end of each request)."""
         ref, hashes = self._ref, self._hash
         for slot in slots:
             if hashes[slot] is None:
@@ -194,7 +202,7 @@ class BlockPool:
             ref[slot] += 1
         if revived:
             self._policy.activated(revived)
-        if self._policy.tracks_access and slots:
+        if use and self._policy.tracks_access and slots:
             self._policy.accessed(slots)
 
     def allocate(self, count: int) -> list[int]:

@@ -52,7 +52,7 @@ def test_disk_without_cpu_cache_offloads_straight_to_disk(
     [
         ("KVLEDGER_BLOCK_SIZE", "abc", "block_size (KVLEDGER_BLOCK_SIZE)"),
         ("KVLEDGER_BLOCK_SIZE", "0", "block_size"),
-        ("KVLEDGER_EVICTION_POLICY", "fifo", "'lru', 'lineage' or 'multi_lru'"),
+        ("KVLEDGER_EVICTION_POLICY", "fifo", "'lru', 'arc', 'lineage' or 'multi_lru'"),
         ("DYN_KVBM_CPU_CACHE_GB", "-1", "DYN_KVBM_CPU_CACHE_GB"),
         ("DYN_KVBM_DISK_CACHE_OVERRIDE_NUM_BLOCKS", "lots", "g3_blocks"),
         ("KVLEDGER_EVENT_LOG_URL", "events.db", "(KVLEDGER_EVENT_LOG_URL): must be a URL"),

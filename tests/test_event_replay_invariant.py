@@ -26,6 +26,7 @@ from kvledger.events.log import EventLog
 from kvledger.events.log.replay import replay, replay_report
 from kvledger.events.types import AnyEvent
 from kvledger.mocker.kv_manager import Deref, FullBlock, KvManager, PartialBlock, Promote, Use
+from kvledger.registry.policies import POLICY_NAMES
 from kvledger.registry.state import RegistryState
 
 PATHS = st.lists(st.integers(0, 2), min_size=1, max_size=5).map(tuple)
@@ -66,7 +67,7 @@ class ReplayMachine(RuleBasedStateMachine):
 
     @rule(
         capacity=st.integers(2, 10),
-        eviction=st.sampled_from(["lru", "lineage", "multi_lru"]),
+        eviction=st.sampled_from(POLICY_NAMES),
         batch_size=st.sampled_from([1, 3, 100]),
     )
     @precondition(lambda self: self.mgr is None)

@@ -56,10 +56,10 @@ def test_a_size_that_holds_no_chunk_is_refused() -> None:
         ({"store_threshold": -1}, "store_threshold: Input should be greater than or equal to 0"),
         ({"max_tracker_size": -5}, "max_tracker_size: Input should be greater than 0, got -5"),
         ({"log_url": "nosuch://x"}, "log_url: nosuch://x: SQLAlchemy knows no database"),
-        ({"eviction_policy": "arc"}, "eviction_policy: kvledger keeps G2 in LRU order"),
-        ({"offload_filter": "always"}, "offload_filter only applies to a G3: set g3_blocks"),
-        ({"data_dir": "/x"}, "data_dir only applies to a G3: set g3_blocks"),
-        ({"g3_blocks": 4, "offload_filter": "sometimes"}, "offload_filter: Input should be"),
+        ({"eviction_policy": "fifo"}, "eviction_policy: Input should be 'lru', 'arc'"),
+        ({"offload_filter": "always"}, "no longer keeps a G3 (offload_filter)"),
+        ({"data_dir": "/x"}, "no longer keeps a G3 (data_dir)"),
+        ({"g3_blocks": 4}, "no longer keeps a G3 (g3_blocks): use vLLM's TieringOffloadingSpec"),
         ({"worker_id": 1.7}, "worker_id: must be a whole number"),
         ({"cache_policy_module_path": "x"}, "'cache_policy_module_path' is not a key kvledger"),
         ({"cpu_bytes": 1}, "'cpu_bytes' is not a key kvledger reads; did you mean 'cpu_bytes_to"),
@@ -77,15 +77,14 @@ def test_vllm_keys_it_reads_itself_pass_and_good_values_are_kept_as_given() -> N
             "block_size": 16,
             "offload_prompt_only": False,
             "self_describing_kv_events": True,
-            "g3_blocks": 8,
-            "offload_filter": "never",
+            "eviction_policy": "multi_lru",
             "store_threshold": 2,
             "worker_id": 3,
             "log_url": "sqlite:///x.db",
         }
     )
     assert VllmExtraConfig.load({**VLLM, "log_url": "runs/x.db"}).log_url == "runs/x.db"
-    assert (config.g3_blocks, config.offload_filter, config.store_threshold) == (8, "never", 2)
+    assert (config.eviction_policy, config.store_threshold) == ("multi_lru", 2)
     assert (config.worker_id, config.log_url) == (3, "sqlite:///x.db")
 
 

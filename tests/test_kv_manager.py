@@ -16,6 +16,7 @@ from kvledger.mocker.kv_manager import (
     Use,
 )
 from kvledger.registry.hashing import TokenBlockSequence
+from kvledger.registry.policies import POLICY_NAMES
 
 
 def capturing(
@@ -105,7 +106,7 @@ def test_deref_makes_block_inactive_and_reusable() -> None:
 
 
 def test_inactive_blocks_are_evicted_for_new_ones() -> None:
-    for eviction in ("lru", "lineage", "multi_lru"):
+    for eviction in POLICY_NAMES:
         mgr = KvManager(4, 16, eviction=eviction)
         for i in range(4):
             use(mgr, i)

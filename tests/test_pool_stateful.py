@@ -14,6 +14,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from kvledger.events.types import AnyEvent, Cleared, Removed, Stored, Tier
 from kvledger.registry.emitter import EventEmitter
+from kvledger.registry.policies import POLICY_NAMES
 from kvledger.registry.pool import BlockPool, PoolBusy, PoolExhausted
 from kvledger.registry.state import RegistryState
 
@@ -29,9 +30,7 @@ def seq_hash(path: tuple[int, ...]) -> int:
 
 
 class PoolMachine(RuleBasedStateMachine):
-    @initialize(
-        capacity=st.integers(1, 12), policy=st.sampled_from(["lru", "lineage", "multi_lru"])
-    )
+    @initialize(capacity=st.integers(1, 12), policy=st.sampled_from(POLICY_NAMES))
     def setup(self, capacity: int, policy: str) -> None:
         self.capacity = capacity
         self.policy = policy
@@ -116,6 +115,13 @@ class PoolMachine(RuleBasedStateMachine):
             raise AssertionError("clear succeeded with blocks in use")
         self.pool.clear()
         assert self.pool.num_free == self.capacity
+
+    @rule(path=PATHS)
+    def miss(self, path: tuple[int, ...]) -> None:
+        """An engine reports a miss (ARC learns from ghosts); the pool holds what it held."""
+        before = self.pool.resident_blocks()
+        self.pool.missed([seq_hash(path)])
+        assert self.pool.resident_blocks() == before
 
     @rule(path=PATHS)
     def remove(self, path: tuple[int, ...]) -> None:

@@ -10,6 +10,7 @@ from kvledger.commands.args import non_negative_int, positive_int
 from kvledger.events.types import AnyEvent
 from kvledger.mocker.kv_manager import Deref, FullBlock, KvManager, Use
 from kvledger.registry.hashing import TokenBlockSequence
+from kvledger.registry.policies import POLICY_NAMES
 from kvledger.registry.state import RegistryState
 
 
@@ -18,7 +19,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--requests", type=non_negative_int, default=2000)
     p.add_argument("--blocks", type=positive_int, default=2048, help="G1 capacity in blocks")
     p.add_argument("--block-size", type=positive_int, default=16)
-    p.add_argument("--policy", choices=["lru", "lineage", "multi_lru"], default="lineage")
+    p.add_argument("--policy", choices=POLICY_NAMES, default="lineage")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=run)
 

@@ -46,6 +46,7 @@ from kvledger.mocker.traces import (
 from kvledger.progress import Progress
 from kvledger.registry.emitter import EventEmitter
 from kvledger.registry.lookups import LookupRecorder
+from kvledger.registry.policies import POLICY_NAMES
 from kvledger.registry.state import RegistryState
 from kvledger.registry.tiered import OFFLOAD_FILTERS, TieredRegistry
 
@@ -55,7 +56,7 @@ if TYPE_CHECKING:  # the log and metrics modules load SQLAlchemy, numpy, prometh
     from kvledger.events.shared.zmq_publish import ZmqPublisher
     from kvledger.metrics import Metrics
 
-POLICIES = ("lru", "lineage", "multi_lru")
+POLICIES = POLICY_NAMES
 #: the settings that make the mock engine behave like Dynamo's mocker (``--dynamo``)
 DYNAMO_MODEL: dict[str, Any] = {
     "timing_model": "dynamo",

@@ -21,7 +21,9 @@ from kvledger.events.shared.keys import KeySpace
 __all__ = ["SglangExtraConfig", "VllmExtraConfig"]
 
 MAX_WORKER_ID = (1 << 32) - 1
-OffloadFilter = Literal["always", "seen_twice", "never"]
+RETIRED_SETTINGS = ("g3_blocks", "offload_filter", "data_dir")
+"""Keys of the G3 ``KvledgerOffloadingSpec`` once kept below G2: kvledger's G3 for vLLM is a
+secondary tier of vLLM's tiering layer now (docs/vllm.md)."""
 
 
 def _log_url(url: str | None) -> str | None:
@@ -65,41 +67,30 @@ class VllmExtraConfig(ExtraConfig):
         0, ge=0, description="store a block in G2 once offered this many times (< 2: always)"
     )
     max_tracker_size: int = Field(64_000, gt=0, description="offers the store filter tracks")
-    g3_blocks: int = Field(0, ge=0, description="G3 slots below G2 (0: no G3)")
-    offload_filter: OffloadFilter | None = Field(
-        None, description="which G2 evictions go down to G3 (default seen_twice)"
-    )
-    data_dir: str | None = Field(None, description="where each worker keeps its G3 file")
     worker_id: int | None = Field(
         None, ge=0, le=MAX_WORKER_ID, description="kvledger's worker id (default: vLLM's rank)"
     )
-    eviction_policy: str = Field(
-        "lru", description="G2's order: kvledger keeps it request-ranked LRU, nothing else"
+    eviction_policy: Literal["lru", "arc", "lineage", "multi_lru"] = Field(
+        "lru",
+        description="G2's eviction policy: lru (ranked per request, as vLLM's), arc, lineage "
+        "(leaves first), multi_lru (TinyLFU-gated)",
     )
 
     _url = field_validator("log_url")(_log_url)
-    _dir = field_validator("data_dir")(_folder)
 
-    @field_validator("eviction_policy")
+    @model_validator(mode="before")
     @classmethod
-    def _policy(cls, policy: str) -> str:
-        if policy != "lru":
+    def _retired(cls, given: object) -> object:
+        retired = [k for k in RETIRED_SETTINGS if isinstance(given, dict) and k in given]
+        if retired:
             raise ValueError(
-                f"kvledger keeps G2 in LRU order and has no {policy!r} policy; leave "
-                "eviction_policy out (or use vLLM's own CPUOffloadingSpec for it)"
+                f"KvledgerOffloadingSpec no longer keeps a G3 ({', '.join(retired)}): use "
+                "vLLM's TieringOffloadingSpec with "
+                '{"type": "KvledgerDiskTier", "module_path": '
+                '"kvledger.integrations.vllm.disk_tier", "num_blocks": N, "data_dir": ...} '
+                "in secondary_tiers (docs/vllm.md)"
             )
-        return policy
-
-    @model_validator(mode="after")
-    def _g3_keys(self) -> VllmExtraConfig:
-        if not self.g3_blocks:
-            given = [k for k in ("offload_filter", "data_dir") if getattr(self, k) is not None]
-            if given:
-                raise ValueError(
-                    f"{' and '.join(given)} only {'apply' if len(given) > 1 else 'applies'} to "
-                    "a G3: set g3_blocks too, or leave it out"
-                )
-        return self
+        return given
 
     def chunks(self, bytes_per_chunk: int) -> int:
         """G2's chunk count for chunks of ``bytes_per_chunk``; none is refused by name."""

@@ -21,14 +21,16 @@ SDIST_SHA256="f4c33c2503d52bb411146afa9618a4f48bed68912f617e6803ac8d76e4c74112"
 # venv's recipe, then what the offloading connector and the tests need on top of it
 bash bench/setup_bench_venv.sh "$VENV"
 PIP=("$VENV/bin/python" -m pip install -q --disable-pip-version-check)
-# einops (vLLM's attention layers), kvledger's own needs, pytest and hypothesis
+# einops (vLLM's attention layers), kvledger's own needs, pytest and hypothesis, and NIXL
+# (kvledger's G4 tier for vLLM reads other workers' blocks over it)
 "${PIP[@]}" --no-deps \
     einops==0.8.2 \
     aiosqlite==0.22.1 alembic==1.20.1 greenlet==3.5.6 hiredis==3.5.0 Mako==1.4.3 \
     MarkupSafe==3.0.4 msgpack==1.2.4 pydantic-settings==2.16.3 python-dotenv==1.2.4 \
     redis==8.1.0 SQLAlchemy==2.1.9 xxhash==4.1.0 \
     pytest==9.2.0 iniconfig==2.3.1 pluggy==1.7.0 Pygments==2.21.0 \
-    hypothesis==6.170.17 sortedcontainers==2.4.0
+    hypothesis==6.170.17 sortedcontainers==2.4.0 \
+    nixl==1.5.1 nixl-cu12==1.5.1 nixl-cu13==1.5.1
 "${PIP[@]}" --no-deps -e . --config-settings editable_mode=strict
 
 # vLLM's tests: only in its source distribution (the wheel has none)

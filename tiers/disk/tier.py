@@ -371,6 +371,8 @@ class DiskTier(StorageTier):
         """Cut ``items`` into one contiguous share per I/O thread and run ``work`` on each."""
         if not items:
             return []
+        if len(items) == 1:  # one block: here, not a hand-over to a thread and back
+            return [work(items)]
         shares = min(self.io_threads, len(items))
         step = -(-len(items) // shares)
         futures = [self._pool.submit(work, items[i : i + step]) for i in range(0, len(items), step)]

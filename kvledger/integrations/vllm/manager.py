@@ -15,18 +15,17 @@ What vLLM's scheduler expects, and how it maps onto the pool:
 - a load pins its blocks (``acquire``) until ``complete_load`` releases them;
 - keys offered in one ``prepare_store`` are never evicted by it: they are pinned around the
   allocation;
-- recency is request-level (``RankedPolicy``): a request's blocks rank when it finishes,
-  tails before heads, so a late completion of an old request does not demote a newer one;
+- eviction follows ``cache_policy``, one of kvledger's policies (``registry.policies``, the
+  same ones ``BlockManager`` runs): ``lru`` ranks per request (``RankedPolicy``: a request's
+  blocks rank when it finishes, tails before heads, so a late completion of an old request
+  does not demote a newer one, as vLLM's LRU does); ``arc``, ``lineage`` and ``multi_lru``
+  (TinyLFU-gated) see a load, a touch or a store offering a stored block as a use, a request
+  finishing as its blocks' recency (tails first), and a store of absent blocks as a miss;
 - ``reset_cache`` always succeeds: the pool is replaced and the log says ``Cleared``.
 
-With ``g3_blocks`` a G3 ``BlockPool`` sits below G2 (the same emitter, so one id sequence):
-a G2 block that an allocation evicts is demoted to G3 when the offload filter lets it
-(``always``, ``seen_twice``: requested by two requests or more, ``never``), its copy riding
-with the job that evicted it (``specs.KvledgerStoreSpec``); until that job completes the
-block is HIT_PENDING, then ``Offloaded(G2 -> G3)``. A load of a block held on G3 only
-promotes it into a fresh G2 slot (``Onboarded(G3 -> G2)`` when the load completes) and
-reads it from there, or reads G3 directly when G2 has no slot to give. vLLM hears of G3 as
-``Medium.STORAGE``.
+kvledger's G3 and G4 for vLLM are secondary tiers of vLLM's tiering layer
+(``disk_tier.KvledgerDiskTier``, ``peer_tier.KvledgerPeerTier``), not part of this manager:
+docs/vllm.md says why.
 
 Names: vLLM 0.33 hands the manager ``OffloadKey``s and a ``ReqContext`` (request id,
 ``kv_transfer_params``, ``kv_hints``, each key's end-token position), never token ids (see
@@ -50,7 +49,6 @@ from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, cast
 
-import xxhash
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
     OffloadingConnectorStats,
 )
@@ -72,22 +70,24 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvledger.config import Settings
 from kvledger.events.log import AppendBuffer, EventLog
-from kvledger.events.types import AnyEvent, BlockInfo, Offloaded, Onboarded, Removed, Stored, Tier
-from kvledger.integrations.vllm.specs import DiskMoves, KvledgerLoadSpec, KvledgerStoreSpec
+from kvledger.events.types import AnyEvent, Removed, Stored, Tier
+from kvledger.integrations.vllm.keys import key_hash
 from kvledger.registry.emitter import EventEmitter
 from kvledger.registry.errors import PoolExhausted
-from kvledger.registry.policies import FrequencySketch, Rank, RankedPolicy
+from kvledger.registry.policies import (
+    POLICY_NAMES,
+    EvictionPolicy,
+    Rank,
+    RankedPolicy,
+    make_policy,
+)
 from kvledger.registry.pool import BlockPool
 from kvledger.registry.state import RegistryState
 
-__all__ = ["OFFLOAD_FILTERS", "KvledgerOffloadingManager", "key_hash"]
-
-OFFLOAD_FILTERS = ("always", "seen_twice", "never")
-
-
-def key_hash(key: bytes) -> int:
-    """kvledger's sequence hash for a vLLM ``OffloadKey``: stable across processes and runs."""
-    return xxhash.xxh3_64_intdigest(key)
+__all__ = ["CACHE_POLICIES", "KvledgerOffloadingManager", "key_hash"]
+CACHE_POLICIES = POLICY_NAMES
+"""The ``cache_policy`` values: kvledger's eviction policies (vLLM's own "lru" and "arc" among
+them, each as kvledger implements it)."""
 
 
 RANK_SHIFT = 40
@@ -128,29 +128,20 @@ class _RequestAccess:
     #: every key the request showed, first seen first, with its end-token position then
     seen: dict[OffloadKey, int | None] = field(default_factory=dict)
     finished: bool = False
-    #: keys this request asked for, counted once each for the ``seen_twice`` filter
-    counted: set[OffloadKey] = field(default_factory=set)
-    #: loads in flight that read G3: key -> (G3 slot, G2 slot it is promoted into or -1)
-    g3_loads: dict[OffloadKey, tuple[int, int]] = field(default_factory=dict)
     #: (group, end-token position) -> key, for each key the request showed (parent links)
     chunk_keys: dict[tuple[int, int], OffloadKey] = field(default_factory=dict)
-
-
-@dataclass(slots=True)
-class _Demotion:
-    """G2 blocks one allocation evicted, on their way to G3 with the job that evicted them."""
-
-    keys: list[OffloadKey]
-    g3_slots: list[int]
-    blocks: list[BlockInfo]
-    done: bool = False
+    #: for policies other than lru, vLLM's classification of the request's accesses: keys it
+    #: stored, keys it read that it had not stored (a reuse), keys whose miss it reported
+    inserted: set[OffloadKey] = field(default_factory=set)
+    reused: set[OffloadKey] = field(default_factory=set)
+    store_missed: set[OffloadKey] = field(default_factory=set)
 
 
 class KvledgerOffloadingManager(OffloadingManager):  # type: ignore[misc]  # vLLM is untyped here
     """``num_chunks`` G2 slots; ``log_url`` makes every transition durable.
 
     The constructor takes vLLM's ``CPUOffloadingManager`` arguments, so either can stand in
-    for the other. ``cache_policy`` must be "lru" (request-ranked); ``store_threshold`` >= 2
+    for the other. ``cache_policy`` is one of ``CACHE_POLICIES``; ``store_threshold`` >= 2
     stores only keys offered that many times (the offload filter), remembering at most
     ``max_tracker_size`` keys.
     """
@@ -168,25 +159,20 @@ class KvledgerOffloadingManager(OffloadingManager):  # type: ignore[misc]  # vLL
         log_url: str | None = None,
         event_log: EventLog | None = None,
         worker_id: int = 0,
-        g3_blocks: int = 0,
-        offload_filter: str = "seen_twice",
         tokens_per_chunk: Mapping[int, int] | None = None,
     ) -> None:
-        if cache_policy != "lru" or cache_policy_module_path is not None:
+        if cache_policy not in CACHE_POLICIES or cache_policy_module_path is not None:
             raise ValueError(
-                f"kvledger's offloading manager ranks blocks per request (cache_policy 'lru');"
-                f" got cache_policy={cache_policy!r},"
-                f" cache_policy_module_path={cache_policy_module_path!r}"
+                "kvledger's offloading manager runs kvledger's eviction policies: cache_policy"
+                f" (eviction_policy in kv_connector_extra_config) must be one of"
+                f" {', '.join(CACHE_POLICIES)} with no cache_policy_module_path; got"
+                f" cache_policy={cache_policy!r},"
+                f" cache_policy_module_path={cache_policy_module_path!r} (kvledger's policies"
+                " for vLLM's own CPU tier are in kvledger.integrations.vllm.policies)"
             )
+        self.cache_policy = cache_policy
         if not isinstance(num_chunks, int) or num_chunks < 0:
             raise ValueError(f"num_chunks must be a non-negative integer, got {num_chunks!r}")
-        if not isinstance(g3_blocks, int) or isinstance(g3_blocks, bool) or g3_blocks < 0:
-            raise ValueError(f"g3_blocks must be a non-negative integer, got {g3_blocks!r}")
-        if offload_filter not in OFFLOAD_FILTERS:
-            raise ValueError(
-                f"unknown offload_filter {offload_filter!r}; expected one of "
-                + ", ".join(OFFLOAD_FILTERS)
-            )
         self.medium = Medium.CPU
         self.num_chunks = num_chunks
         self._config_info: ConfigInfoMapping = info.as_config_info() if info is not None else {}
@@ -215,25 +201,9 @@ class KvledgerOffloadingManager(OffloadingManager):  # type: ignore[misc]  # vLL
         self._pending: dict[OffloadKey, tuple[int, int]] = {}
         self._generation = 0
         self._next_rank = 0
-        # G3 below G2 (None: no G3); its maps mirror G2's
-        self.g3_blocks = g3_blocks
-        self.offload_filter = offload_filter
-        self.g3: BlockPool | None = None
-        self._g3_keys: dict[int, OffloadKey] = {}  # hash -> vLLM key, every G3 slot in use
-        self._g3_slot_of: dict[OffloadKey, int] = {}  # vLLM key -> G3 slot, stored
-        self._demoting: dict[OffloadKey, int] = {}  # demotions in flight: key -> G3 slot
-        self._demotion_of: dict[OffloadKey, _Demotion] = {}  # stored key -> its job's demotion
-        self._promoting: dict[OffloadKey, int] = {}  # promotions in flight: key -> G2 slot
-        self._parent_of: dict[OffloadKey, int | None] = {}  # parent each G2 block was named with
-        self._evicted_slots: list[int] = []  # G2 slots of _evicted, in the same order
         # parent links: tokens per chunk of each KV-cache group, and each store's parents
         self._chunks = dict(tokens_per_chunk) if tokens_per_chunk else None
         self._store_parent: dict[OffloadKey, int | None] = {}
-        self._seen: FrequencySketch | None = (
-            FrequencySketch(num_chunks + g3_blocks)
-            if g3_blocks and offload_filter == "seen_twice"
-            else None
-        )
         self._new_pool()
         self.store_threshold = store_threshold
         self.max_tracker_size = max_tracker_size
@@ -244,19 +214,20 @@ class KvledgerOffloadingManager(OffloadingManager):  # type: ignore[misc]  # vLL
         self.allocation_sizes_in_current_batch: list[int] = []
         if self.event_log is not None:
             # a log an earlier run of this worker wrote: go on from its last id, and say that
-            # G2 and G3 (configured here or not) start empty, so the log replays to this run
+            # G2 starts empty (and G3, which earlier versions kept here), so the log replays
+            # to this run
             self._emitter.resume(self.event_log.last_event_id(worker_id), [Tier.G2, Tier.G3])
 
     def _new_pool(self) -> None:
-        self._policy = RankedPolicy()
         capacity = max(self.num_chunks, 1)  # a zero-chunk cache still answers lookups
+        # lru: ranked per request, as vLLM ranks; the others as BlockManager runs them
+        self._ranked = RankedPolicy() if self.cache_policy == "lru" else None
+        self._policy: EvictionPolicy = self._ranked or make_policy(self.cache_policy)
         self.pool = BlockPool(
             capacity, tier=Tier.G2, policy=self._policy, emitter=self._emitter, fresh_first=True
         )
         if self.num_chunks == 0:
             self.pool.allocate(1)  # the placeholder slot, never handed out
-        if self.g3_blocks:
-            self.g3 = BlockPool(self.g3_blocks, tier=Tier.G3, emitter=self._emitter)
 
     # -- events ------------------------------------------------------------------------
 
@@ -264,14 +235,9 @@ class KvledgerOffloadingManager(OffloadingManager):  # type: ignore[misc]  # vLL
         """Every pool change: to the durable log, and as vLLM's event for take_events."""
         if self._log_buffer is not None:
             self._unlogged.append(event)
-        if self.g3 is not None and (event.tier is not Tier.G2 or isinstance(event, Onboarded)):
-            self._on_disk_event(event)
-            return
         if isinstance(event, Removed):
             keys, slot_of = self._keys, self._slot_of
             gone = [keys.pop(h) for h in event.sequence_hashes]
-            if self.g3 is not None:  # the slots, for the demotions this eviction may call for
-                self._evicted_slots.extend(slot_of[key] for key in gone)
             for key in gone:
                 del slot_of[key]
             self._evicted.extend(gone)
@@ -282,33 +248,6 @@ class KvledgerOffloadingManager(OffloadingManager):  # type: ignore[misc]  # vLL
             self.events.append(
                 OffloadingEvent(
                     keys=[keys[h] for h, _ in event.blocks], medium=self.medium, removed=False
-                )
-            )
-
-    def _on_disk_event(self, event: AnyEvent) -> None:
-        """A G3 change, or a block promoted from G3 into G2: vLLM hears of G3 as STORAGE."""
-        if isinstance(event, Removed):
-            g3_keys, g3_slot_of = self._g3_keys, self._g3_slot_of
-            gone = [g3_keys.pop(h) for h in event.sequence_hashes]
-            for key in gone:
-                del g3_slot_of[key]
-            if self.events is not None:
-                self.events.append(OffloadingEvent(keys=gone, medium=Medium.STORAGE, removed=True))
-        elif isinstance(event, Offloaded) and self.events is not None:
-            self.events.append(
-                OffloadingEvent(
-                    keys=[self._g3_keys[b.sequence_hash] for b in event.blocks],
-                    medium=Medium.STORAGE,
-                    removed=False,
-                    removal_expected=True,  # a STORAGE removal will follow, on its own
-                )
-            )
-        elif isinstance(event, Onboarded) and self.events is not None:
-            self.events.append(
-                OffloadingEvent(
-                    keys=[self._keys[b.sequence_hash] for b in event.blocks],
-                    medium=self.medium,
-                    removed=False,
                 )
             )
 
@@ -344,15 +283,45 @@ class KvledgerOffloadingManager(OffloadingManager):  # type: ignore[misc]  # vLL
             req_context.set_state(state)
         return state
 
-    def _rank_fresh(self, keys: Iterable[OffloadKey]) -> None:
-        """Each key, in order, becomes the most recent (vLLM's touch order)."""
+    def _rank_fresh(self, keys: Iterable[OffloadKey], *, used: bool = False) -> None:
+        """Each key, in order, becomes the most recent (vLLM's touch order); with ``used``,
+        each also counts as a use (a touch: ARC and the frequency sketch count it)."""
         where = self._slot_of.get
         slots = [slot for key in keys if (slot := where(key)) is not None]
-        if slots:
-            first = self._next_rank + 1
-            self._next_rank += len(slots)
-            step = 1 << RANK_SHIFT
-            self._policy.set_ranks(slots, range(first * step, (first + len(slots)) * step, step))
+        if not slots:
+            return
+        if self._ranked is None:
+            self._refresh(slots, used=used)
+            return
+        first = self._next_rank + 1
+        self._next_rank += len(slots)
+        step = 1 << RANK_SHIFT
+        self._ranked.set_ranks(slots, range(first * step, (first + len(slots)) * step, step))
+
+    def _refresh(self, slots: list[int], *, used: bool) -> None:
+        """For a policy that orders by release: each registered slot becomes the most
+        recently released (an idle one is taken and given back), counted as a use if
+        ``used``. Stores in flight are left alone."""
+        policy, pool = self._policy, self.pool
+        count = used and policy.tracks_access
+        in_flight: set[int] | None = None
+        for slot in slots:
+            if pool.refcount(slot):  # in use: its recency counts from its release
+                if count:
+                    if in_flight is None:
+                        in_flight = {slot for slot, _ in self._pending.values()}
+                    if slot not in in_flight:
+                        policy.accessed([slot])
+                continue
+            one = [slot]
+            policy.activated(one)
+            if count:
+                policy.accessed(one)
+            policy.released(one)
+
+    def _set_ranks(self, slots: Sequence[int], ranks: Sequence[Rank]) -> None:
+        if self._ranked is not None:
+            self._ranked.set_ranks(slots, ranks)
 
     def _record_access(self, keys: Iterable[OffloadKey], req_context: ReqContext) -> _RequestAccess:
         """First sight of ``keys`` in this request: rank them at the request's rank, tails
@@ -379,8 +348,8 @@ class KvledgerOffloadingManager(OffloadingManager):  # type: ignore[misc]  # vLL
                 continue
             slots.append(slot)
             ranks.append(request_rank - position)
-        if slots:
-            self._policy.raise_ranks(slots, ranks)
+        if slots and self._ranked is not None:
+            self._ranked.raise_ranks(slots, ranks)
         return state
 
     def _note_chunks(self, keys: Iterable[OffloadKey], req_context: ReqContext) -> None:
@@ -411,12 +380,9 @@ class KvledgerOffloadingManager(OffloadingManager):  # type: ignore[misc]  # vLL
         return len(self._pending)
 
     def state(self) -> RegistryState:
-        """G2 (and G3) as it stands: what the event log of this run replays to."""
+        """G2 as it stands: what the event log of this run replays to."""
         worker = self._emitter.worker_id
-        tiers = {(worker, Tier.G2): self.pool.resident_blocks()}
-        if self.g3 is not None:
-            tiers[(worker, Tier.G3)] = self.g3.resident_blocks()
-        return RegistryState.from_mapping(tiers)
+        return RegistryState.from_mapping({(worker, Tier.G2): self.pool.resident_blocks()})
 
     def flush_log(self) -> None:
         """Wait until every event so far is durable in the log."""
@@ -437,211 +403,41 @@ class KvledgerOffloadingManager(OffloadingManager):  # type: ignore[misc]  # vLL
         return RequestOffloadingContext()
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
-        if self._seen is not None:
-            self._count_request([key], req_context)
         if key in self._pending:
-            if self.g3 is not None and key in self._g3_slot_of:
-                return LookupResult.HIT
             return LookupResult.HIT_PENDING
         if key in self._slot_of:
             return LookupResult.HIT
-        if self.g3 is not None:
-            if key in self._g3_slot_of:
-                return LookupResult.HIT
-            if key in self._demoting:
-                return LookupResult.HIT_PENDING
         return LookupResult.MISS
 
     def get_load_source(self, key: OffloadKey, req_context: ReqContext) -> CacheHitSource:
-        if self.g3 is not None and (key not in self._slot_of or key in self._pending):
-            return CacheHitSource.DISK
         return CacheHitSource.HOST
 
     def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> LoadStoreSpec:
         where, pending = self._slot_of.get, self._pending
         slots: list[int] = []
-        on_disk: list[int] = []  # positions of the keys G3 serves
         for key in keys:
             slot = where(key)
             if slot is None or key in pending:
-                if self.g3 is not None and key in self._g3_slot_of:
-                    on_disk.append(len(slots))
-                    slots.append(-1)
-                    continue
                 raise KeyError(f"prepare_load: block {key!r} is not stored (or still in flight)")
             slots.append(slot)
         if self._chunks is not None:
             self._note_chunks(keys, req_context)
-        if on_disk:
-            return self._prepare_disk_load(list(keys), slots, on_disk, req_context)
-        self.pool.acquire(slots)
+        if self._ranked is None:
+            state = self._request(req_context)
+            state.reused.update(key for key in keys if key not in state.inserted)
+        self.pool.acquire(slots, use=False)
         self._record_access(keys, req_context)
         return CPULoadStoreSpec(slots)
 
-    # -- G3 ----------------------------------------------------------------------------
-
-    def _count_request(self, keys: Iterable[OffloadKey], req_context: ReqContext) -> None:
-        """The ``seen_twice`` filter's count: one per request that asks for a key."""
-        seen = self._seen
-        assert seen is not None
-        counted = self._request(req_context).counted
-        for key in keys:
-            if key not in counted:
-                counted.add(key)
-                seen.increment(key_hash(key))
-
-    def _worth_disk(self, key: OffloadKey) -> bool:
-        """The offload filter between G2 and G3."""
-        if self.offload_filter == "always":
-            return True
-        if self.offload_filter == "never" or self._seen is None:
-            return False
-        return self._seen.estimate(key_hash(key)) >= 2
-
-    def _plan_demotion(
-        self, evicted: list[OffloadKey]
-    ) -> tuple[_Demotion | None, list[tuple[int, int]]]:
-        """G3 slots for the G2 blocks an allocation just evicted that the filter keeps (the
-        most recent first when G3 cannot take them all); ``(G2 slot, G3 slot)`` copies that
-        must run before anything overwrites those G2 slots."""
-        g2_slots, self._evicted_slots = self._evicted_slots, []
-        g3 = self.g3
-        if g3 is None or not evicted:
-            return None, []
-        parents, on_g3, demoting = self._parent_of, self._g3_slot_of, self._demoting
-        chosen: list[tuple[OffloadKey, int, int | None]] = []
-        for key, g2_slot in zip(evicted, g2_slots, strict=True):
-            parent = parents.pop(key, None)
-            if key not in on_g3 and key not in demoting and self._worth_disk(key):
-                chosen.append((key, g2_slot, parent))
-        if not chosen:
-            return None, []
-        g3_slots = g3.allocate_upto(len(chosen))  # may evict G3 blocks: Removed(G3)
-        if not g3_slots:
-            return None, []
-        chosen = chosen[len(chosen) - len(g3_slots) :]
-        demotion = _Demotion([], g3_slots, [])
-        for (key, _, parent), g3_slot in zip(chosen, g3_slots, strict=True):
-            h = key_hash(key)
-            demoting[key] = g3_slot
-            self._g3_keys[h] = key
-            demotion.keys.append(key)
-            demotion.blocks.append(BlockInfo(h, h, parent))
-        pairs = zip(chosen, g3_slots, strict=True)
-        moves = [(g2_slot, g3_slot) for (_, g2_slot, _), g3_slot in pairs]
-        return demotion, moves
-
-    def _finish_demotions(self, keys: Iterable[OffloadKey], success: bool) -> None:
-        """The job that carried a demotion ended: G3 holds the blocks (``Offloaded``), or,
-        when it failed, the G3 slots go back unnamed and the blocks are gone."""
-        g3 = self.g3
-        assert g3 is not None
-        for key in keys:
-            demotion = self._demotion_of.pop(key, None)
-            if demotion is None or demotion.done:
-                continue
-            demotion.done = True
-            for demoted in demotion.keys:
-                del self._demoting[demoted]
-            if not success:
-                g3.release(demotion.g3_slots)
-                for demoted in demotion.keys:
-                    self._g3_keys.pop(key_hash(demoted), None)
-                continue
-            landed = g3.register_copies(demotion.g3_slots, demotion.blocks, Tier.G2)
-            for demoted, slot in zip(demotion.keys, landed, strict=True):
-                self._g3_slot_of[demoted] = slot
-            g3.release(landed)
-
-    def _prepare_disk_load(
-        self,
-        keys: list[OffloadKey],
-        slots: list[int],
-        on_disk: list[int],
-        req_context: ReqContext,
-    ) -> LoadStoreSpec:
-        """A load some of whose blocks only G3 holds: each such block is promoted into a
-        fresh G2 slot and read from there, or read from G3 directly when G2 has no slot."""
-        g3 = self.g3
-        assert g3 is not None
-        self.pool.acquire([s for s in slots if s >= 0])
-        g3_slots = [-1] * len(keys)
-        for i in on_disk:
-            g3_slots[i] = self._g3_slot_of[keys[i]]
-        g3.acquire([g3_slots[i] for i in on_disk])
-        promoting, pending = self._promoting, self._pending
-        todo = [i for i in on_disk if keys[i] not in promoting and keys[i] not in pending]
-        fresh: list[int] = []
-        self._evicted, self._evicted_slots = [], []
-        if todo and self.num_chunks:
-            fresh = self.pool.allocate_upto(len(todo))  # may evict G2 blocks: demoted
-        evicted, self._evicted = self._evicted, []
-        demotion, demotions = self._plan_demotion(evicted)
-        state = self._request(req_context)
-        ranks: list[Rank] = []
-        promotions: list[tuple[int, int]] = []
-        for i, g2_slot in zip(todo, fresh, strict=False):
-            key = keys[i]
-            promoting[key] = g2_slot
-            slots[i] = g2_slot
-            promotions.append((g3_slots[i], g2_slot))
-            if demotion is not None:
-                self._demotion_of[key] = demotion
-            position = req_context.get_offload_key_position(key)
-            if position is None:
-                self._next_rank += 1
-                ranks.append(self._next_rank << RANK_SHIFT)
-            else:
-                ranks.append((state.rank << RANK_SHIFT) - position)
-        self._policy.set_ranks(fresh, ranks)
-        for i in on_disk:
-            state.g3_loads[keys[i]] = (g3_slots[i], slots[i])
-        self._record_access(keys, req_context)
-        names = demotion.blocks if demotion is not None else []
-        return KvledgerLoadSpec(slots, g3_slots, DiskMoves(demotions, names, promotions))
-
-    def _complete_disk_loads(
-        self, keys: Collection[OffloadKey], state: _RequestAccess
-    ) -> list[OffloadKey]:
-        """Finish the G3 reads among ``keys`` (promoted blocks are now on G2:
-        ``Onboarded(G3 -> G2)``); returns the keys that were read from G2."""
-        g3 = self.g3
-        assert g3 is not None
-        from_g2: list[OffloadKey] = []
-        g3_slots: list[int] = []
-        promoted: list[OffloadKey] = []
-        fresh: list[int] = []
-        for key in keys:
-            entry = state.g3_loads.pop(key, None)
-            if entry is None:
-                from_g2.append(key)
-                continue
-            g3_slot, g2_slot = entry
-            g3_slots.append(g3_slot)
-            if g2_slot >= 0 and self._promoting.get(key) == g2_slot:
-                promoted.append(key)
-                fresh.append(g2_slot)
-        if promoted:
-            self._finish_demotions(promoted, True)
-            blocks = [g3.block_info(self._g3_slot_of[key]) for key in promoted]
-            for key, g2_slot, block in zip(promoted, fresh, blocks, strict=True):
-                del self._promoting[key]
-                self._keys[block.sequence_hash] = key
-                self._slot_of[key] = g2_slot
-                self._parent_of[key] = block.parent_hash
-            self.pool.register_copies(fresh, blocks, Tier.G3)
-            self.pool.release(fresh)
-        g3.release(g3_slots)
-        return from_g2
-
     def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
-        self._rank_fresh(reversed(list(keys)))
+        keys = list(keys)
+        self._rank_fresh(reversed(keys), used=True)
+        if self._ranked is None:
+            absent = [key_hash(key) for key in keys if key not in self._slot_of]
+            if absent:
+                self.pool.missed(absent)
 
     def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
-        if self.g3 is not None:
-            state = req_context.get_state(_RequestAccess)
-            if state is not None and state.owner is self and state.g3_loads:
-                keys = self._complete_disk_loads(keys, state)
         where = self._slot_of.get
         found = [where(key) for key in keys]
         if None in found:
@@ -649,7 +445,8 @@ class KvledgerOffloadingManager(OffloadingManager):  # type: ignore[misc]  # vLL
             raise KeyError(f"complete_load: block {key!r} has no load in flight")
         slots = cast(list[int], found)
         try:
-            self.pool.release(slots)  # checks each reference (and takes none back if one fails)
+            # tail first, so the head of the prefix is the most recent (as vLLM's touch ranks)
+            self.pool.release(slots[::-1])  # checks each reference (takes none back on error)
         except ValueError:
             refcount = self.pool.refcount
             idle = [key for key, slot in zip(keys, slots, strict=True) if not refcount(slot)]
@@ -684,17 +481,14 @@ class KvledgerOffloadingManager(OffloadingManager):  # type: ignore[misc]  # vLL
         keys = list(keys)
         if self.counts is not None:
             self._note_offers(keys)
-        if self._seen is not None:
-            self._count_request(keys, req_context)
         if self._chunks is not None:
             self._note_chunks(keys, req_context)
         pending, slot_of = self._pending, self._slot_of
-        promoting = self._promoting  # blocks on their way from G3 into G2
         to_store: list[OffloadKey] = []
         resident: list[int] = []  # slots of offered keys already stored
         offered: list[OffloadKey] = []  # keys neither in flight nor skipped, in order
         for key in keys:
-            if key in pending or key in promoting:
+            if key in pending:
                 continue
             offered.append(key)
             slot = slot_of.get(key)
@@ -710,6 +504,8 @@ class KvledgerOffloadingManager(OffloadingManager):  # type: ignore[misc]  # vLL
                 skipped = set(to_store).difference(wanted)
                 offered = [k for k in offered if k not in skipped]
             to_store = wanted
+        if self._ranked is None:
+            self._note_offer(offered, to_store, req_context)
         state = self._record_access(offered, req_context)
         if not to_store:
             return PrepareStoreOutput(
@@ -718,10 +514,10 @@ class KvledgerOffloadingManager(OffloadingManager):  # type: ignore[misc]  # vLL
         self.allocation_sizes_in_current_batch.append(len(to_store))
         slots = self._allocate(len(to_store), resident)
         if slots is None:
-            self._evicted_slots = []
             return None
         evicted, self._evicted = self._evicted, []
-        demotion, demotions = self._plan_demotion(evicted)
+        if self._ranked is None:
+            state.inserted.update(to_store)
         ranks: list[Rank] = []
         parents = self._store_parent if self._chunks is not None else None
         names, request_rank = self._keys, state.rank << RANK_SHIFT
@@ -741,14 +537,28 @@ class KvledgerOffloadingManager(OffloadingManager):  # type: ignore[misc]  # vLL
                 ranks.append(request_rank - position)
             if parents is not None:
                 parents[key] = self._parent(key, position, state)
-        self._policy.set_ranks(slots, ranks)
-        if demotion is not None:
-            for key in to_store:
-                self._demotion_of[key] = demotion
-            spec: LoadStoreSpec = KvledgerStoreSpec(slots, DiskMoves(demotions, demotion.blocks))
-        else:
-            spec = CPULoadStoreSpec(slots)
-        return PrepareStoreOutput(keys_to_store=to_store, store_spec=spec, evicted_keys=evicted)
+        self._set_ranks(slots, ranks)
+        return PrepareStoreOutput(
+            keys_to_store=to_store, store_spec=CPULoadStoreSpec(slots), evicted_keys=evicted
+        )
+
+    def _note_offer(
+        self, offered: list[OffloadKey], to_store: list[OffloadKey], req_context: ReqContext
+    ) -> None:
+        """A store's offer, for a policy other than lru: stored blocks it offers are reused
+        (counted when the request finishes, as vLLM does), and the blocks it must store
+        were misses, reported once per request before this store evicts (ARC adapts)."""
+        state = self._request(req_context)
+        missing = set(to_store)
+        state.reused.update(
+            key
+            for key in offered
+            if key not in missing and key not in state.inserted and key not in self._pending
+        )
+        fresh = [key for key in reversed(to_store) if key not in state.store_missed]
+        if fresh:
+            state.store_missed.update(fresh)
+            self.pool.missed([key_hash(key) for key in fresh])
 
     def _allocate(self, count: int, protected: list[int]) -> list[int] | None:
         """``count`` slots, evicting (never the ``protected`` ones) as needed; None, with
@@ -757,10 +567,9 @@ class KvledgerOffloadingManager(OffloadingManager):  # type: ignore[misc]  # vLL
         if self.num_chunks == 0:
             return None
         self._evicted = []
-        self._evicted_slots = []
         need_eviction = count > pool.num_free
         if need_eviction and protected:
-            pool.acquire(protected)
+            pool.acquire(protected, use=False)
         try:
             return pool.allocate(count)
         except PoolExhausted:
@@ -784,8 +593,6 @@ class KvledgerOffloadingManager(OffloadingManager):  # type: ignore[misc]  # vLL
                 hashes.append(entry[1])
         if not done:
             return
-        if self._demotion_of:
-            self._finish_demotions(done, success)
         parents: list[int | None] | None = None
         if self._chunks is not None:
             store_parent = self._store_parent
@@ -797,9 +604,6 @@ class KvledgerOffloadingManager(OffloadingManager):  # type: ignore[misc]  # vLL
             else:
                 self._register_chains(slots, hashes, parents)
             self.pool.release(slots)
-            if self.g3 is not None:  # what a demotion names each block's parent
-                for key, parent in zip(done, parents, strict=True):
-                    self._parent_of[key] = parent
             return
         self.pool.release(slots)  # never named: the slots go back to the free list
         for key, h in zip(done, hashes, strict=True):
@@ -844,13 +648,25 @@ class KvledgerOffloadingManager(OffloadingManager):  # type: ignore[misc]  # vLL
         if None in positions:  # asked again: a key's position may have come since
             positions = list(map(req_context.get_offload_key_position, order))
         if None in positions:
-            self._rank_fresh(reversed(sorted(order, key=_group_of)))
+            tail_first = list(reversed(sorted(order, key=_group_of)))
         elif len(set(positions)) == len(positions):  # one group: positions decide alone
-            tail_first = sorted(zip(positions, order, strict=True), reverse=True)
-            self._rank_fresh([key for _, key in tail_first])
+            ordered = sorted(zip(positions, order, strict=True), reverse=True)
+            tail_first = [key for _, key in ordered]
         else:
             at = dict(zip(order, positions, strict=True))
-            self._rank_fresh(reversed(sorted(order, key=lambda key: (at[key], _group_of(key)))))
+            tail_first = list(reversed(sorted(order, key=lambda key: (at[key], _group_of(key)))))
+        if self._ranked is not None:
+            self._rank_fresh(tail_first)
+            return
+        # vLLM's classification: a block the request stored becomes the most recent, one it
+        # reused (read without storing it) is also a use; others (in flight) are left alone
+        where, pending, reused = self._slot_of.get, self._pending, state.reused
+        for key in tail_first:
+            used = key in reused
+            if used or key in state.inserted:
+                slot = where(key)
+                if slot is not None and key not in pending:
+                    self._refresh([slot], used=used)
 
     def reset_cache(self) -> None:
         """Drop everything, in use or not: vLLM guarantees no completion of an earlier job
@@ -860,16 +676,9 @@ class KvledgerOffloadingManager(OffloadingManager):  # type: ignore[misc]  # vLL
         self._keys.clear()
         self._slot_of.clear()
         self._next_rank = 0
-        for g3_map in (self._g3_keys, self._g3_slot_of, self._demoting, self._demotion_of):
-            g3_map.clear()
-        self._promoting.clear()
-        self._parent_of.clear()
         self._store_parent.clear()
-        self._evicted_slots = []
         self._new_pool()
         self._emitter.cleared(Tier.G2)
-        if self.g3 is not None:
-            self._emitter.cleared(Tier.G3)
 
     def config_info(self) -> Sequence[ConfigInfoMapping]:
         return [self._config_info]

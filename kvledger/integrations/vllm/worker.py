@@ -6,14 +6,6 @@ region (``LayerSeparate``, one "layer" per region), and keeps G2 in a ``HostTier
 block shape: a store copies G1 rows into the G2 slots the manager chose (vLLM's chunk ids), a
 load copies them back. The copies run on the ``TransferEngine`` (asynchronous; on CUDA the
 device copies are issued at once and only their completion waits on the engine's thread).
-
-With a G3 (``g3_blocks``), a ``DiskTier`` file of the same block shape sits below G2. The
-manager's specs (``specs``) say which G2 <-> G3 copies a job needs before its G1 copy;
-they go to the same engine first, and the engine runs copies in the order given, so a G2 slot
-is copied down before the same job's store overwrites it and a promoted block is in G2 before
-the job's G1 copy reads it (across jobs, order does not matter: the manager holds every slot a
-job touches until the job completes). A job is done when all its copies are; it failed if any
-did (a G3 slot failing its checksum).
 """
 
 from __future__ import annotations
@@ -22,7 +14,6 @@ import contextlib
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 from vllm.v1.kv_offload.base import (
@@ -34,9 +25,7 @@ from vllm.v1.kv_offload.base import (
 )
 from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 
-from kvledger.integrations.vllm.specs import DiskMoves, KvledgerLoadSpec, KvledgerStoreSpec
 from kvledger.tiers.device import DeviceTier
-from kvledger.tiers.disk import DiskTier
 from kvledger.tiers.host import HostTier
 from kvledger.tiers.layout import BlockShape, LayerSeparate
 from kvledger.tiers.transfer import TransferEngine, TransferHandle
@@ -80,57 +69,19 @@ class _Job:
 
 
 class KvledgerOffloadingWorker(OffloadingWorker):  # type: ignore[misc]  # vLLM is untyped here
-    """G1 (vLLM's tensors) <-> G2 (``num_chunks`` host slots), and G2 <-> G3 (``g3_blocks``
-    slots in ``g3_file``) when the manager keeps a G3, through one transfer engine."""
+    """G1 (vLLM's tensors) <-> G2 (``num_chunks`` host slots), through one transfer engine."""
 
-    def __init__(
-        self,
-        kv_caches: CanonicalKVCaches,
-        num_chunks: int,
-        *,
-        g3_blocks: int = 0,
-        g3_file: Path | None = None,
-    ) -> None:
+    def __init__(self, kv_caches: CanonicalKVCaches, num_chunks: int) -> None:
         shape, layers = block_shape_of(kv_caches)
         self.g1 = DeviceTier.from_layout(LayerSeparate(shape, layers))
         self.g2 = HostTier(shape, max(num_chunks, 1))
-        self.g3: DiskTier | None = None
-        if g3_blocks:
-            if g3_file is None:
-                raise ValueError("a G3 of g3_blocks slots needs g3_file")
-            # the manager starts with an empty G3: reuse the file's space, recover no block
-            # (nor read the file through to check blocks nobody will ask for)
-            self.g3 = DiskTier(g3_file.parent, shape, g3_blocks, file_name=g3_file.name, known={})
         self.engine = TransferEngine()
         self._jobs: dict[int, _Job] = {}
 
-    def _disk_moves(self, job_id: int, moves: DiskMoves) -> list[TransferHandle]:
-        """Queue a job's G2 <-> G3 copies: demotions, then promotions."""
-        if not moves:
-            return []
-        g3 = self.g3
-        if g3 is None:
-            raise ValueError(f"job {job_id} moves blocks to or from G3, and this worker has none")
-        handles: list[TransferHandle] = []
-        if moves.demotions:
-            src, dst = zip(*moves.demotions, strict=True)
-            handles.append(self.engine.copy(self.g2, src, g3, dst, blocks=moves.names))
-        if moves.promotions:
-            src, dst = zip(*moves.promotions, strict=True)
-            handles.append(self.engine.copy(g3, src, self.g2, dst))
-        return handles
-
     def _submit(
-        self,
-        job_id: int,
-        src_is_g1: bool,
-        g1_slots: Sequence[int],
-        g2_slots: Sequence[int],
-        moves: DiskMoves | None = None,
-        g3_slots: Sequence[int] = (),
+        self, job_id: int, src_is_g1: bool, g1_slots: Sequence[int], g2_slots: Sequence[int]
     ) -> bool:
-        """One job: ``moves`` first, then G1 <-> G2 for every pair whose G2 slot is not -1,
-        and G3 -> G1 from ``g3_slots`` for the rest (loads only)."""
+        """One job: G1 <-> G2 for every (G1 slot, G2 slot) pair."""
         if job_id in self._jobs:
             raise ValueError(f"transfer job {job_id} is already in flight")
         if len(g1_slots) != len(g2_slots):
@@ -139,35 +90,19 @@ class KvledgerOffloadingWorker(OffloadingWorker):  # type: ignore[misc]  # vLLM 
                 " (kvledger offloads one vLLM block per chunk)"
             )
         started = time.perf_counter()
-        handles = self._disk_moves(job_id, moves) if moves is not None else []
-        via_g2 = [(g1, g2) for g1, g2 in zip(g1_slots, g2_slots, strict=True) if g2 >= 0]
-        if len(via_g2) == len(g1_slots):
-            if src_is_g1:
-                handles.append(self.engine.copy(self.g1, g1_slots, self.g2, g2_slots))
-            else:
-                handles.append(self.engine.copy(self.g2, g2_slots, self.g1, g1_slots))
+        if src_is_g1:
+            handle = self.engine.copy(self.g1, g1_slots, self.g2, g2_slots)
         else:
-            g3 = self.g3
-            if src_is_g1 or g3 is None:
-                raise ValueError(f"job {job_id}: a G2 slot of -1 outside a load from G3")
-            direct = [(g3_slots[i], g1) for i, g1 in enumerate(g1_slots) if g2_slots[i] < 0]
-            if via_g2:
-                g1s, g2s = zip(*via_g2, strict=True)
-                handles.append(self.engine.copy(self.g2, g2s, self.g1, g1s))
-            src, dst = zip(*direct, strict=True)
-            handles.append(self.engine.copy(g3, src, self.g1, dst))
+            handle = self.engine.copy(self.g2, g2_slots, self.g1, g1_slots)
         size = len(g1_slots) * self.g1.shape.block_bytes
-        self._jobs[job_id] = _Job(handles, started, size)
+        self._jobs[job_id] = _Job([handle], started, size)
         return True
 
     def submit_store(
         self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec
     ) -> bool:
         assert isinstance(dst_spec, CPULoadStoreSpec), f"not a kvledger G2 spec: {dst_spec!r}"
-        moves = dst_spec.moves if isinstance(dst_spec, KvledgerStoreSpec) else None
-        return self._submit(
-            job_id, True, src_spec.block_ids.tolist(), dst_spec.block_ids.tolist(), moves
-        )
+        return self._submit(job_id, True, src_spec.block_ids.tolist(), dst_spec.block_ids.tolist())
 
     def submit_load(
         self,
@@ -177,11 +112,7 @@ class KvledgerOffloadingWorker(OffloadingWorker):  # type: ignore[misc]  # vLLM 
         expedited: bool = False,
     ) -> bool:
         assert isinstance(src_spec, CPULoadStoreSpec), f"not a kvledger G2 spec: {src_spec!r}"
-        g1_slots, g2_slots = dst_spec.block_ids.tolist(), src_spec.block_ids.tolist()
-        if isinstance(src_spec, KvledgerLoadSpec):
-            g3_slots = src_spec.g3_slots.tolist()
-            return self._submit(job_id, False, g1_slots, g2_slots, src_spec.moves, g3_slots)
-        return self._submit(job_id, False, g1_slots, g2_slots)
+        return self._submit(job_id, False, dst_spec.block_ids.tolist(), src_spec.block_ids.tolist())
 
     def _result(self, job_id: int, job: _Job) -> TransferResult:
         success = True
@@ -211,5 +142,3 @@ class KvledgerOffloadingWorker(OffloadingWorker):  # type: ignore[misc]  # vLLM 
 
     def shutdown(self) -> None:
         self.engine.close()
-        if self.g3 is not None:
-            self.g3.close()

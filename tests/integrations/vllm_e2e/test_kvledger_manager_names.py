@@ -14,7 +14,7 @@ from vllm.v1.kv_offload.base import OffloadKey, ReqContext, make_offload_key
 
 from kvledger import replay
 from kvledger.events.log import EventLog
-from kvledger.events.types import Offloaded, Stored, Tier
+from kvledger.events.types import Stored, Tier
 from kvledger.integrations.vllm.manager import KvledgerOffloadingManager, key_hash
 
 CHUNK = 16
@@ -74,27 +74,6 @@ def test_stores_of_one_request_chain_on_each_other(tmp_path: Path) -> None:
     state = replay(log_url).snapshot()[(0, Tier.G2)]
     assert state[h(k[3])] == (h(k[3]), h(k[2]))
     assert state == m.state().snapshot()[(0, Tier.G2)]
-    m.shutdown()
-
-
-def test_a_demoted_block_keeps_its_parent_on_g3(tmp_path: Path) -> None:
-    log_url = f"sqlite:///{tmp_path / 'names.db'}"
-    m = KvledgerOffloadingManager(
-        2, log_url=log_url, tokens_per_chunk={0: CHUNK}, g3_blocks=4, offload_filter="always"
-    )
-    k = [key(i) for i in range(4)]
-    ctx = request("a", k)
-    store(m, ctx, k[:2])
-    store(m, ctx, k[2:])  # pushes k0 and k1 down to G3
-    m.flush_log()
-    log = EventLog(log_url)
-    offloaded = [b for e in log.read() if isinstance(e, Offloaded) for b in e.blocks]
-    log.close()
-    assert {b.sequence_hash: b.parent_hash for b in offloaded} == {
-        key_hash(k[0]): None,
-        key_hash(k[1]): key_hash(k[0]),
-    }
-    assert replay(log_url) == m.state()
     m.shutdown()
 
 

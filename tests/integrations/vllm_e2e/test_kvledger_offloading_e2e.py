@@ -5,9 +5,6 @@ A stand-in "model" writes each computed KV block as bytes derived from its token
 runs and is offloaded to kvledger's G2; prompt B fills G1 and evicts A there; A runs again:
 its prefix must come back from G2 (a connector load, not recomputed) byte-identical, and the
 event log of the run must replay to the manager's live state.
-
-With a G3 below a small G2, B's store also pushes A out of G2, down to kvledger's G3 file; with
-G2's bytes wiped as well, A must come back from the disk file byte-identical.
 """
 
 from __future__ import annotations
@@ -25,7 +22,7 @@ from tests.v1.kv_connector.unit.utils import (
 )
 from vllm import SamplingParams
 from vllm.config import KVEventsConfig, KVTransferConfig, set_current_vllm_config
-from vllm.distributed.kv_events import MEDIUM_CPU, MEDIUM_STORAGE, BlockRemoved, BlockStored
+from vllm.distributed.kv_events import BlockRemoved, BlockStored
 from vllm.distributed.kv_transfer.kv_connector.v1 import KVConnectorRole
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
     OffloadingWorkerMetadata,
@@ -52,7 +49,6 @@ from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
 
 from kvledger import replay
-from kvledger.events.types import Tier
 from kvledger.integrations.vllm.manager import KvledgerOffloadingManager
 from kvledger.integrations.vllm.worker import KvledgerOffloadingWorker
 
@@ -226,57 +222,6 @@ def test_prompt_offloaded_evicted_from_g1_loaded_back_byte_identical(tmp_path: P
     engine.manager.shutdown()
 
 
-def test_prompt_evicted_from_g1_and_g2_loads_back_from_g3(tmp_path: Path) -> None:
-    log_url = f"sqlite:///{tmp_path / 'vllm-run.db'}"
-    engine = Engine(
-        log_url,
-        cpu_bytes_to_use=7 * PAGE,  # G2: 7 blocks, B's 7 push A's 3 out
-        g3_blocks=16,
-        offload_filter="always",
-        data_dir=str(tmp_path / "g3"),
-    )
-    manager = engine.manager
-    prompt_a = list(range(1000, 1000 + 3 * BLOCK + 5))  # 3 full blocks
-    prompt_b = list(range(5000, 5000 + 7 * BLOCK + 3))  # fills G1 and G2
-
-    engine.add("a1", prompt_a)
-    engine.run()
-    a_hashes = set(manager.pool.resident_blocks())
-    assert len(a_hashes) == 3, "A's 3 full blocks are in kvledger's G2"
-
-    engine.add("b", prompt_b)
-    engine.run()
-    assert manager.g3 is not None
-    assert set(manager.g3.resident_blocks()) == a_hashes, "A went down to G3"
-    assert a_hashes.isdisjoint(manager.pool.resident_blocks()), "and is gone from G2"
-    assert (tmp_path / "g3" / "vllm-g3-w0.bin").exists()
-    # vLLM's own event stream told routers: A's blocks left CPU and arrived on STORAGE
-    on_storage = [e for e in engine.published if isinstance(e, BlockStored)]
-    on_storage = [h for e in on_storage if e.medium == MEDIUM_STORAGE for h in e.block_hashes]
-    off_cpu = [e for e in engine.published if isinstance(e, BlockRemoved)]
-    off_cpu = [h for e in off_cpu if e.medium == MEDIUM_CPU for h in e.block_hashes]
-    assert len(on_storage) == 3 and set(on_storage) <= set(off_cpu)
-
-    # G1 and G2 are wiped and the model writes nothing: only G3's file can give A back.
-    engine.write_kv = False
-    engine.kv.zero_()
-    engine.kvledger_worker.g2.layout.tensor.zero_()
-    engine.add("a2", prompt_a)
-    engine.run()
-    block_ids = engine.block_ids["a2"]
-    for index in range(3):
-        expected = block_bytes(prompt_a[index * BLOCK : (index + 1) * BLOCK])
-        assert torch.equal(engine.kv[block_ids[index]], expected), f"block {index} of A"
-    assert a_hashes <= set(manager.pool.resident_blocks()), "A was promoted back into G2"
-
-    manager.flush_log()
-    state = replay(log_url)
-    assert state == manager.state()
-    assert set(state.snapshot()[(0, Tier.G3)]) >= a_hashes
-    manager.shutdown()
-    engine.kvledger_worker.shutdown()
-
-
-def test_a_bad_g3_setting_is_refused_naming_it(tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match="kv_connector_extra_config g3_blocks: Input should be"):
-        Engine(f"sqlite:///{tmp_path / 'bad.db'}", g3_blocks=-5)
+def test_the_retired_g3_setting_is_refused_naming_where_g3_went(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"g3_blocks.*TieringOffloadingSpec.*KvledgerDiskTier"):
+        Engine(f"sqlite:///{tmp_path / 'bad.db'}", g3_blocks=16)

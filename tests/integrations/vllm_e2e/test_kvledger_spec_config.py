@@ -1,6 +1,6 @@
 """``kv_connector_extra_config`` mistakes, through vLLM's own scheduler and connector (runs in
 the vLLM test venv): each is refused at start-up in one line naming the key and the value,
-before anything is created, never coerced (``true`` is not a size) or ignored (``arc``)."""
+before anything is created, never coerced (``true`` is not a size) or ignored (``fifo``)."""
 
 from __future__ import annotations
 
@@ -29,9 +29,9 @@ KEY = "kv_connector_extra_config"
         ({"store_threshold": "x"}, "store_threshold: must be a whole number"),
         ({"store_threshold": -2}, "store_threshold: Input should be greater than or equal to 0"),
         ({"max_tracker_size": -5}, "max_tracker_size: Input should be greater than 0"),
-        ({"eviction_policy": "arc"}, "eviction_policy: kvledger keeps G2 in LRU order"),
-        ({"offload_filter": "always"}, "offload_filter only applies to a G3: set g3_blocks"),
-        ({"g3_blocks": -5}, "g3_blocks: Input should be greater than or equal to 0"),
+        ({"eviction_policy": "fifo"}, "eviction_policy: Input should be 'lru', 'arc'"),
+        ({"offload_filter": "always"}, "no longer keeps a G3 (offload_filter)"),
+        ({"g3_blocks": 16}, "no longer keeps a G3 (g3_blocks): use vLLM's TieringOffloadingSpec"),
         ({"worker_id": 1.5}, "worker_id: must be a whole number"),
         ({"cpu_bytes": 64 * PAGE}, "'cpu_bytes' is not a key kvledger reads; did you mean"),
     ],
@@ -68,7 +68,7 @@ def test_vllms_own_keys_pass_and_good_ones_are_taken(tmp_path: Path) -> None:
         f"sqlite:///{tmp_path / 'ok.db'}",
         store_threshold=2,
         max_tracker_size=10,
-        eviction_policy="lru",
+        eviction_policy="arc",
         offload_prompt_only=True,
         self_describing_kv_events=False,
     )

@@ -1,0 +1,239 @@
+"""One kvledger worker under vLLM's tiering layer: what kvledger's secondary tiers share.
+
+vLLM builds each secondary tier on its own (``SecondaryTierFactory``, one class per entry of
+``secondary_tiers``), all in the scheduler process and all called under the tiering
+manager's lock. kvledger's disk tier (G3) and peer tier (G4, whose exported pool is this
+worker's G2) are two tiers of one kvledger worker, so they share one ``TierWorker``: one
+event emitter (a worker's event ids are one strictly increasing sequence), one durable log
+and one publisher to the shared registry. ``open_tier_worker`` hands every tier of a
+process the same one for the same ``(log_url, worker_id)``; each tier gives it back with
+``release`` when it shuts down, and the last one closes it.
+
+Events are gathered as the tiers make them and handed over once per scheduler step
+(``step``, from each tier's ``on_schedule_end``) to the log through an ``AppendBuffer``
+(batched, with a bounded hold, as kvledger's vLLM manager does). The Redis publisher is fed
+by the log's writer once they are committed (``EventLog.on_commit``), as every kvledger
+publisher is: other processes only ever see what the log holds.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Sequence
+
+from kvledger.config import Settings
+from kvledger.events.log import AppendBuffer, EventLog
+from kvledger.events.log.replay import replay
+from kvledger.events.shared.client import connect
+from kvledger.events.shared.publish import RedisPublisher
+from kvledger.events.shared.registry import SharedRegistry
+from kvledger.events.types import AnyEvent, Tier
+from kvledger.registry.emitter import EventEmitter
+from kvledger.registry.pool import BlockPool
+from kvledger.registry.state import RegistryState
+from kvledger.tiers.disk.recovery import KnownBlocks
+
+__all__ = ["TierWorker", "open_tier_worker", "register_runs", "release"]
+
+log = logging.getLogger(__name__)
+
+Observer = Callable[[AnyEvent], None]
+
+
+class TierWorker:
+    """The emitter, log and shared-registry publisher of worker ``worker_id``.
+
+    ``event_log`` and ``shared`` are built by the caller (``open_tier_worker`` builds them
+    from URLs); with ``own=True`` ``close`` closes them too. A worker with a log continues
+    it: event ids go on from this worker's last one (``restarted`` tells a tier that it
+    must say how its tier starts: ``Cleared``, or a recovered G3's ``Removed``).
+    """
+
+    def __init__(
+        self,
+        worker_id: int,
+        *,
+        event_log: EventLog | None = None,
+        shared: SharedRegistry | None = None,
+        own: bool = False,
+    ) -> None:
+        if shared is not None and event_log is None:
+            raise ValueError(
+                "a shared registry (redis_url) needs the event log (log_url): the publisher"
+                " catches up from it"
+            )
+        self.worker_id = worker_id
+        self.event_log = event_log
+        self.shared = shared
+        self._own = own
+        last = event_log.last_event_id(worker_id) if event_log is not None else -1
+        self.restarted = last >= 0
+        self.emitter = EventEmitter(self._on_event, worker_id=worker_id, first_event_id=last + 1)
+        self.publisher = (
+            RedisPublisher(shared, worker_id, log=event_log).start() if shared is not None else None
+        )
+        self._buffer = AppendBuffer(event_log) if event_log is not None else None
+        self._unlogged: list[AnyEvent] = []
+        self._observers: list[Observer] = []
+        self._pools: dict[Tier, BlockPool] = {}
+        self._folded: RegistryState | None = None
+        self._lock = threading.Lock()
+
+    # -- the tiers ---------------------------------------------------------------------------
+
+    def attach(self, pool: BlockPool, observer: Observer | None = None) -> None:
+        """A tier's pool (it must use ``emitter``); ``observer`` sees every event of this
+        worker as it is made, before any other change (to translate its own tier's events
+        for vLLM, or to publish its blocks for remote reads)."""
+        if pool.emitter is not self.emitter:
+            raise ValueError(f"the {pool.tier.name} pool does not use this worker's emitter")
+        if pool.tier in self._pools:
+            raise ValueError(f"worker {self.worker_id} already has a {pool.tier.name} tier")
+        self._pools[pool.tier] = pool
+        if observer is not None:
+            self._observers.append(observer)
+
+    def detach(self, pool: BlockPool, observer: Observer | None = None) -> None:
+        self._pools.pop(pool.tier, None)
+        if observer is not None and observer in self._observers:
+            self._observers.remove(observer)
+
+    def logged(self, tier: Tier) -> KnownBlocks | None:
+        """This worker's blocks on ``tier`` by the log's fold (read once); None when there is
+        no log or it cannot be folded (a tier then starts empty rather than trusting what
+        the log cannot vouch for)."""
+        if self.event_log is None:
+            return None
+        if self._folded is None:
+            try:
+                self._folded = replay(self.event_log)
+            except Exception as exc:
+                log.warning("worker %d: the event log cannot be folded (%s)", self.worker_id, exc)
+                return None
+        for key, columns in self._folded.iter_columns():
+            if key == (self.worker_id, tier):
+                return columns.to_dict()
+        return {}
+
+    def state(self) -> RegistryState:
+        """The attached tiers as they stand: what this worker's log replays to."""
+        return RegistryState.from_mapping(
+            {(self.worker_id, tier): pool.resident_blocks() for tier, pool in self._pools.items()}
+        )
+
+    # -- events ------------------------------------------------------------------------------
+
+    def _on_event(self, event: AnyEvent) -> None:
+        for observer in self._observers:
+            observer(event)
+        if self._buffer is not None:
+            self._unlogged.append(event)
+
+    def step(self) -> None:
+        """Hand the events made since the last step to the log (the publisher follows its
+        commits)."""
+        with self._lock:
+            batch, self._unlogged = self._unlogged, []
+        if batch and self._buffer is not None:
+            self._buffer.extend(batch)
+
+    def flush(self) -> None:
+        """Wait until every event so far is durable in the log."""
+        self.step()
+        if self._buffer is not None:
+            self._buffer.flush()
+        if self.event_log is not None:
+            self.event_log.flush()
+
+    def close(self) -> None:
+        """Hand over what waits and stop; closes the log and registry client when owned."""
+        self.step()
+        if self._buffer is not None:
+            self._buffer.close()
+            self._buffer = None
+        if self.publisher is not None:
+            self.publisher.stop(drain_timeout=5.0)
+            self.publisher = None
+        if self._own:
+            if self.event_log is not None:
+                self.event_log.close()
+            if self.shared is not None:
+                self.shared.client.close()
+
+
+_open: dict[tuple[str | None, int], tuple[TierWorker, int, tuple[str | None, str]]] = {}
+_open_lock = threading.Lock()
+
+
+def open_tier_worker(
+    worker_id: int,
+    *,
+    log_url: str | None = None,
+    redis_url: str | None = None,
+    redis_namespace: str = "kvledger",
+) -> TierWorker:
+    """The ``TierWorker`` of this process for ``(log_url, worker_id)``, built on first use
+    (the log with the ``KVLEDGER_EVENT_LOG_*`` settings, as every kvledger log); every call
+    is matched by one ``release``. Two tiers of one worker must name the same shared
+    registry."""
+    if log_url is None:  # nothing durable to share: a worker of its own
+        if redis_url is not None:
+            raise ValueError(
+                "a shared registry (redis_url) needs the event log (log_url): the publisher"
+                " catches up from it"
+            )
+        return TierWorker(worker_id)
+    key = (log_url, worker_id)
+    with _open_lock:
+        found = _open.get(key)
+        if found is not None:
+            worker, users, shared_at = found
+            if shared_at != (redis_url, redis_namespace):
+                raise ValueError(
+                    f"kvledger worker {worker_id} (log {log_url}) is already open with"
+                    f" redis_url={shared_at[0]!r}, redis_namespace={shared_at[1]!r}; every"
+                    " kvledger tier of a worker must name the same ones"
+                )
+            _open[key] = (worker, users + 1, shared_at)
+            return worker
+        shared: SharedRegistry | None = None
+        settings = Settings.load()
+        event_log = EventLog(log_url, **settings.event_log_options())
+        try:
+            if redis_url is not None:
+                shared = SharedRegistry(
+                    connect(redis_url), redis_namespace, token_ids=settings.persist_token_ids
+                )
+            worker = TierWorker(worker_id, event_log=event_log, shared=shared, own=True)
+        except BaseException:
+            event_log.close()
+            raise
+        _open[key] = (worker, 1, (redis_url, redis_namespace))
+        return worker
+
+
+def release(worker: TierWorker) -> None:
+    """Give back a ``TierWorker`` of ``open_tier_worker``; the last user closes it."""
+    with _open_lock:
+        for key, (found, users, shared_at) in list(_open.items()):
+            if found is worker:
+                if users > 1:
+                    _open[key] = (found, users - 1, shared_at)
+                    return
+                del _open[key]
+                break
+    worker.close()
+
+
+def register_runs(
+    pool: BlockPool, slots: Sequence[int], hashes: Sequence[int], parents: Sequence[int | None]
+) -> None:
+    """Name filled mutable ``slots``: one ``Stored`` per run in which each block's parent is
+    the block before it (a request's consecutive chunks are one run)."""
+    start = 0
+    for i in range(1, len(hashes) + 1):
+        if i == len(hashes) or parents[i] != hashes[i - 1]:
+            run = hashes[start:i]
+            pool.register(slots[start:i], [(h, h) for h in run], parents[start])
+            start = i
