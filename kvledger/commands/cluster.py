@@ -13,11 +13,12 @@ import argparse
 import json
 import sys
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
-from kvledger.commands.runlog import lookup_recorder, open_log, replay_matches
+from kvledger.commands.cluster_args import MANIFEST
+from kvledger.commands.runlog import lookup_recorder, open_log, private_file, replay_matches
 from kvledger.config import Settings
 from kvledger.events.types import Tier
 from kvledger.mocker.cache import SimulatedCache
@@ -26,7 +27,7 @@ from kvledger.mocker.engine import Bandwidth, EngineConfig, SimClock
 from kvledger.mocker.feeds import MemoryFeed, RedisFeed, ZmqFeed, open_feed, worker_sink
 from kvledger.mocker.router import KvRouterConfig, build_router
 from kvledger.mocker.stats import CountingEmitter
-from kvledger.mocker.traces import TraceRequest
+from kvledger.mocker.traces import TraceRequest, iter_arrivals
 from kvledger.progress import Progress
 from kvledger.registry.index import RouterIndex
 from kvledger.registry.tiered import TieredRegistry
@@ -34,9 +35,34 @@ from kvledger.registry.tiered import TieredRegistry
 if TYPE_CHECKING:
     from kvledger.events.log import EventLog
 
-MANIFEST = "cluster.json"
-"""What a cluster run's log folder says about the run besides the workers' logs: the cluster
-settings a ``whatif`` of the folder starts from."""
+
+RECORDED_SETTINGS = (
+    "block_size",
+    "g1_blocks",
+    "g2_blocks",
+    "g3_blocks",
+    "g2_gb",
+    "g3_gb",
+    "eviction_policy",
+    "offload_filter",
+    "timing_model",
+    "admission_rule",
+    "cache_partial_blocks",
+    "speedup_ratio",
+    "max_num_batched_tokens",
+    "max_num_seqs",
+    "watermark",
+    "g1_g2_gbps",
+    "g2_g3_gbps",
+    "g1_g3_gbps",
+)
+"""The settings a cluster run's manifest keeps, so that ``whatif`` re-runs it as it ran."""
+
+REQUESTS = "requests.jsonl"
+"""The requests a cluster run was given, one JSON object a line in arrival order
+(``timestamp`` ms, ``input_length``, ``output_length``, ``hash_ids`` of ``block_size``-token
+blocks): what the workers' logs cannot say exactly (when a request arrived, as opposed to when
+it was admitted; how many tokens it generated, as opposed to how many blocks)."""
 
 
 @dataclass(frozen=True)
@@ -77,14 +103,7 @@ class ClusterOptions:
             "seed": self.seed,
             "g4": self.g4,
             "g4_gbps": self.g4_gbps,
-            "engine": {
-                "timing_model": settings.timing_model,
-                "admission_rule": settings.admission_rule,
-                "cache_partial_blocks": settings.cache_partial_blocks,
-                "speedup_ratio": settings.speedup_ratio,
-                "max_num_batched_tokens": settings.max_num_batched_tokens,
-                "max_num_seqs": settings.max_num_seqs,
-            },
+            "settings": {name: getattr(settings, name) for name in RECORDED_SETTINGS},
         }
 
 
@@ -186,7 +205,7 @@ def run_one(
     try:
         if log_dir is not None:
             log_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-            (log_dir / MANIFEST).write_text(json.dumps(opts.manifest(settings), indent=1) + "\n")
+            write_requests(log_dir / REQUESTS, requests)
         for wid, clock in zip(worker_ids, clocks, strict=True):
             mine = settings.model_copy(update={"worker_id": wid})
             log = None
@@ -266,6 +285,12 @@ def run_one(
             replay_ok = replay_ok and ok
             out["per_worker"][workers.index(w)]["log"] = shown_url(url)
             out["per_worker"][workers.index(w)]["replay_matches"] = ok
+    if log_dir is not None:
+        recorded = opts.manifest(settings)
+        recorded["outcome"] = {key: out["cluster"].get(key) for key in OUTCOME}
+        (log_dir / MANIFEST).unlink(missing_ok=True)
+        private_file(log_dir / MANIFEST)
+        (log_dir / MANIFEST).write_text(json.dumps(recorded, indent=1) + "\n")
     out["cluster"].update(
         feed=opts.feed if index is not None else None,
         feed_delay_ms=opts.feed_delay_ms,
@@ -276,6 +301,47 @@ def run_one(
         replay_matches=replay_ok if urls else None,
     )
     return ClusterOutcome(out, replay_ok)
+
+
+OUTCOME = ("ttft_ms_p50", "ttft_ms_p99", "tpot_ms_mean", "hit_rate", "routed")
+"""What a manifest keeps of its run's outcome: what a ``whatif`` baseline must give back."""
+
+
+def write_requests(path: Path, requests: Sequence[TraceRequest]) -> None:
+    path.unlink(missing_ok=True)
+    private_file(path)
+    with path.open("w") as out:
+        for r in iter_arrivals(list(requests)):
+            row = {
+                "timestamp": r.arrival_ms,
+                "input_length": r.input_length,
+                "output_length": r.output_length,
+                "hash_ids": list(r.block_ids),
+                "block_size": r.trace_block_size,
+            }
+            out.write(json.dumps(row, separators=(",", ":")) + "\n")
+
+
+def read_requests(path: Path) -> list[TraceRequest]:
+    requests = []
+    with path.open() as rows:
+        for lineno, line in enumerate(rows, 1):
+            try:
+                row = json.loads(line)
+                requests.append(
+                    TraceRequest(
+                        float(row["timestamp"]),
+                        int(row["input_length"]),
+                        int(row["output_length"]),
+                        tuple(int(h) for h in row["hash_ids"]),
+                        int(row["block_size"]),
+                    )
+                )
+            except (ValueError, KeyError, TypeError) as exc:
+                raise ValueError(f"{path}:{lineno}: not a recorded request ({exc})") from None
+    if not requests:
+        raise ValueError(f"{path}: no requests")
+    return requests
 
 
 # -- the command's output --------------------------------------------------------------------
@@ -429,3 +495,116 @@ def run_command(
         if args.plot:
             print(f"\nplot: {args.plot}")
     return 0 if ok else 1
+
+
+# -- whatif on a cluster's logs ------------------------------------------------------------
+
+
+def whatif_cluster(args: argparse.Namespace) -> dict[str, Any]:
+    """Re-run a cluster run's requests with its recorded settings (the baseline, which must
+    give back what the run had) and with each combination of the values given."""
+    folder = Path(args.log)
+    try:
+        manifest = json.loads((folder / MANIFEST).read_text())
+        base = Settings.load(**manifest["settings"])
+        recorded = ClusterOptions(
+            workers=int(manifest["workers"]),
+            router=manifest["router"],
+            feed="memory",  # a real feed's lag is not repeatable; its delay knob is
+            feed_delay_ms=float(manifest["feed_delay_ms"]),
+            router_config=KvRouterConfig(**manifest["router_config"]),
+            seed=int(manifest["seed"]),
+            g4=bool(manifest["g4"]),
+            g4_gbps=float(manifest["g4_gbps"]),
+        )
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ValueError(f"{folder / MANIFEST}: not a cluster manifest ({exc})") from None
+    requests = read_requests(folder / REQUESTS)
+    runs: list[tuple[Settings, ClusterOptions]] = [(base, recorded)]
+    for n in args.workers or [recorded.workers]:
+        for router in args.router or [recorded.router]:
+            for g1 in args.g1_blocks or [base.g1_blocks]:
+                for g2 in args.g2_blocks if args.g2_blocks is not None else [base.g2_capacity]:
+                    for g3 in args.g3_blocks if args.g3_blocks is not None else [base.g3_capacity]:
+                        settings = base.model_copy(
+                            update={"g1_blocks": g1, "g2_blocks": g2, "g3_blocks": g3}
+                        )
+                        opts = replace(recorded, workers=n, router=router)
+                        if (g1, g2, g3, opts) != (
+                            base.g1_blocks,
+                            base.g2_capacity,
+                            base.g3_capacity,
+                            recorded,
+                        ):
+                            runs.append((settings, opts))
+
+    def quiet(_message: str) -> None:
+        pass
+
+    results = []
+    for settings, opts in runs:
+        outcome = run_one(settings, opts, requests, log_dir=None, note=quiet, label="whatif")
+        summary = outcome.summary
+        summary["capacity"] = {
+            "G1": settings.g1_blocks,
+            "G2": settings.g2_capacity,
+            "G3": settings.g3_capacity,
+        }
+        results.append(summary)
+    had = manifest.get("outcome", {})
+    again = {key: results[0]["cluster"].get(key) for key in OUTCOME}
+    return {
+        "log": str(folder),
+        "workers_recorded": recorded.workers,
+        "router_recorded": recorded.router,
+        "feed_recorded": manifest["router_feed"],
+        "requests": len(requests),
+        "block_size": base.block_size,
+        "recorded": had,
+        "baseline_reproduces": had == again,
+        "runs": results,
+    }
+
+
+def print_whatif_cluster(out: dict[str, Any], file: TextIO | None = None) -> None:
+    file = sys.stdout if file is None else file
+    print(
+        f"{out['log']}: {out['requests']} requests run by {out['workers_recorded']} workers "
+        f"(router {out['router_recorded']}), block size {out['block_size']}; the first line "
+        "re-runs them with the recorded settings",
+        file=file,
+    )
+    print(
+        f"{'workers':>7}  {'router':<11} {'G1':>6} {'G2':>6} {'G3':>6} {'TTFT p50':>10} "
+        f"{'TTFT p99':>10} {'TPOT':>7} {'hit rate':>8} {'imbalance':>9}",
+        file=file,
+    )
+    base = out["runs"][0]["cluster"]
+    for i, r in enumerate(out["runs"]):
+        c, cap = r["cluster"], r["capacity"]
+        delta = ""
+        if i:
+            d = (c.get("ttft_ms_p50", 0) - base.get("ttft_ms_p50", 0)) / max(
+                base.get("ttft_ms_p50", 1), 1e-9
+            )
+            delta = f"  TTFT p50 {d:+.0%} vs baseline"
+        print(
+            f"{c['workers']:>7}  {c['router']:<11} {cap['G1']:>6} {cap['G2']:>6} "
+            f"{cap['G3']:>6} {_ms(c.get('ttft_ms_p50')):>10} {_ms(c.get('ttft_ms_p99')):>10} "
+            f"{c.get('tpot_ms_mean', 0):>7.1f} {100 * c['hit_rate']:>7.1f}% "
+            f"{c['load_imbalance']:>9.2f}{delta}",
+            file=file,
+        )
+    if out["baseline_reproduces"]:
+        print("\nThe baseline gives back what the recorded run had.", file=file)
+    else:
+        print(
+            f"\nBASELINE DIFFERS from the recorded run ({out['recorded']}); "
+            + (
+                f"it ran with the {out['feed_recorded']} feed, whose lag a re-run (memory "
+                "feed) does not repeat"
+                if out["feed_recorded"] != "memory"
+                else "the run was made by another kvledger, or its files were changed"
+            ),
+            file=file,
+        )

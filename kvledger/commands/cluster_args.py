@@ -4,10 +4,20 @@ cluster code itself so that ``kvledger simulate --help`` loads nothing more."""
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from kvledger.commands.args import choices, non_negative_int, positive_float, positive_ints
 from kvledger.mocker.feeds import FEEDS
 from kvledger.mocker.router import ROUTERS, KvRouterConfig
+
+MANIFEST = "cluster.json"
+"""What a cluster run's log folder says about the run besides the workers' logs: the cluster
+settings a ``whatif`` of the folder starts from."""
+
+
+def is_cluster_folder(location: str) -> bool:
+    """Whether ``location`` is a cluster run's log folder (it holds the run's manifest)."""
+    return (Path(location) / MANIFEST).is_file()
 
 
 def router_config(text: str) -> dict[str, float]:

@@ -5,7 +5,9 @@ Shared by ``kvledger simulate`` for one worker and for a cluster (one log per wo
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kvledger.config import Settings, ensure_log_folder
@@ -42,12 +44,17 @@ def lookup_recorder(
 
 
 def open_log(url: str, settings: Settings) -> EventLog:
+    """The event log at ``url``; a new SQLite file is made readable by its owner only (SQLite
+    gives its journal the same mode), as prompts' hashes are users' data."""
     import sqlalchemy as sa
 
     from kvledger.events.log import EventLog
 
     try:
         ensure_log_folder(url)
+        parsed = sa.make_url(url)
+        if parsed.get_backend_name() == "sqlite" and parsed.database not in (None, "", ":memory:"):
+            private_file(Path(parsed.database))
         return EventLog(url, **settings.event_log_options())
     except sa.exc.ArgumentError as exc:  # unparsable URL, unknown driver
         raise ValueError(f"cannot open the event log {url!r}: {exc}") from None
@@ -64,3 +71,12 @@ def replay_matches(url: str, worker: int, live: RegistryState, note: Callable[[s
     for line in mine.diff(live)[:10]:
         note(f"replay differs: {line}")
     return False
+
+
+def private_file(path: Path) -> None:
+    """Create ``path`` empty, readable and writable by its owner only, unless it exists."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        return
+    os.close(fd)
