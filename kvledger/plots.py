@@ -394,7 +394,7 @@ def plot_report(out: dict[str, Any], path: str | Path) -> Path:
 def _series_label(run: dict[str, Any]) -> str:
     """A cluster run's line: its router, and its tiers and G4 when they are not G1 alone."""
     c = run["cluster"]
-    label = c["router"]
+    label = str(c["router"])
     tiers = [f"{t} {n}" for t, n in run.get("capacity", {}).items() if n and t != "G1"]
     if tiers:
         label += " + " + " ".join(tiers)

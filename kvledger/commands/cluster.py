@@ -141,6 +141,8 @@ def options_from_args(args: argparse.Namespace, settings: Settings) -> list[Clus
 class ClusterOutcome:
     summary: dict[str, Any]
     replay_ok: bool
+    #: the router's (or G4's) view of the workers' blocks at the end, when there was one
+    index: RouterIndex | None = None
 
 
 def _peers(
@@ -300,7 +302,7 @@ def run_one(
         log=str(log_dir) if log_dir is not None else None,
         replay_matches=replay_ok if urls else None,
     )
-    return ClusterOutcome(out, replay_ok)
+    return ClusterOutcome(out, replay_ok, index)
 
 
 OUTCOME = ("ttft_ms_p50", "ttft_ms_p99", "tpot_ms_mean", "hit_rate", "routed")

@@ -158,6 +158,10 @@ class Feed(Protocol):
     def catch_up(self, now_ms: float) -> None:
         """Bring the router's index up to what the feed has delivered by ``now_ms``."""
 
+    def settle(self, last_ids: dict[int, int]) -> None:
+        """The run is over: wait until the index holds every event up to ``last_ids`` (per
+        worker), so that it is the fold of everything the workers emitted."""
+
     def close(self) -> None: ...
 
 
@@ -302,6 +306,8 @@ class Cluster:
         if progress is not None:
             progress(done)
         self._deliver(None)
+        if feed is not None:
+            feed.settle({w.worker_id: w.emitter.next_event_id - 1 for w in workers})
         return ClusterRun(workers, router, placement, time.perf_counter() - started, behind=behind)
 
     def _deliver(self, now_ms: float | None) -> None:

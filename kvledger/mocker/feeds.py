@@ -21,6 +21,8 @@ event emitted at simulated time t reaches the index at t + delay (Dynamo's
 
 from __future__ import annotations
 
+import math
+import time
 import uuid
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -128,6 +130,11 @@ class MemoryFeed:
     def catch_up(self, now_ms: float) -> None:
         self._holding.release(now_ms)
 
+    def settle(self, last_ids: dict[int, int]) -> None:
+        for worker_id in last_ids:
+            self.step_ended(worker_id, 0.0)
+        self._holding.release(math.inf)
+
     def close(self) -> None:
         pass
 
@@ -194,6 +201,9 @@ class ZmqFeed:
                     take(event)
         self._holding.release(now_ms)
 
+    def settle(self, last_ids: dict[int, int]) -> None:
+        _settle(self, self.index, last_ids)
+
     def close(self) -> None:
         for pub in self.publishers:
             pub.close()
@@ -248,12 +258,33 @@ class RedisFeed:
             pass
         self._holding.release(now_ms)
 
+    def settle(self, last_ids: dict[int, int]) -> None:
+        _settle(self, self.index, last_ids)
+
     def close(self) -> None:
         try:
             for pub in self.publishers:
                 pub.stop(drain_timeout=5.0)
         finally:
             self.registry.delete_namespace()
+
+
+def _settle(
+    feed: ZmqFeed | RedisFeed, index: RouterIndex, last_ids: dict[int, int], timeout: float = 30.0
+) -> None:
+    """Read ``feed`` until ``index`` has every worker's events up to ``last_ids``."""
+    deadline = time.monotonic() + timeout
+    applied = index.last_event_id
+    while any(applied.get(w, -1) < last for w, last in last_ids.items()):
+        if time.monotonic() > deadline:
+            behind = {w: last - applied.get(w, -1) for w, last in last_ids.items()}
+            raise TimeoutError(
+                f"the {feed.name} feed did not deliver the workers' last events in "
+                f"{timeout:g} s (events missing per worker: {behind})"
+            )
+        feed.catch_up(math.inf)
+        time.sleep(0.005)
+    feed.catch_up(math.inf)
 
 
 def open_feed(

@@ -294,10 +294,9 @@ class KvRouter(Router):
             overlap = credit * device + host_w * host + disk_w * disk + shared_w * shared
             prefill = raw - overlap
             blocks = load.blocks
-            if not n or hashes[0] not in blocks:
-                cost = len(blocks) + n
-            else:
-                cost = len(blocks) + n - load.active_prefix(hashes)
+            cost: float = len(blocks) + n
+            if n and hashes[0] in blocks:
+                cost -= load.active_prefix(hashes)
             if prefill > 0:
                 cost += scale * prefill
             if per_request:
