@@ -144,6 +144,21 @@ class Cleared(Event):
 
 AnyEvent: TypeAlias = Stored | Removed | Offloaded | Onboarded | Cleared
 
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Baseline(Event):
+    """Every block a worker holds on ``tier`` as of its event ``event_id``, by its log's fold.
+
+    Not a transition and never in the log: the shared registry's stream carries one per tier
+    when a worker's entries were replaced by its log's fold (a restart found the registry
+    ahead of the log, or knowing nothing of a long log), right after the worker's purge
+    notice. A reader drops what it had of the worker (the purge), takes these blocks, and
+    goes on with the worker's events after ``event_id``.
+    """
+
+    blocks: tuple[BlockInfo, ...]
+
+
 EVENT_KINDS: dict[str, type[AnyEvent]] = {
     "stored": Stored,
     "removed": Removed,

@@ -22,6 +22,7 @@ import msgpack
 from kvledger.events.codec import KIND_CODES
 from kvledger.events.types import (
     AnyEvent,
+    Baseline,
     BlockInfo,
     Cleared,
     Offloaded,
@@ -156,6 +157,68 @@ def decode_record(data: bytes) -> AnyEvent:
     if kind is Removed:
         return Removed(**common, sequence_hashes=seqs)
     return Cleared(**common)
+
+
+BASELINE_CODE = 100
+"""The kind code of a baseline record (``encode_baseline``), apart from the event kinds'."""
+
+
+def encode_baseline(
+    *,
+    worker_id: int,
+    dp_rank: int,
+    tier: Tier,
+    event_id: int,
+    ts: float,
+    seq: Sequence[int],
+    local: Sequence[int],
+    parent: Sequence[int | None],
+) -> bytes:
+    """The stream record of a ``Baseline``: laid out as a copy's record (sequence, local and
+    parent hashes), with its own kind code, so a reader that predates baselines refuses it
+    by name rather than folding it as a copy."""
+    parents = [None if p is None else hash_key(p) for p in parent]
+    record = [
+        STREAM_RECORD_VERSION,
+        BASELINE_CODE,
+        event_id,
+        worker_id,
+        dp_rank,
+        int(tier),
+        ts,
+        pack_hashes(seq),
+        [int(tier), pack_hashes(local), parents],
+    ]
+    return msgpack.packb(record, use_bin_type=False)  # type: ignore[no-any-return]
+
+
+def decode_baseline(data: bytes) -> Baseline:
+    """Inverse of ``encode_baseline``; malformed bytes raise ``WireFormatError``."""
+    try:
+        record = msgpack.unpackb(data, raw=True, use_list=True)
+    except (ValueError, msgpack.UnpackException) as exc:
+        raise WireFormatError(f"baseline record is not msgpack: {exc}") from None
+    if not isinstance(record, list) or len(record) != 9 or record[1] != BASELINE_CODE:
+        raise WireFormatError("a baseline record is a 9-item array of kind 100")
+    version, _code, event_id, worker_id, dp_rank, tier_num, ts, seq_blob, body = record
+    if version != STREAM_RECORD_VERSION:
+        raise WireFormatError(f"baseline record version {version!r}")
+    try:
+        tier = Tier(tier_num)
+    except ValueError:
+        raise WireFormatError(f"unknown tier {tier_num!r} in baseline record") from None
+    seqs = unpack_hashes(seq_blob)
+    _tier, local_blob, parents = body
+    locals_ = unpack_hashes(local_blob)
+    if not (len(locals_) == len(parents) == len(seqs)):
+        raise WireFormatError("sequence, local and parent hash lists differ in length")
+    blocks = tuple(
+        BlockInfo(s, loc, None if p is None else int.from_bytes(p, "big"))
+        for s, loc, p in zip(seqs, locals_, parents, strict=True)
+    )
+    return Baseline(
+        event_id=event_id, worker_id=worker_id, dp_rank=dp_rank, tier=tier, ts=ts, blocks=blocks
+    )
 
 
 # -- chains: both router formats want each stored run as parent + consecutive blocks ------

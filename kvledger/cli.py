@@ -86,6 +86,7 @@ def operator_error(exc: Exception, where: str | None = None) -> str | None:
     from alembic.util import CommandError
 
     from kvledger.events.log import EventLogError
+    from kvledger.events.shared.claims import ClaimLost, WorkerIdTaken
 
     if isinstance(exc, sa.exc.DBAPIError):
         return _database_message(exc, where)
@@ -96,6 +97,8 @@ def operator_error(exc: Exception, where: str | None = None) -> str | None:
             return f"{exc.filename}: {exc.strerror}"
         return exc.strerror or _one_line(exc)
     if isinstance(exc, EventLogError | CommandError | sa.exc.ArgumentError):
+        return _one_line(exc)
+    if isinstance(exc, WorkerIdTaken | ClaimLost):
         return _one_line(exc)
     if isinstance(exc, ValueError):  # settings, traces, schema, codec: messages we wrote
         return str(exc)

@@ -132,6 +132,15 @@ class Settings(BaseSettings):
         description="most events appended and not yet committed before appends wait "
         "(at least one writer batch, 10,000)",
     )
+    event_log_retry_s: float = Field(
+        60.0,
+        ge=0,
+        le=86_400,
+        allow_inf_nan=False,
+        description="how long the log's writer keeps trying a database it lost (a dropped "
+        "connection, a restarting server, a locked file) before the run stops; appends wait "
+        "meanwhile, and nothing is lost or written twice",
+    )
     redis_url: str | None = Field(
         None, description="shared registry; every event is also published there when set"
     )
@@ -237,6 +246,7 @@ class Settings(BaseSettings):
             "durability": self.event_log_durability,
             "max_delay": self.event_log_max_delay_s,
             "queue_size": self.event_log_queue_size,
+            "retry_for": self.event_log_retry_s,
         }
 
     def zmq_options(self) -> dict[str, Any]:

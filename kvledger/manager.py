@@ -175,13 +175,12 @@ class BlockManager:
         if self._event_log is not None:
             first_id = self._event_log.last_event_id(s.worker_id) + 1
         self.metrics = metrics
+        # The publishers take their events from the log's commits (other processes see only
+        # what is committed), so they are not sinks here.
         self._publisher = self._redis_publisher(s) if s.redis_url else None
         all_sinks = ([self._event_log.append] if self._event_log is not None else []) + list(sinks)
-        if self._publisher is not None:
-            all_sinks.append(self._publisher)
         if s.zmq_endpoint is not None:
             self._zmq = self._zmq_publisher(s, metrics)
-            all_sinks.append(self._zmq)
         if metrics is not None:
             all_sinks.append(metrics.observe_event)
             if self._event_log is not None:
@@ -395,9 +394,14 @@ class BlockManager:
         """Publish to the shared registry at ``redis_url``, catching up from the event log."""
         if self._event_log is None or s.redis_url is None:
             raise ValueError("redis_url needs the event log: the publisher catches up from it")
+        if "worker_id" not in s.model_fields_set:
+            log.warning(
+                "redis_url is set but worker_id is not (KVLEDGER_WORKER_ID): this worker "
+                "publishes as worker 0, and a second one that also forgets it is refused"
+            )
         shared = SharedRegistry(connect(s.redis_url), s.redis_namespace)
         return RedisPublisher(
-            shared, s.worker_id, log=self._event_log, linger_s=s.redis_linger_s
+            shared, s.worker_id, log=self._event_log, dp_rank=s.dp_rank, linger_s=s.redis_linger_s
         ).start()
 
     # -- events ----------------------------------------------------------------------------

@@ -28,6 +28,7 @@ from typing import Literal, TypeAlias, TypeVar
 
 from kvledger.events.types import (
     AnyEvent,
+    Baseline,
     BlockInfo,
     Cleared,
     Offloaded,
@@ -222,6 +223,17 @@ class RouterIndex:
         else:  # pragma: no cover - the union above is exhaustive
             raise TypeError(f"not an event: {event!r}")
         return True
+
+    def apply_baseline(self, baseline: Baseline) -> None:
+        """Take a worker's whole holding on one tier (the shared registry replaced its entries
+        by its log's fold): what it held there before goes, its next event is the one after
+        ``baseline.event_id``."""
+        self.last_event_id[baseline.worker_id] = baseline.event_id
+        key = (baseline.worker_id, baseline.dp_rank, baseline.tier)
+        place = self._places.get(key) or self._place(*key)
+        bit, where = place
+        self._clear_all(bit, where)
+        self._store_infos(bit, where, chain_order(baseline.blocks))
 
     def remove_worker(self, worker_id: int) -> int:
         """Forget all a worker holds (it left, or its lease lapsed); returns blocks dropped."""
@@ -814,6 +826,26 @@ class RouterIndex:
         return {
             (worker, dp) for (worker, dp, _tier), (_bit, nodes) in self._places.items() if nodes
         }
+
+
+def chain_order(blocks: Sequence[BlockInfo]) -> list[BlockInfo]:
+    """``blocks`` with each block right after its parent where the parent is among them (a
+    fold lists blocks by hash), so that they store as a few long chains, not one by one."""
+    children: dict[int | None, list[BlockInfo]] = {}
+    present = {b.sequence_hash for b in blocks}
+    for block in blocks:
+        above = block.parent_hash if block.parent_hash in present else None
+        children.setdefault(above, []).append(block)
+    ordered: list[BlockInfo] = []
+    stack = list(reversed(children.get(None, [])))
+    while stack:
+        block = stack.pop()
+        ordered.append(block)
+        stack.extend(reversed(children.get(block.sequence_hash, [])))
+    if len(ordered) < len(blocks):  # a cycle of parents (not a real fold): keep the rest too
+        seen = {b.sequence_hash for b in ordered}
+        ordered += [b for b in blocks if b.sequence_hash not in seen]
+    return ordered
 
 
 def prefix_depths(masks: Iterable[Mapping[K, int]]) -> dict[K, dict[Tier, int]]:

@@ -111,14 +111,14 @@ def owner_main(argv: list[str]) -> int:
     from kvledger.events.shared.publish import RedisPublisher
 
     publisher = RedisPublisher(shared, OWNER, log=log).start()
-    manager = BlockManager(settings, event_log=log, sinks=[publisher])
+    manager = BlockManager(settings, event_log=log)  # the publisher takes the log's commits
     g2 = cast(HostTier, manager.tier(Tier.G2))  # G2 is host memory
     agent = RemoteAgent(OWNER)
     agent.register(g2)
     directory = RemoteDirectory(client, args.namespace, ttl_s=LEASE_S)
     exporter = BlockExporter(directory, agent.card(manager.shape), g2)
     manager.export_g2(exporter)
-    shared.heartbeat(OWNER)
+    shared.heartbeat(OWNER, publisher.token)
     sequences: dict[int, Any] = {}
 
     def settle() -> None:

@@ -15,6 +15,7 @@ import sys
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from functools import partial
 from pathlib import Path
 from typing import cast
 
@@ -24,6 +25,7 @@ import redis_cluster
 from redis.crc import key_slot
 from redis_cluster import LocalCluster
 from services import REDIS_URL
+from worker_kills import kill_rounds, worker_command
 
 from kvledger.events.log import EventLog
 from kvledger.events.shared import SharedRegistry, StreamSubscriber, connect
@@ -155,7 +157,12 @@ def test_three_workers_on_a_cluster_equal_their_logs(
     assert dict(zip(hashes, reg.who_has(hashes), strict=True)) == reg.snapshot()
     router = RouterIndex()
     subscriber = StreamSubscriber(
-        reg, "routers", "r1", on_event=router.apply, on_purge=router.remove_worker
+        reg,
+        "routers",
+        "r1",
+        on_event=router.apply,
+        on_purge=router.remove_worker,
+        on_baseline=router.apply_baseline,
     )
     while subscriber.poll(block_ms=10):
         pass
@@ -234,3 +241,20 @@ def test_a_master_killed_mid_run_fails_over_and_workers_resync(
     )
     assert any(int(str(r["outages"])) > 0 for r in reports.values())  # they saw it go
     assert any(int(str(r["caught_up"])) > 0 for r in reports.values())  # re-read from logs
+
+
+def test_registry_equals_the_log_after_each_kill_on_a_cluster(
+    cluster: LocalCluster, tmp_path: Path
+) -> None:
+    """A worker SIGKILLed at 20 random moments while it publishes to a namespace split over
+    the cluster's masters: after each restart its entries in every shard equal its log's
+    replay (tests/worker_kills.py)."""
+    namespace = f"kill-{uuid.uuid4().hex[:8]}"
+    log = tmp_path / "w.db"
+    command = partial(worker_command, cluster.url, namespace, 60, log, shards=SHARDS)
+    reg = SharedRegistry(connect(cluster.url), namespace, shards=SHARDS)
+    try:
+        rounds = kill_rounds(reg, command, 60, log, rounds=20, seed=2)
+        assert rounds[-1].last_event_id > rounds[0].last_event_id
+    finally:
+        reg.delete_namespace()

@@ -23,7 +23,7 @@ from redis.retry import Retry
 from services import REDIS_URL, redis_or_skip
 
 from kvledger.events.log import EventLog
-from kvledger.events.shared.publish import FanOut, RedisPublisher
+from kvledger.events.shared.publish import RedisPublisher
 from kvledger.events.shared.registry import SharedRegistry
 from kvledger.events.shared.subscribe import StreamSubscriber
 from kvledger.events.types import AnyEvent, BlockInfo, Cleared, Tier
@@ -223,12 +223,22 @@ def test_subscriber_feeds_a_router_index_and_acks(registry: SharedRegistry) -> N
         index.apply(event)
 
     crashing = StreamSubscriber(
-        registry, "routers", "r1", on_event=flaky, on_purge=index.remove_worker
+        registry,
+        "routers",
+        "r1",
+        on_event=flaky,
+        on_purge=index.remove_worker,
+        on_baseline=index.apply_baseline,
     )
     with pytest.raises(RuntimeError):
         crashing.poll()
     sub = StreamSubscriber(
-        registry, "routers", "r2", on_event=index.apply, on_purge=index.remove_worker
+        registry,
+        "routers",
+        "r2",
+        on_event=index.apply,
+        on_purge=index.remove_worker,
+        on_baseline=index.apply_baseline,
     )
     assert sub.claim_pending() > 0  # r1's unacknowledged entries
     while sub.poll(count=7):
@@ -244,14 +254,11 @@ def test_subscriber_feeds_a_router_index_and_acks(registry: SharedRegistry) -> N
 def test_publisher_catches_up_from_the_log(registry: SharedRegistry, tmp_path: Path) -> None:
     """A queue too small for a burst drops events; the publisher reads them back from the log."""
     log = EventLog(str(tmp_path / "w.db"))
-    publisher = RedisPublisher(registry, 6, log=log, batch_size=8, max_pending=16)
-    sink = FanOut(log.append, publisher)
+    publisher = RedisPublisher(registry, 6, log=log, batch_size=8, max_pending=16).start()
     replay = worker_events(6, 6, 300, prompt_pool(6))
-    for event in replay:  # a burst before the publishing thread even runs
-        sink(event)
-    assert publisher.dropped > 0
-    publisher.start()
+    log.append_many(replay)  # one commit, far more than the publisher's queue holds
     log.flush()
+    assert publisher.dropped > 0
     assert publisher.stop(drain_timeout=20)
     assert publisher.caught_up >= publisher.dropped and publisher.error is None
     assert registry.snapshot() == holders_from_state(RegistryState.from_events(replay))
@@ -312,10 +319,11 @@ def test_publisher_survives_a_redis_restart(tmp_path: Path) -> None:
         )
         log = EventLog(str(tmp_path / "w.db"))
         publisher = RedisPublisher(reg, 9, log=log, batch_size=16, retry_s=0.05).start()
-        sink = FanOut(log.append, publisher)
+        sink = log.append
         stream = worker_events(9, 9, 400, prompt_pool(9))
         for event in stream[:150]:
             sink(event)
+        log.flush()  # the publisher takes what the log committed
         assert publisher.wait_applied(10)
         server.kill()
         server.wait()

@@ -97,6 +97,7 @@ def test_each_event_reaches_one_stream_once_in_order() -> None:
             "r1",
             on_event=lambda e: seen.setdefault(e.worker_id, []).append(e.event_id),
             on_purge=purged.append,
+            on_baseline=lambda b: pytest.fail(f"no reset here, got {b}"),
         )
         assert sub.poll(block_ms=10) == sum(map(len, streams.values()))
         assert seen == {w: list(range(len(s))) for w, s in streams.items()}
@@ -121,7 +122,7 @@ def test_the_shard_count_is_fixed_and_one_shard_is_the_unsharded_layout() -> Non
         written = {k.decode() for k in client.scan_iter(match=f"kvl:{{{namespace}*")}
         assert written <= {KeySpace(namespace).prefix + n for n in (
             "idx", "gens", "held", "applied", "count", "workers", "events", "sweep",
-            "shards", "lease:1")}  # fmt: skip
+            "tips", "fence", "shards", "lease:1")}  # fmt: skip
         client.delete(reg.keys.shard_count)  # as a namespace written before shards existed
         older = SharedRegistry(client, namespace)
         assert older.shard_count == 1 and older.snapshot() == _fold(events)

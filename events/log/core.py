@@ -173,16 +173,49 @@ _DBAPI_ERRORS = frozenset(
 error's MRO is the most specific)."""
 
 
-def writer_failure(exc: BaseException, lost: int) -> EventLogError:
-    """One line naming the cause: the driver's message, never SQLAlchemy's, which carries the
-    statement and its parameters (binary rows); named by its PEP 249 category (IntegrityError,
-    OperationalError), the same on every database."""
+def _category(exc: BaseException) -> tuple[BaseException, str]:
+    """The driver's own error and its PEP 249 category (the first such class in its MRO)."""
     cause = exc.orig if isinstance(exc, sa.exc.DBAPIError) and exc.orig is not None else exc
-    text = "; ".join(line.strip() for line in str(cause).splitlines() if line.strip())
     category = next(
         (c.__name__ for c in type(cause).__mro__ if c.__name__ in _DBAPI_ERRORS),
         type(cause).__name__,
     )
+    return cause, category
+
+
+_LASTING = ("no such table", "no such column", "readonly database", "has no column")
+"""SQLite reports these as OperationalError too, but they do not pass with time."""
+
+
+def is_outage(exc: BaseException) -> bool:
+    """Whether ``exc`` means the database is out of reach for now (a dropped connection, a
+    server restarting, a locked or full SQLite file), so that the writer tries again: PEP
+    249's OperationalError and InterfaceError, less what waiting cannot mend."""
+    cause, category = _category(exc)
+    if category not in ("OperationalError", "InterfaceError"):
+        return False
+    text = str(cause).lower()
+    return not any(lasting in text for lasting in _LASTING)
+
+
+def outage_failure(exc: BaseException, url: str, seconds: float) -> EventLogError:
+    """The writer gave up on a database it lost: one line, the driver's words."""
+    cause, category = _category(exc)
+    text = "; ".join(line.strip() for line in str(cause).splitlines() if line.strip())
+    return EventLogError(
+        f"the event log {shown_url(url)} was unreachable for {seconds:.0f} s "
+        f"({category}: {text}); giving up"
+    )
+
+
+def writer_failure(exc: BaseException, lost: int) -> EventLogError:
+    """One line naming the cause: the driver's message, never SQLAlchemy's, which carries the
+    statement and its parameters (binary rows); named by its PEP 249 category (IntegrityError,
+    OperationalError), the same on every database."""
+    if isinstance(exc, EventLogError):
+        return EventLogError(f"{exc}; {lost} appended events were not stored")
+    cause, category = _category(exc)
+    text = "; ".join(line.strip() for line in str(cause).splitlines() if line.strip())
     hint = ""
     if category == "IntegrityError":
         hint = " (is another process logging as the same worker id?)"

@@ -14,10 +14,12 @@ ever holds what replay can fold.
 from __future__ import annotations
 
 import atexit
+import contextlib
+import logging
 import sys
 import threading
 import weakref
-from collections.abc import Generator, Iterable, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
 from itertools import chain
 from pathlib import Path
 from time import monotonic
@@ -27,10 +29,10 @@ import sqlalchemy as sa
 
 from kvledger.events.log import checkpoints, reader
 from kvledger.events.log.checkpoints import Checkpoint
-from kvledger.events.log.core import LogCore
+from kvledger.events.log.core import LogCore, is_outage, outage_failure
 from kvledger.events.log.engine import Durability, make_engine, open_read_only
 from kvledger.events.log.reader import READ_CHUNK, LogSummary
-from kvledger.events.log.rows import InsertStatements, max_params, to_row
+from kvledger.events.log.rows import InsertStatements, Row, max_params, to_row
 from kvledger.events.log.schema import (
     DEFAULT_URL,
     SchemaError,
@@ -38,8 +40,18 @@ from kvledger.events.log.schema import (
     database_url,
     shown_url,
 )
-from kvledger.events.types import AnyEvent, LogRecord
+from kvledger.events.types import AnyEvent, LogRecord, Lookup, Released, RunInfo
 from kvledger.registry.state import RegistryState
+
+log = logging.getLogger(__name__)
+
+CommitSink = Callable[[Sequence[AnyEvent]], object]
+"""Called by the writer with each committed batch's transitions (``EventLog.on_commit``)."""
+
+RETRY_FOR = 60.0
+"""Default of ``retry_for``: how long the writer keeps trying a database it lost."""
+
+_LOOKUP_TYPES = (Lookup, Released, RunInfo)
 
 
 class Feed(Protocol):
@@ -74,7 +86,10 @@ class EventLog(LogCore):
         max_delay: float = 0.05,
         read_only: bool = False,
         create: bool = True,
+        retry_for: float = RETRY_FOR,
     ) -> None:
+        if not retry_for >= 0:
+            raise ValueError(f"retry_for must be 0 or more seconds, got {retry_for}")
         super().__init__(
             batch_size=batch_size, queue_size=queue_size, max_delay=max_delay, durability=durability
         )
@@ -85,6 +100,11 @@ class EventLog(LogCore):
             if not path.is_file():
                 raise FileNotFoundError(f"no event log at {path}")
         self.read_only = read_only
+        self.retry_for = retry_for
+        """How long the writer keeps trying a database it lost (a dropped connection, a
+        restarting server, a locked file) before it gives up; appends wait meanwhile."""
+        self.outages = 0
+        """Times the writer lost the database and got it back."""
         self.writable = True
         """False when a read-only log lies where it cannot be written (no checkpoints then)."""
         if read_only and parsed.get_backend_name() == "sqlite":
@@ -102,6 +122,10 @@ class EventLog(LogCore):
         self._writer: threading.Thread | None = None
         # append buffers in front of this log: the writer hands over what waits in them
         self._feeds: list[Feed] = []
+        # who gets each committed batch (``on_commit``), and the events of the queued rows,
+        # kept beside them only while someone wants them
+        self._commit_sinks: list[tuple[CommitSink, int | None]] = []
+        self._pending_events: list[LogRecord] | None = None
         if not read_only:
             self._writer = threading.Thread(target=self._run_writer, name="kvledger-log-writer")
             self._writer.daemon = True  # closed at exit by _close_open_logs, not by join order
@@ -139,6 +163,8 @@ class EventLog(LogCore):
                 now = self._wait_for_room()
             if not self._accept_next(rows[0][0], event.event_id):
                 self._accept_ids(rows, self._committed_ids(rows))
+            if self._pending_events is not None:
+                self._pending_events.append(event)
             if backlog.add(rows, now):
                 self._wake_writer.notify()
 
@@ -149,7 +175,8 @@ class EventLog(LogCore):
     def _append_many(self, batch: Iterable[LogRecord], *, wait: bool) -> None:
         """``append_many``; with ``wait`` False, queued whatever the backlog holds: how the
         writer itself hands over what waits in an ``AppendBuffer`` (it would wait for itself)."""
-        rows = [to_row(e) for e in batch]
+        events = list(batch)
+        rows = [to_row(e) for e in events]
         backlog = self._backlog
         with self._lock:
             if wait:
@@ -162,6 +189,8 @@ class EventLog(LogCore):
                 self._accept_ids(rows, self._committed_ids(rows))
             now = monotonic()
             if not wait or backlog.room(now) >= len(rows):  # the usual case
+                if self._pending_events is not None:
+                    self._pending_events.extend(events)
                 if backlog.add(rows, now):
                     self._wake_writer.notify()
                 return
@@ -173,6 +202,8 @@ class EventLog(LogCore):
                     now = self._wait_for_room()
                     room = backlog.room(now)
                 chunk = rows[start : start + room]
+                if self._pending_events is not None:
+                    self._pending_events.extend(events[start : start + room])
                 start += len(chunk)
                 if backlog.add(chunk, now):
                     self._wake_writer.notify()
@@ -240,55 +271,150 @@ class EventLog(LogCore):
         self.close()
 
     def _run_writer(self) -> None:
-        backlog = self._backlog
         try:
-            with self._engine.connect() as conn:
-                statements = InsertStatements(
-                    conn.dialect.paramstyle, max_params(conn.dialect.name)
-                )
-                # The driver's own connection, and one cursor for the writer's life: every call
-                # that releases the GIL costs a hand-off (see InsertStatements), and SQLAlchemy
-                # opens and closes a cursor per statement.
-                dbapi = conn.connection.dbapi_connection
-                assert dbapi is not None
-                cursor = dbapi.cursor()
-                # SQLite: no implicit BEGIN, so a one-statement batch is its own transaction
-                # (``_commit``); given back as it was (the connection returns to the pool)
-                autocommit = conn.dialect.name == "sqlite"
-                if autocommit:
-                    isolation = dbapi.isolation_level
-                    dbapi.isolation_level = None
-                try:
-                    while True:
-                        with self._lock:
-                            while not self._closing:
-                                now = monotonic()
-                                wait = self._writer_wait(now)
-                                if wait == 0.0:
-                                    break
-                                backlog.writer_deadline = None if wait is None else now + wait
-                                self._wake_writer.wait(wait)
-                                backlog.writer_deadline = 0.0
-                            feeds = list(self._feeds)
-                        for feed in feeds:  # outside the lock: a buffer's producer takes both
-                            feed.hand_over_from_writer()
-                        with self._lock:
-                            batch = backlog.take()
-                            closing = self._closing
-                        if batch:
-                            _commit(dbapi, cursor, list(statements(batch)), autocommit)
-                            with self._lock:
-                                backlog.done(len(batch), monotonic())
-                                self._committed_cv.notify_all()
-                        elif closing:
-                            return
-                finally:
-                    if autocommit:
-                        dbapi.isolation_level = isolation
+            self._write_until_closed()
         except BaseException as exc:
             with self._lock:
                 self._error = exc
                 self._committed_cv.notify_all()
+
+    def _write_until_closed(self) -> None:
+        """The writer: commit what is queued, hand it to the commit sinks, until closed.
+
+        A database it loses (``core.is_outage``: a dropped connection, a restarting server, a
+        locked file) is tried again, with a growing pause, for up to ``retry_for`` seconds;
+        appends wait under the usual back-pressure meanwhile. The batch that failed is
+        committed first on the new connection, less the rows the database already holds (a
+        connection can drop after the server committed and before it said so), so nothing is
+        lost and nothing is written twice.
+        """
+        batch: list[Row] = []  # taken from the backlog, not yet known to be committed
+        events: list[LogRecord] = []  # their events, for the commit sinks (a tail of batch)
+        down_since: float | None = None
+        pause = _FIRST_PAUSE
+        while True:
+            try:
+                with _Writer(self._engine) as writer:
+                    if batch:  # the batch the outage interrupted
+                        writer.commit(self._not_yet_committed(batch))
+                        self._committed(batch, events)
+                        batch, events = [], []
+                    if down_since is not None:
+                        self._back_after_outage(down_since)
+                        down_since, pause = None, _FIRST_PAUSE
+                    while True:
+                        batch, events, closing = self._next_batch()
+                        if batch:
+                            writer.commit(batch)
+                            self._committed(batch, events)
+                            batch, events = [], []
+                        elif closing:
+                            return
+            except Exception as exc:
+                if not is_outage(exc):
+                    raise
+                now = monotonic()
+                if down_since is None:
+                    down_since = now
+                    log.warning(
+                        "the event log %s is unreachable (%s); retrying for up to %g s, appends "
+                        "wait meanwhile",
+                        shown_url(self.url),
+                        _one_line(exc),
+                        self.retry_for,
+                    )
+                if now - down_since >= self.retry_for:
+                    raise outage_failure(exc, self.url, now - down_since) from exc
+                with self._lock:  # a close() wakes the wait; the outage is retried all the same
+                    self._wake_writer.wait(min(pause, down_since + self.retry_for - now))
+                pause = min(pause * 2, _LAST_PAUSE)
+
+    def _next_batch(self) -> tuple[list[Row], list[LogRecord], bool]:
+        """Wait until a commit is due (or the log closes), hand the append buffers' events
+        over, and take the batch: (rows, their events for the sinks, closing)."""
+        backlog = self._backlog
+        with self._lock:
+            while not self._closing:
+                now = monotonic()
+                wait = self._writer_wait(now)
+                if wait == 0.0:
+                    break
+                backlog.writer_deadline = None if wait is None else now + wait
+                self._wake_writer.wait(wait)
+                backlog.writer_deadline = 0.0
+            feeds = list(self._feeds)
+        for feed in feeds:  # outside the lock: a buffer's producer takes both
+            feed.hand_over_from_writer()
+        with self._lock:
+            batch = backlog.take()
+            events: list[LogRecord] = []
+            if self._pending_events:
+                events, self._pending_events = self._pending_events, []
+            return batch, events, self._closing
+
+    def _committed(self, batch: list[Row], events: list[LogRecord]) -> None:
+        """``batch`` is in the database: hand its events to the commit sinks, then count it
+        (so a ``flush`` returns only once the sinks have them)."""
+        if events:
+            self._hand_to_commit_sinks(events)
+        with self._lock:
+            self._backlog.done(len(batch), monotonic())
+            self._committed_cv.notify_all()
+
+    def _not_yet_committed(self, batch: list[Row]) -> list[Row]:
+        """The rows of ``batch`` the database does not hold yet. Each worker's rows in a batch
+        are its next ids in order, so what the database holds of them is a prefix, read off
+        the worker's newest committed id."""
+        newest = {worker: self._last_committed_id(worker) for worker in {r[0] for r in batch}}
+        return [row for row in batch if row[1] > newest[row[0]]]
+
+    def _back_after_outage(self, down_since: float) -> None:
+        self.outages += 1
+        log.warning(
+            "the event log %s is reachable again after %.1f s; nothing was lost",
+            shown_url(self.url),
+            monotonic() - down_since,
+        )
+
+    # -- commit sinks: what other processes see -------------------------------------------------
+
+    def on_commit(self, sink: CommitSink, *, worker_id: int | None = None) -> None:
+        """Hand ``sink`` every transition committed from now on (of ``worker_id`` only, when
+        given), in commit order, a committed batch per call, from the writer thread.
+
+        This is how views outside the process (the shared registry, the ZMQ stream) are fed:
+        they receive an event only once it is committed, so a crash never un-says what they
+        hold. Events appended before the sink was added are not handed to it (read them from
+        the log). Lookup records are not handed on. ``sink`` must not block: it delays the
+        next commit; an exception it raises is logged and the writer goes on.
+        """
+        with self._lock:
+            self._check_open()
+            self._commit_sinks.append((sink, worker_id))
+            if self._pending_events is None:
+                self._pending_events = []
+
+    def off_commit(self, sink: CommitSink) -> None:
+        """Stop handing committed events to ``sink``."""
+        with self._lock:
+            self._commit_sinks = [(s, w) for s, w in self._commit_sinks if s is not sink]
+            if not self._commit_sinks:
+                self._pending_events = None
+
+    def _hand_to_commit_sinks(self, records: list[LogRecord]) -> None:
+        with self._lock:
+            sinks = list(self._commit_sinks)
+        events = [e for e in records if not isinstance(e, _LOOKUP_TYPES)]
+        if not events or not sinks:
+            return
+        for sink, worker in sinks:
+            mine = events if worker is None else [e for e in events if e.worker_id == worker]
+            if not mine:
+                continue
+            try:
+                sink(mine)
+            except Exception:
+                log.exception("a commit sink of the event log %s failed", shown_url(self.url))
 
     def _writer_wait(self, now: float) -> float | None:
         """Seconds until the writer's next commit or hand-over is due (None: nothing waits)."""
@@ -456,27 +582,77 @@ class EventLog(LogCore):
         )
 
 
-def _commit(
-    dbapi: Any, cursor: Any, statements: list[tuple[str, tuple[Any, ...]]], autocommit: bool
-) -> None:
-    """Run a batch's INSERTs as one transaction and commit it.
+_FIRST_PAUSE = 0.05
+_LAST_PAUSE = 2.0
+"""The writer's pause between tries of a lost database: doubled from the first to the last."""
 
-    With ``autocommit`` (SQLite with its implicit BEGIN turned off), a batch of one statement
-    runs alone: SQLite commits a statement outside a transaction as it completes, so the
-    batch costs one call into SQLite where BEGIN, INSERT and COMMIT cost three. Each such call
-    gives the GIL to the producer, and getting it back waits up to a switch interval (5 ms)
-    while the producer runs: those waits set the writer's pace under load, and with it the
-    back-pressure the producer feels. Larger batches (more than ``STATEMENT_ROWS`` rows) still
-    get BEGIN and COMMIT around their statements.
-    """
-    if autocommit and len(statements) == 1:
-        cursor.execute(*statements[0])
-        return
-    if autocommit:
-        cursor.execute("BEGIN")
-    for sql, params in statements:
-        cursor.execute(sql, params)
-    dbapi.commit()
+
+class _Writer:
+    """The writer's connection: the driver's own connection and one cursor for its life
+    (every call that releases the GIL costs a hand-off, see ``InsertStatements``, and
+    SQLAlchemy opens and closes a cursor per statement). A connection that failed is thrown
+    away, not given back to the pool."""
+
+    def __init__(self, engine: sa.Engine) -> None:
+        self._engine = engine
+        self._conn: sa.Connection | None = None
+
+    def __enter__(self) -> _Writer:
+        conn = self._conn = self._engine.connect()
+        self.statements = InsertStatements(conn.dialect.paramstyle, max_params(conn.dialect.name))
+        dbapi = conn.connection.dbapi_connection
+        assert dbapi is not None
+        self.dbapi: Any = dbapi
+        self.cursor = dbapi.cursor()
+        # SQLite: no implicit BEGIN, so a one-statement batch is its own transaction
+        # (``commit``); given back as it was (the connection returns to the pool)
+        self.autocommit = conn.dialect.name == "sqlite"
+        if self.autocommit:
+            self._isolation = dbapi.isolation_level
+            dbapi.isolation_level = None
+        return self
+
+    def __exit__(self, exc_type: object, *_: object) -> None:
+        conn, self._conn = self._conn, None
+        assert conn is not None
+        if exc_type is not None:
+            conn.invalidate()
+        elif self.autocommit:
+            self.dbapi.isolation_level = self._isolation
+        conn.close()
+
+    def commit(self, batch: list[Row]) -> None:
+        """Run a batch's INSERTs as one transaction and commit it.
+
+        With ``autocommit`` (SQLite with its implicit BEGIN turned off), a batch of one
+        statement runs alone: SQLite commits a statement outside a transaction as it
+        completes, so the batch costs one call into SQLite where BEGIN, INSERT and COMMIT cost
+        three. Each such call gives the GIL to the producer, and getting it back waits up to a
+        switch interval (5 ms) while the producer runs: those waits set the writer's pace under
+        load, and with it the back-pressure the producer feels. Larger batches (more than
+        ``STATEMENT_ROWS`` rows) still get BEGIN and COMMIT around their statements.
+        """
+        if not batch:
+            return
+        statements = list(self.statements(batch))
+        cursor = self.cursor
+        if self.autocommit and len(statements) == 1:
+            cursor.execute(*statements[0])
+            return
+        try:
+            if self.autocommit:
+                cursor.execute("BEGIN")
+            for sql, params in statements:
+                cursor.execute(sql, params)
+            self.dbapi.commit()
+        except BaseException:
+            with contextlib.suppress(Exception):  # the connection may be gone already
+                self.dbapi.rollback()
+            raise
+
+
+def _one_line(exc: BaseException) -> str:
+    return "; ".join(line.strip() for line in str(exc).splitlines() if line.strip())
 
 
 _open_logs: weakref.WeakSet[EventLog] = weakref.WeakSet()

@@ -17,12 +17,16 @@ The shared registry, its publishers and subscribers, and the G4 directory
 
 Kept by the shared registry in every shard (``registry.py`` says what each holds):
 
-- ``idx``, ``gens``, ``held``, ``applied``, ``count``, ``workers``, ``events``, ``sweep``
+- ``idx``, ``gens``, ``held``, ``applied``, ``count``, ``workers``, ``events``, ``sweep``,
+  ``fence``, ``tips``
 - ``lease:<worker>``            string with a TTL, refreshed by every apply and by heartbeats
 
 and in shard 0 only:
 
 - ``shards``                    string  N, the namespace's shard count
+- ``claim:<worker>``            string with the lease's TTL: ``<token>|<holder JSON>``, who
+                                owns the worker id now
+- ``tokens``                    hash    worker id -> the last fencing token handed out
 
 Kept by the G4 directory, in keys the registry's scripts never touch:
 
@@ -116,8 +120,25 @@ class KeySpace:
     def sweep(self) -> str:
         return self.prefix + "sweep"
 
+    @property
+    def fence(self) -> str:
+        return self.prefix + "fence"
+
+    @property
+    def tips(self) -> str:
+        return self.prefix + "tips"
+
     def lease(self, worker_id: int | str) -> str:
         return f"{self.prefix}lease:{worker_id}"
+
+    # -- worker id claims (shard 0 only) -------------------------------------------------
+
+    def claim(self, worker_id: int | str) -> str:
+        return f"{self.prefix}claim:{worker_id}"
+
+    @property
+    def tokens(self) -> str:
+        return self.prefix + "tokens"
 
     # -- the G4 directory's --------------------------------------------------------------
 

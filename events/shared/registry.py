@@ -53,7 +53,8 @@ import contextlib
 import hashlib
 import itertools
 import struct
-from collections.abc import Iterable, Sequence
+import zlib
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -63,6 +64,7 @@ import redis
 
 from kvledger.events.codec import KIND_CODES
 from kvledger.events.shared import scripts as lua
+from kvledger.events.shared.claims import ClaimLost, Holder, WorkerIdTaken
 from kvledger.events.shared.client import Client
 from kvledger.events.shared.keys import MAX_SHARDS, KeySpace
 from kvledger.events.types import AnyEvent, Cleared, Removed, Tier
@@ -70,9 +72,11 @@ from kvledger.events.wire import (
     KIND_OF_CODE,
     STREAM_RECORD_VERSION,
     WireFormatError,
+    encode_baseline,
     encode_record,
     hash_key,
 )
+from kvledger.registry.columns import BlockColumns
 from kvledger.registry.index import prefix_depths
 
 _STAMPED = struct.Struct(">IB16s")
@@ -88,7 +92,16 @@ class ApplyResult:
     """The first event id of the batch that did not follow ``last_event_id`` (None: no gap)."""
 
 
-_APPLY_KEYS = 9
+_APPLY_KEYS = 11
+_FENCED = -3
+_NOT_PURGED = -4
+
+
+def record_tip(record: bytes) -> int:
+    """The checksum a shard keeps of the last record it applied for a worker (its tip): a
+    restarted worker compares it with the same event of its own log, to tell a log that
+    still holds what the registry applied from one that was replaced or rolled back."""
+    return zlib.crc32(record)
 
 
 @dataclass
@@ -205,16 +218,22 @@ class SharedRegistry:
 
     # -- writing -------------------------------------------------------------------------
 
-    def apply(self, worker_id: int, events: Sequence[AnyEvent]) -> ApplyResult:
-        """Apply one worker's events, in id order, atomically up to the first gap."""
+    def apply(self, worker_id: int, events: Sequence[AnyEvent], *, token: int = 0) -> ApplyResult:
+        """Apply one worker's events, in id order, atomically up to the first gap.
+
+        ``token`` is the worker's fencing token (``claim``); 0 writes unclaimed, which every
+        shard allows only while nobody has claimed the worker id. A shard that holds a newer
+        claim's fence refuses the call (``ClaimLost``)."""
         for event in events:
             if event.worker_id != worker_id:
                 raise ValueError(
                     f"event {event.event_id} is from worker {event.worker_id}, not {worker_id}"
                 )
-        return self.apply_records(worker_id, [encode_record(e) for e in events])
+        return self.apply_records(worker_id, [encode_record(e) for e in events], token=token)
 
-    def apply_records(self, worker_id: int, records: Sequence[bytes]) -> ApplyResult:
+    def apply_records(
+        self, worker_id: int, records: Sequence[bytes], *, token: int = 0
+    ) -> ApplyResult:
         """``apply`` for records already encoded with ``wire.encode_record``.
 
         Every record is checked here before anything is sent, so a malformed one
@@ -232,17 +251,19 @@ class SharedRegistry:
             raise ValueError(f"worker ids must fit in 32 bits, got {worker_id}")
         parsed = [_parse_record(worker_id, record) for record in records]
         try:
-            return self._apply_parsed(worker_id, records, parsed)
+            return self._apply_parsed(worker_id, records, parsed, token)
         except redis.exceptions.NoScriptError:  # a restarted or flushed Redis: load, send again
             self._load_scripts()
-            return self._apply_parsed(worker_id, records, parsed)
+            return self._apply_parsed(worker_id, records, parsed, token)
 
     def _apply_parsed(
-        self, worker_id: int, records: Sequence[bytes], parsed: Sequence[_Parsed]
+        self, worker_id: int, records: Sequence[bytes], parsed: Sequence[_Parsed], token: int
     ) -> ApplyResult:
         shards = range(self.shard_count)
         if not parsed:  # refreshes the leases and sweeps, like any apply
-            replies = self._send_applies(worker_id, records, parsed, [(s, 0, 0) for s in shards])
+            every = [(s, 0, 0) for s in shards]
+            replies = self._send_applies(worker_id, records, parsed, every, token)
+            _check_fence(worker_id, replies)
             return ApplyResult(0, 0, min(last for _, _, last, _ in replies), None)
         progress = [_ShardProgress() for _ in shards]
         while not all(p.done for p in progress):
@@ -253,7 +274,8 @@ class SharedRegistry:
                     if p.at not in cuts:
                         cuts[p.at] = self._cuts(parsed, p.at)
                     plan += [(shard, a, b) for a, b in cuts[p.at]]
-            replies = self._send_applies(worker_id, records, parsed, plan)
+            replies = self._send_applies(worker_id, records, parsed, plan, token)
+            _check_fence(worker_id, replies)
             stopped: set[int] = set()
             for (shard, a, b), (done, again, last, gap) in zip(plan, replies, strict=True):
                 p = progress[shard]
@@ -297,6 +319,7 @@ class SharedRegistry:
         records: Sequence[bytes],
         parsed: Sequence[_Parsed],
         plan: Sequence[tuple[int, int, int]],
+        token: int,
     ) -> list[tuple[int, int, int, int]]:
         """One apply script call per (shard, first, end) of the plan, in one pipeline per node;
         their replies in plan order."""
@@ -311,12 +334,13 @@ class SharedRegistry:
                 reduced[a, b] = [(clears, g) for g in _split_groups(groups, self.shard_count)]
             clears, groups = reduced[a, b][shard]
             k = self.shard_keys[shard]
+            tip = record_tip(records[b - 1]) if b > a else 0
             args: list[bytes | str | int] = [
                 "EVALSHA", sha, _APPLY_KEYS,
                 k.applied, k.count, k.stream, k.workers, k.lease(wid), k.held, k.index,
-                k.generations, k.sweep,
+                k.generations, k.sweep, k.fence, k.tips,
                 k.prefix, wid, self.stream_maxlen, self.lease_ttl_ms, self.sweep_slice,
-                parsed[a][0] if b > a else 0, b - a, *clears, len(groups),
+                token, "", tip, parsed[a][0] if b > a else 0, b - a, *clears, len(groups),
             ]  # fmt: skip
             for set_mask, clear_mask, count, _blob in groups:
                 args += (set_mask, clear_mask, count)
@@ -383,12 +407,29 @@ class SharedRegistry:
             return self._straight_to_nodes(pending, listed)
         except redis.exceptions.NoScriptError:
             raise
-        except redis.RedisError:
+        except redis.RedisError as exc:
             listed += pending  # and what was not taken yet
+            if isinstance(exc, redis.ConnectionError | redis.TimeoutError):
+                # A node is gone (a fail-over): learn the slot map anew and go straight again.
+                # redis-py's pipeline would not: it asks a script's keys of its default node
+                # (COMMAND GETKEYS) before it routes, and fails there while that node is down.
+                self._refresh_slots()
+                try:
+                    return self._straight_to_nodes(iter(listed), [])
+                except (redis.ConnectionError, redis.TimeoutError, redis.exceptions.NoScriptError):
+                    raise  # still down: the caller tries again later
+                except redis.RedisError:
+                    pass
             pipe = self.client.pipeline()
             for args in listed:
                 pipe.execute_command(*args)
             return list(pipe.execute())
+
+    def _refresh_slots(self) -> None:
+        assert isinstance(self.client, redis.RedisCluster)
+        with contextlib.suppress(redis.RedisError):
+            self.client.nodes_manager.initialize()
+            self.client.replace_default_node()
 
     def _straight_to_nodes(
         self, calls: Iterable[Sequence[bytes | str | int]], listed: list[Sequence[Any]]
@@ -449,15 +490,75 @@ class SharedRegistry:
         for src in _SCRIPTS:  # a cluster client sends SCRIPT LOAD to every master
             self.client.script_load(src)
 
-    def heartbeat(self, worker_id: int) -> None:
-        """Refresh the worker's lease (and list it, so its entries are purged when it lapses),
-        in every shard."""
+    # -- one owner per worker id (``claims``) ---------------------------------------------
+
+    def claim(self, worker_id: int, holder: Holder | None = None) -> int:
+        """Claim ``worker_id`` for this process and return its fencing token; raises
+        ``WorkerIdTaken`` naming the holder when another live process has it.
+
+        The claim lives as long as the lease and is kept by ``heartbeat``. A claim whose
+        holder ran on this host and is gone is taken over at once. Every shard's fence is
+        raised to the new token before this returns, so from then on the previous holder's
+        writes are refused everywhere.
+        """
+        holder = holder or Holder.this_process()
         wid = str(int(worker_id))
-        pipe = self.client.pipeline(transaction=not self.cluster)
-        for k in self.shard_keys:
-            pipe.set(k.lease(wid), "1", px=self.lease_ttl_ms)
-            pipe.sadd(k.workers, wid)
-        pipe.execute()
+        fences = self._scripted([self._fence_call(k, wid, 0) for k in self.shard_keys])
+        floor = max(int(f) for f in fences) + 1
+        k0 = self.keys
+        takeover = ""
+        while True:
+            token, current = self._scripted(
+                [
+                    [
+                        "EVALSHA", self._sha[lua.CLAIM], 2, k0.claim(wid), k0.tokens,
+                        wid, holder.to_json(), self.lease_ttl_ms, takeover, floor,
+                    ]
+                ]
+            )[0]  # fmt: skip
+            if int(token):
+                break
+            held_token, other = Holder.parse(current)
+            if other is not None and other.is_gone() and takeover != str(held_token):
+                takeover = str(held_token)  # its process is gone: take over, if still its
+                continue
+            who = other.describe() if other is not None else f"a claim {current!r}"
+            raise WorkerIdTaken(
+                f"worker id {worker_id} is already taken in namespace {self.namespace!r} by "
+                f"{who}; give each worker its own id (worker_id / KVLEDGER_WORKER_ID)"
+            )
+        self._scripted([self._fence_call(k, wid, int(token)) for k in self.shard_keys])
+        return int(token)
+
+    def _fence_call(self, k: KeySpace, wid: str, token: int) -> list[bytes | str | int]:
+        return ["EVALSHA", self._sha[lua.FENCE], 1, k.fence, wid, token]
+
+    def unclaim(self, worker_id: int, token: int) -> None:
+        """Give the worker id up (a clean exit), if this token still holds it, so that a
+        successor need not wait for the lease to lapse. Entries stay (``release`` drops
+        them)."""
+        self._scripted(
+            [["EVALSHA", self._sha[lua.UNCLAIM], 1, self.keys.claim(int(worker_id)), token]]
+        )
+
+    def holder(self, worker_id: int) -> tuple[int, Holder | None] | None:
+        """(token, holder) of the live claim of ``worker_id``; None when nobody claims it."""
+        current = self.client.get(self.keys.claim(int(worker_id)))
+        return None if current is None else Holder.parse(current)
+
+    def heartbeat(self, worker_id: int, token: int = 0, holder: Holder | None = None) -> bool:
+        """Refresh the worker's lease (and list it, so its entries are purged when it lapses)
+        in every shard, and its claim; False, and nothing refreshed where it was, once a
+        newer claim fenced this token off. A claim that lapsed while nobody else took the
+        id is taken again."""
+        wid = str(int(worker_id))
+        described = (holder or Holder.this_process()).to_json() if token else ""
+        calls: list[list[bytes | str | int]] = []
+        for shard, k in enumerate(self.shard_keys):
+            keys = [k.fence, k.lease(wid), k.workers] + ([k.claim(wid)] if shard == 0 else [])
+            args: list[bytes | str | int] = [wid, token, self.lease_ttl_ms, described]
+            calls.append(["EVALSHA", self._sha[lua.BEAT], len(keys), *keys, *args])
+        return all(int(r) for r in self._scripted(calls))
 
     def purge_expired(self) -> dict[int, int]:
         """Drop the entries of every worker whose lease lapsed: {worker: entries dropped}."""
@@ -465,12 +566,15 @@ class SharedRegistry:
         candidates = [sorted(int(w) for w in members) for members in listed]
         return self._purge_calls(candidates, force=False)
 
-    def release(self, worker_id: int) -> int:
-        """Drop a worker's entries now (clean shutdown); returns how many were dropped."""
+    def release(self, worker_id: int, token: int = 0) -> int:
+        """Drop a worker's entries now (clean shutdown, or before a ``reset``); returns how
+        many were dropped. ``ClaimLost`` when a newer claim holds the id (nothing dropped)."""
         candidates = [[int(worker_id)] for _ in self.shard_keys]
-        return self._purge_calls(candidates, force=True).get(int(worker_id), 0)
+        return self._purge_calls(candidates, force=True, token=token).get(int(worker_id), 0)
 
-    def _purge_calls(self, candidates: Sequence[list[int]], *, force: bool) -> dict[int, int]:
+    def _purge_calls(
+        self, candidates: Sequence[list[int]], *, force: bool, token: int = 0
+    ) -> dict[int, int]:
         """Purge each shard's candidates (all of them with ``force``, else those whose lease
         in that shard is gone); a purge reaches every shard, one atomic call each."""
         sha = self._sha[lua.PURGE]
@@ -479,15 +583,101 @@ class SharedRegistry:
             if not workers:
                 continue
             keys = [k.workers, k.generations, k.held, k.applied, k.count, k.stream, k.sweep]
-            keys += [k.lease(w) for w in workers]
-            flags = ["1" if force else "", self.stream_maxlen, self.shard_count, shard]
+            keys += [k.fence] + [k.lease(w) for w in workers]
+            flags = ["1" if force else "", self.stream_maxlen, self.shard_count, shard, token]
             calls.append(["EVALSHA", sha, len(keys), *keys, k.prefix, *flags, *workers])
         out: dict[int, int] = {}
         for flat in self._scripted(calls):
             for i in range(0, len(flat), 2):
-                worker = int(flat[i])
-                out[worker] = out.get(worker, 0) + int(flat[i + 1])
+                worker, dropped = int(flat[i]), int(flat[i + 1])
+                if dropped < 0:
+                    raise ClaimLost(
+                        f"worker {worker}: a newer claim of the id holds it; its entries were "
+                        "left as they are"
+                    )
+                out[worker] = out.get(worker, 0) + dropped
         return out
+
+    # -- a restart that finds the registry ahead of the log (``reset``) --------------------
+
+    def tips(self, worker_id: int) -> list[tuple[int, int | None]]:
+        """Per shard, (the worker's last applied event id, the checksum of that event's record
+        or None): what a restarted worker checks against its log."""
+        wid = str(int(worker_id))
+        calls: list[tuple[str, ...]] = []
+        for k in self.shard_keys:
+            calls += [("HGET", k.applied, wid), ("HGET", k.tips, wid)]
+        raw = self._pipeline(calls)
+        return [
+            (-1 if applied is None else int(applied), None if tip is None else int(tip))
+            for applied, tip in zip(raw[::2], raw[1::2], strict=True)
+        ]
+
+    def reset(
+        self,
+        worker_id: int,
+        *,
+        last_event_id: int,
+        tip: int,
+        held: Mapping[Tier, BlockColumns],
+        dp_rank: int = 0,
+        ts: float = 0.0,
+        token: int = 0,
+    ) -> int:
+        """Replace the worker's entries by ``held`` (its log's fold at ``last_event_id``,
+        whose record's checksum is ``tip``): the worker is purged (its stream says so, as for
+        a lapsed lease), then each shard takes its part of the fold in one atomic call, with
+        ``last_event_id`` as the worker's applied id, and the home shard's stream one
+        ``Baseline`` record per tier. Routers see the worker's entries empty or partly back
+        only between those calls. Returns the blocks written."""
+        wid = str(int(worker_id))
+        self.release(worker_id, token)
+        tiers = sorted(held)
+        records = [
+            encode_baseline(
+                worker_id=int(worker_id),
+                dp_rank=dp_rank,
+                tier=tier,
+                event_id=last_event_id,
+                ts=ts,
+                seq=held[tier].seq.tolist(),
+                local=held[tier].local.tolist(),
+                parent=[
+                    p if has else None
+                    for p, has in zip(
+                        held[tier].parent.tolist(), held[tier].has_parent.tolist(), strict=True
+                    )
+                ],
+            )
+            for tier in tiers
+        ]
+        groups = _split_groups(_held_groups(held), self.shard_count)
+        home = self.home_shard(worker_id)
+        sha = self._sha[lua.APPLY]
+        calls: list[list[bytes | str | int]] = []
+        for shard, k in enumerate(self.shard_keys):
+            args: list[bytes | str | int] = [
+                "EVALSHA", sha, _APPLY_KEYS,
+                k.applied, k.count, k.stream, k.workers, k.lease(wid), k.held, k.index,
+                k.generations, k.sweep, k.fence, k.tips,
+                k.prefix, wid, self.stream_maxlen, self.lease_ttl_ms, self.sweep_slice,
+                token, "b", tip, last_event_id, 1, 0, 0, 0, 0, len(groups[shard]),
+            ]  # fmt: skip
+            for set_mask, clear_mask, count, _blob in groups[shard]:
+                args += (set_mask, clear_mask, count)
+            if shard == home:
+                args += records
+            args += [blob for _set, _clear, _count, blob in groups[shard]]
+            calls.append(args)
+        replies = self._scripted(calls)
+        _check_fence(worker_id, [tuple(int(x) for x in r) for r in replies])  # type: ignore[misc]
+        for _applied, _repeated, last, gap in replies:
+            if int(gap) == _NOT_PURGED:
+                raise RuntimeError(
+                    f"worker {worker_id}: events up to {int(last)} were applied while its "
+                    "entries were being replaced; is another process publishing as it?"
+                )
+        return sum(len(columns) for columns in held.values())
 
     def sweep(self, slice_blocks: int = 4096) -> bool:
         """Clean stale entries (left by Cleared and purges) from about ``slice_blocks`` blocks
@@ -599,7 +789,16 @@ class SharedRegistry:
         return deleted
 
 
-_SCRIPTS = (lua.APPLY, lua.PURGE, lua.WHO_HAS, lua.SWEEP)
+_SCRIPTS = (
+    lua.APPLY,
+    lua.PURGE,
+    lua.WHO_HAS,
+    lua.SWEEP,
+    lua.CLAIM,
+    lua.UNCLAIM,
+    lua.FENCE,
+    lua.BEAT,
+)
 _Group = tuple[int, int, int, bytes]
 """Blocks a run of events leaves alike: (bits set, bits cleared, how many, their hashes)."""
 _Changes = tuple[list[int], list[_Group]]
@@ -618,6 +817,29 @@ def _split_groups(groups: list[_Group], shards: int) -> list[list[_Group]]:
             part = hashes[owner == shard]
             out[shard].append((set_mask, clear_mask, len(part), part.tobytes()))
     return out
+
+
+def _check_fence(worker_id: int, replies: Sequence[tuple[int, int, int, int]]) -> None:
+    """Raise ``ClaimLost`` when a shard refused an apply for a newer claim's fence."""
+    if any(gap == _FENCED for _applied, _repeated, _last, gap in replies):
+        raise ClaimLost(
+            f"worker {worker_id}: another process claimed this worker id; the shared registry "
+            "refuses this process's writes"
+        )
+
+
+def _held_groups(held: Mapping[Tier, BlockColumns]) -> list[_Group]:
+    """A fold's blocks as apply groups: each block once, with the bits of every tier it is on
+    (nothing to clear: the worker was purged just before)."""
+    seqs = [columns.seq for columns in held.values()]
+    if not seqs or not sum(len(s) for s in seqs):
+        return []
+    bits = [np.full(len(columns), 1 << (int(tier) - 1), np.int64) for tier, columns in held.items()]
+    unique, inverse = np.unique(np.concatenate(seqs), return_inverse=True)
+    mask = np.zeros(len(unique), np.int64)
+    np.bitwise_or.at(mask, inverse, np.concatenate(bits))
+    big_endian = unique.astype(">u8").view(np.uint64)  # the bytes the index keys are
+    return [(value, 0, *_blob(big_endian[mask == value])) for value in np.unique(mask).tolist()]
 
 
 def _holders(value: bytes | str | None) -> dict[int, int]:

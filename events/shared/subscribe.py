@@ -18,12 +18,16 @@ from typing import Any
 import redis
 
 from kvledger.events.shared.registry import SharedRegistry
-from kvledger.events.types import AnyEvent
-from kvledger.events.wire import decode_record
+from kvledger.events.types import AnyEvent, Baseline
+from kvledger.events.wire import decode_baseline, decode_record
 
 
 class StreamSubscriber:
-    """Feeds ``on_event`` from the stream and ``on_purge(worker_id)`` when a lease lapsed."""
+    """Feeds ``on_event`` from the stream, ``on_purge(worker_id)`` when a worker's entries
+    were dropped (its lease lapsed, it left, or they are being replaced), and
+    ``on_baseline(baseline)`` with a worker's whole holding on a tier when they were replaced
+    by its log's fold (``RouterIndex`` has all three: ``apply``, ``remove_worker``,
+    ``apply_baseline``)."""
 
     def __init__(
         self,
@@ -33,6 +37,7 @@ class StreamSubscriber:
         *,
         on_event: Callable[[AnyEvent], object],
         on_purge: Callable[[int], object],
+        on_baseline: Callable[[Baseline], object],
         start_id: str = "0",
     ) -> None:
         self.client = registry.client
@@ -41,6 +46,7 @@ class StreamSubscriber:
         self.consumer = consumer
         self.on_event = on_event
         self.on_purge = on_purge
+        self.on_baseline = on_baseline
         self.start_id = start_id
         self._next_blocking = 0
         for stream in self.streams:
@@ -94,6 +100,8 @@ class StreamSubscriber:
                 record = fields.get(b"r")
                 if record is not None:
                     self.on_event(decode_record(record))
+                elif b"b" in fields:
+                    self.on_baseline(decode_baseline(fields[b"b"]))
                 elif b"purged" in fields:
                     self.on_purge(int(fields[b"w"]))
                 ids.append(entry_id)

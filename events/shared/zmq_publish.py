@@ -10,6 +10,9 @@ Where this differs from vLLM's publisher, on purpose:
 - One event is one batch, and its sequence number is the event's id. Event ids are per worker,
   contiguous and continue across restarts (they come from the log), so the sequence numbers do
   too, and a batch is found in the durable log by its number alone.
+- Only committed events are sent: the publisher of a worker with a log is fed by the log's
+  writer after each commit (``EventLog.on_commit``), so a number once sent always names the same
+  event, also after a crash (an event sent and then lost would have its id reused by another).
 - Replay is served from the in-memory ring of the newest batches, and from the durable log for
   anything older, so a router that was down catches up on everything. Routers that start fresh
   (Dynamo's indexer asks for everything from 0 when the first number it sees is later) rebuild
@@ -30,11 +33,12 @@ import contextlib
 import logging
 import threading
 from collections import deque
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import zmq
 
+from kvledger.events.log.replay import replay
 from kvledger.events.types import AnyEvent, Tier
 from kvledger.events.vllm_events import VllmMapper, encode_events
 
@@ -45,11 +49,13 @@ END_SEQ = (-1).to_bytes(8, "big", signed=True)
 
 
 class ZmqPublisher:
-    """An event sink that publishes one worker's events on a ZMQ PUB socket.
+    """Publishes one worker's events on a ZMQ PUB socket.
 
-    ``log`` (the worker's durable event log) serves replays older than the ring; ``held`` is
-    what the worker's tiers held before the first event this publisher sees (a restart: the
-    log's fold), so that a ``Cleared`` is mapped against it.
+    With ``log`` (the worker's durable event log), the publisher takes the events the log
+    commits from now on (it must not be called as a sink then), serves replays older than the
+    ring from the log, and maps a restart's ``Cleared`` against the log's fold. Without one it
+    is a sink called with each event; ``held`` is then what the worker's tiers held before the
+    first event it sees.
     """
 
     def __init__(
@@ -76,8 +82,7 @@ class ZmqPublisher:
         self._topic = topic.encode()
         self._log = log
         self._mapper = VllmMapper(block_size)
-        if held is not None:
-            self._mapper.seed(held)
+        self._folded_up_to = -1  # events at or below it are in the mapper's seed already
         self._ring: deque[tuple[int, bytes]] = deque(maxlen=ring_size)
         self._queue: deque[AnyEvent] = deque()
         self._wake = threading.Event()
@@ -108,6 +113,15 @@ class ZmqPublisher:
         self.replay_endpoint = (
             None if self._replay is None else self._replay.getsockopt_string(zmq.LAST_ENDPOINT)
         )
+        if log is not None:
+            # subscribe first, then fold what is committed: an event committed in between is
+            # both folded and handed over, and skipped by its id
+            log.on_commit(self._committed, worker_id=worker_id)
+            if log.last_event_id(worker_id) >= 0:
+                log.flush()
+                held, self._folded_up_to = logged_holdings(log, worker_id)
+        if held is not None:
+            self._mapper.seed(held)
         self._thread = threading.Thread(target=self._run, name="kvledger-zmq-publisher")
         self._thread.daemon = True
         self._thread.start()
@@ -115,14 +129,28 @@ class ZmqPublisher:
     # -- the engine's side: never blocks --------------------------------------------------------
 
     def __call__(self, event: AnyEvent) -> None:
-        """Queue ``event`` (events of other workers are not this publisher's)."""
+        """Queue ``event`` (a publisher without a log; events of other workers are not this
+        publisher's)."""
+        if self._log is not None:
+            raise TypeError(
+                "this publisher is fed by its log's commits (what other processes see must be "
+                "committed first); append the event to the log instead"
+            )
         if event.worker_id == self.worker_id:
             self._queue.append(event)
             if self._idle:  # waking a busy thread would cost the engine a lock for nothing
                 self._wake.set()
 
+    def _committed(self, events: Sequence[AnyEvent]) -> None:
+        """The log's writer, after a commit: queue the worker's newly committed events."""
+        self._queue.extend(events)
+        if self._idle:
+            self._wake.set()
+
     def close(self, timeout: float = 5.0) -> None:
         """Send what is queued, then close the sockets."""
+        if self._log is not None:
+            self._log.off_commit(self._committed)
         self._closing = True
         self._wake.set()
         self._thread.join(timeout)
@@ -138,7 +166,10 @@ class ZmqPublisher:
         self.close()
 
     def wait_sent(self, timeout: float = 5.0) -> bool:
-        """Wait until every queued event has been sent (or dropped); False on timeout."""
+        """Wait until every event so far has been sent (or dropped); False on timeout. With a
+        log, that is every event appended to it so far: the log is flushed first."""
+        if self._log is not None:
+            self._log.flush()
         done = threading.Event()
         self._queue.append(_Marker(done))  # type: ignore[arg-type]
         self._wake.set()
@@ -184,6 +215,8 @@ class ZmqPublisher:
             if isinstance(event, _Marker):
                 event.done.set()
                 continue
+            if event.event_id <= self._folded_up_to:
+                continue  # committed while the publisher started: in the mapper's seed
             try:
                 payload = mapper.payload(event, rank)
             except Exception:
@@ -251,9 +284,7 @@ class ZmqPublisher:
         its first; copies get their tokens from the ``Stored`` events before them."""
         mapper = VllmMapper(self.block_size, remember_tokens=True)
         last = None if until is None else until - 1
-        # the log takes every event before this publisher does, but may not have committed
-        # those just older than the ring yet
-        self._log.flush()
+        # the ring holds committed events only, so everything older is in the log already
         for event in self._log.read(worker_id=self.worker_id, until_event_id=last):
             payload = mapper.payload(event, self.dp_rank)
             if event.event_id >= start:
@@ -291,16 +322,15 @@ def _dropped_counter(registry: object | None) -> Any:
     )
 
 
-def logged_holdings(log: Any, worker_id: int) -> dict[Tier, list[int]]:
-    """What ``worker_id``'s tiers held by ``log``'s fold: the state a restarted worker's
-    publisher maps its first ``Cleared`` events against."""
-    from kvledger.events.log.replay import replay
-
+def logged_holdings(log: Any, worker_id: int) -> tuple[dict[Tier, list[int]], int]:
+    """What ``worker_id``'s tiers held by ``log``'s fold, and the last event folded: the
+    state a restarted worker's publisher maps its first ``Cleared`` events against."""
+    state = replay(log)
     held: dict[Tier, list[int]] = {}
-    for (worker, tier), columns in replay(log).iter_columns():
+    for (worker, tier), columns in state.iter_columns():
         if worker == worker_id:
             held[tier] = columns.seq.tolist()
-    return held
+    return held, state.last_event_id.get(worker_id, -1)
 
 
 def open_publisher(
@@ -315,9 +345,9 @@ def open_publisher(
     ring_size: int = 10_000,
     metrics_registry: object | None = None,
 ) -> ZmqPublisher:
-    """A publisher for a worker that writes ``log``: replay reaches back through the log,
-    and a restart's ``Cleared`` events are mapped against what the log says was held."""
-    held = logged_holdings(log, worker_id) if log.last_event_id(worker_id) >= 0 else None
+    """A publisher for a worker that writes ``log``: it sends what the log commits, replay
+    reaches back through the log, and a restart's ``Cleared`` events are mapped against what
+    the log says was held."""
     return ZmqPublisher(
         endpoint,
         worker_id=worker_id,
@@ -326,7 +356,6 @@ def open_publisher(
         topic=topic,
         dp_rank=dp_rank,
         log=log,
-        held=held,
         ring_size=ring_size,
         metrics_registry=metrics_registry,
     )

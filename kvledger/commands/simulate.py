@@ -339,10 +339,10 @@ def simulate(args: argparse.Namespace, note: Callable[[str], None]) -> Outcome:
                 raise ValueError("--zmq-endpoint needs the event log (replay serves from it)")
             from kvledger.events.shared.zmq_publish import open_publisher
 
+            # fed by the log's commits, not a sink: routers see only what is committed
             zmq_publisher = open_publisher(
                 settings.zmq_endpoint, log=log, worker_id=worker, **settings.zmq_options()
             )
-            sinks.append(zmq_publisher)
             note(f"publishing KV events on {zmq_publisher.endpoint}")
         if metrics is not None:
             sinks.append(metrics.observe_event)
@@ -396,10 +396,12 @@ def simulate(args: argparse.Namespace, note: Callable[[str], None]) -> Outcome:
         if metrics is not None:
             metrics.refresh(cache.registry.pools)
     finally:
-        if zmq_publisher is not None:
-            zmq_publisher.close()
-        if log is not None:
-            log.close()
+        try:
+            if log is not None:
+                log.close()  # commits the rest, which reaches the ZMQ publisher
+        finally:
+            if zmq_publisher is not None:
+                zmq_publisher.close()
 
     live = cache.registry.state()
     replay_ok = log is None or replay_matches(url, worker, live, note)

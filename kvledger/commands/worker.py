@@ -17,17 +17,16 @@ import random
 import signal
 import sys
 import threading
-from collections.abc import Callable
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 from kvledger.commands.args import linger_seconds, log_location, non_negative_int, positive_int
 from kvledger.events.log import EventLog
 from kvledger.events.shared.client import connect
-from kvledger.events.shared.publish import FanOut, RedisPublisher
+from kvledger.events.shared.publish import RedisPublisher
 from kvledger.events.shared.registry import SharedRegistry
 from kvledger.events.shared.zmq_publish import open_publisher
-from kvledger.events.types import AnyEvent, Tier
+from kvledger.events.types import Tier
 from kvledger.mocker.kv_manager import Deref, FullBlock, KvManager, Use
 from kvledger.registry.hashing import TokenBlockSequence
 
@@ -99,43 +98,45 @@ def run(args: argparse.Namespace) -> int:
     registry = SharedRegistry(
         client, args.namespace, shards=args.shards, lease_ttl_s=args.lease_ttl
     )
-    log = EventLog(args.log)
-    publisher = RedisPublisher(registry, args.worker_id, log=log, linger_s=args.publish_linger)
-    sinks: list[Callable[[AnyEvent], None]] = [log.append, publisher]
-    zmq_publisher = None
-    if args.zmq_endpoint is not None:
-        zmq_publisher = open_publisher(
-            args.zmq_endpoint,
-            log=log,
-            worker_id=args.worker_id,
-            block_size=args.block_size,
-            replay_endpoint=args.zmq_replay_endpoint,
-            dp_rank=args.dp_rank,
-        )
-        sinks.append(zmq_publisher)
-    elif args.zmq_replay_endpoint is not None:
+    if args.zmq_replay_endpoint is not None and args.zmq_endpoint is None:
         raise ValueError("--zmq-replay-endpoint needs --zmq-endpoint")
-    mgr = KvManager(
-        args.blocks,
-        args.block_size,
-        eviction="lru",
-        sink=FanOut(*sinks),
-        worker_id=args.worker_id,
-        dp_rank=args.dp_rank,
+    log = EventLog(args.log)
+    publisher = RedisPublisher(
+        registry, args.worker_id, log=log, dp_rank=args.dp_rank, linger_s=args.publish_linger
     )
-    resumed_from = log.last_event_id(args.worker_id)
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
-    publisher.start()
+    zmq_publisher = None
+    drained = False
     drain_timeout = 10.0
     try:
+        # Claim the id and bring the registry in step with the log before any event: the
+        # publishers take what the log commits from now on.
+        publisher.start()  # a reset of the registry is said in one line on stderr
+        if args.zmq_endpoint is not None:
+            zmq_publisher = open_publisher(
+                args.zmq_endpoint,
+                log=log,
+                worker_id=args.worker_id,
+                block_size=args.block_size,
+                replay_endpoint=args.zmq_replay_endpoint,
+                dp_rank=args.dp_rank,
+            )
+        mgr = KvManager(
+            args.blocks,
+            args.block_size,
+            eviction="lru",
+            sink=log.append,
+            worker_id=args.worker_id,
+            dp_rank=args.dp_rank,
+        )
+        stop = threading.Event()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: stop.set())
         # A restarted worker continues its own event ids and says its old cache is gone.
-        mgr.emitter.resume(resumed_from, clear=(Tier.G1,))
-        _workload(mgr, args, stop)
+        mgr.emitter.resume(log.last_event_id(args.worker_id), clear=(Tier.G1,))
+        _workload(mgr, args, stop, publisher)
         log.flush()
         drained = publisher.wait_applied(timeout=args.publish_timeout)
-        if not drained:
+        if not drained and publisher.error is None:
             drain_timeout = 0.0  # waited already
             _note(
                 f"Redis at {_shown(args.redis_url)} has events up to "
@@ -143,33 +144,42 @@ def run(args: argparse.Namespace) -> int:
                 f"{args.publish_timeout:g} s (--publish-timeout); the rest are in {args.log} "
                 "only, and a worker restarted with this log re-sends them"
             )
-        _report(
-            done=True,
-            worker_id=args.worker_id,
-            last_event_id=mgr.emitter.next_event_id - 1,
-            applied_id=publisher.applied_id,
-            drained=drained,
-            caught_up=publisher.caught_up,
-            outages=publisher.outages,
-            dropped=publisher.dropped,
-        )
-        if args.linger:
-            stop.wait()
+        if publisher.error is None:
+            found = publisher.reconciled
+            _report(
+                done=True,
+                worker_id=args.worker_id,
+                last_event_id=mgr.emitter.next_event_id - 1,
+                applied_id=publisher.applied_id,
+                drained=drained,
+                caught_up=publisher.caught_up,
+                outages=publisher.outages,
+                dropped=publisher.dropped,
+                reconciled=None if found is None else found.action,
+            )
+            if args.linger:
+                while not stop.wait(0.2) and publisher.error is None:
+                    pass
     finally:
-        publisher.stop(drain_timeout=drain_timeout)
-        if zmq_publisher is not None:
-            zmq_publisher.close()
-        if args.release_on_exit:
-            registry.release(args.worker_id)
-        log.close()
+        publisher.stop(drain_timeout=0.0 if publisher.error is not None else drain_timeout)
+        if args.release_on_exit and publisher.error is None:
+            registry.release(args.worker_id, publisher.token)
+        try:
+            log.close()  # commits the rest, which reaches the ZMQ publisher
+        finally:
+            if zmq_publisher is not None:
+                zmq_publisher.close()
     if publisher.error is not None:
-        _note(f"publisher failed: {publisher.error}")
+        _note(f"stopped: {publisher.error}")
         return 1
     return 0 if drained else 1
 
 
-def _workload(mgr: KvManager, args: argparse.Namespace, stop: threading.Event) -> None:
-    """Requests that share a few long prompt prefixes, each with its own random tail."""
+def _workload(
+    mgr: KvManager, args: argparse.Namespace, stop: threading.Event, publisher: RedisPublisher
+) -> None:
+    """Requests that share a few long prompt prefixes, each with its own random tail. Ends
+    early when the publisher stopped (another process took the worker id)."""
     shared = random.Random(args.seed)
     prefixes = [
         [shared.randrange(32000) for _ in range(args.block_size * shared.randrange(4, 32))]
@@ -177,7 +187,7 @@ def _workload(mgr: KvManager, args: argparse.Namespace, stop: threading.Event) -
     ]
     rng = random.Random(args.seed * 1_000_003 + args.worker_id)
     for _ in range(args.requests):
-        if stop.is_set():
+        if stop.is_set() or publisher.error is not None:
             return
         tail = [rng.randrange(32000) for _ in range(args.block_size * rng.randrange(1, 16))]
         tokens = rng.choice(prefixes) + tail

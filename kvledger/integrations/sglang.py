@@ -41,7 +41,7 @@ from sglang.srt.mem_cache.hicache_storage import (
 from kvledger.config import Settings
 from kvledger.events.log import EventLog
 from kvledger.events.log.replay import replay
-from kvledger.events.shared import FanOut, RedisPublisher, SharedRegistry, connect
+from kvledger.events.shared import RedisPublisher, SharedRegistry, connect
 from kvledger.events.types import BlockInfo, Tier
 from kvledger.registry.emitter import EventEmitter
 from kvledger.registry.pool import BlockPool
@@ -162,12 +162,11 @@ class KvledgerHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang sh
         except BaseException:
             event_log.close()
             raise
-        sink: Any = event_log.append
         if self.redis_url:  # G4: the shared registry says which rank holds which page
             shared = SharedRegistry(connect(self.redis_url), self.redis_namespace)
+            # fed by the log's commits: other ranks see a page once its event is committed
             self.publisher = RedisPublisher(shared, self.worker_id, log=event_log).start()
-            sink = FanOut(event_log.append, self.publisher)
-        emitter = EventEmitter(sink, worker_id=self.worker_id, first_event_id=first_id)
+        emitter = EventEmitter(event_log.append, worker_id=self.worker_id, first_event_id=first_id)
         pool = BlockPool(self.capacity_pages, tier=Tier.G3, emitter=emitter)
         kept = g3.recovered_blocks()
         pool.adopt([slot for slot, _ in kept], [block for _, block in kept])

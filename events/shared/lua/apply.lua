@@ -4,23 +4,33 @@
 -- needs the stored value: one HMGET slot, a mask edit, one HSET/HDEL slot. Cutting hashes out
 -- of records and finding each block's last change cost more in Lua than the whole index
 -- update does.
--- KEYS: applied, count, events, workers, lease, held, idx, gens, sweep (gens and sweep are
---       named from the prefix below; declaring them lets Redis Cluster hold the call back while
---       the shard's slot is half migrated, instead of running it on half the keys)
--- ARGV: prefix, worker id, stream maxlen, lease ttl ms, sweep slice, first event id, events n,
---       Cleared count per tier (4), groups g, g x (set mask, clear mask, blocks), the records
---       to append to the stream (all n in the worker's home shard, none in the others), and
---       per group its blocks' 8-byte hashes in one string
+-- KEYS: applied, count, events, workers, lease, held, idx, gens, sweep, fence, tips (gens and
+--       sweep are named from the prefix below; declaring them lets Redis Cluster hold the call
+--       back while the shard's slot is half migrated, instead of running it on half the keys)
+-- ARGV: prefix, worker id, stream maxlen, lease ttl ms, sweep slice, the writer's fencing token
+--       (0: unclaimed), mode ('' a run of events; 'b' a baseline: the worker's fold at event
+--       `first`, applied right after a purge), the checksum of the last record (the tip),
+--       first event id, events n, Cleared count per tier (4), groups g, g x (set mask, clear
+--       mask, blocks), the records to append to the stream (all n in the worker's home shard,
+--       none in the others), and per group its blocks' 8-byte hashes in one string
 -- Returns {applied, repeated, last applied id, gap}: gap is the first event id when it does not
 -- follow the last applied one, -2 when the batch starts inside what was applied (the caller
--- sends the rest again), else -1.
+-- sends the rest again), -3 when a newer claim of the worker id fenced this writer off, -4
+-- when a baseline finds the worker not purged (both change nothing); else -1.
 local wid, maxlen = ARGV[2], ARGV[3]
 local ttl, slice = tonumber(ARGV[4]), tonumber(ARGV[5])
-local first, nrec = tonumber(ARGV[6]), tonumber(ARGV[7])
+local token, mode, tip = tonumber(ARGV[6]), ARGV[7], ARGV[8]
+local first, nrec = tonumber(ARGV[9]), tonumber(ARGV[10])
 local wk = struct.pack('>I4', tonumber(wid))
 local last = tonumber(call('HGET', KEYS[1], wid) or '-1')
+if tonumber(call('HGET', KEYS[10], wid) or '0') > token then
+  return {0, 0, last, -3}
+end
 local applied, repeated, gap = 0, 0, -1
-if first > last + 1 then
+if mode == 'b' then
+  if last ~= -1 then return {0, 0, last, -4} end
+  applied = nrec
+elseif first > last + 1 then
   gap = first
 elseif first + nrec - 1 <= last then
   repeated = nrec
@@ -31,14 +41,14 @@ else
 end
 local stale = false
 if applied > 0 then
-  local ng = tonumber(ARGV[12])
-  local rec0 = 12 + 3 * ng
+  local ng = tonumber(ARGV[15])
+  local rec0 = 15 + 3 * ng
   local carried = #ARGV - rec0 - ng
   -- The worker's generations before and after the batch's Cleared events.
   local wpre = gens_of(wk)
   local wg, clears, anyclear = wpre, {}, false
   for t = 1, 4 do
-    local c = tonumber(ARGV[7 + t])
+    local c = tonumber(ARGV[10 + t])
     clears[t] = c
     if c > 0 then
       anyclear = true
@@ -61,9 +71,9 @@ if applied > 0 then
   local sets, dels, ns, nd = {}, {}, 0, 0
   local argv, unpack, cut, fmts = ARGV, unpack, struct.unpack, {}
   for grp = 0, ng - 1 do
-    local set = tonumber(argv[13 + 3 * grp])
-    local keep = bnot(tonumber(argv[14 + 3 * grp]))
-    local left, blob, pos = tonumber(argv[15 + 3 * grp]), argv[rec0 + carried + 1 + grp], 1
+    local set = tonumber(argv[16 + 3 * grp])
+    local keep = bnot(tonumber(argv[17 + 3 * grp]))
+    local left, blob, pos = tonumber(argv[18 + 3 * grp]), argv[rec0 + carried + 1 + grp], 1
     -- nm[old]: the mask this group leaves; moved[old]: blocks that went from old to nm[old]
     -- (for the common cases: no value yet, or only this worker's current entry).
     local nm, moved = {}, {}
@@ -180,13 +190,20 @@ if applied > 0 then
       call('HINCRBY', KEYS[6], field, delta[t])
     end
   end
+  local field = mode == 'b' and 'b' or 'r'
   if carried > 0 then
-    for i = rec0 + 1, rec0 + carried do call('XADD', KEYS[3], '*', 'w', wid, 'r', ARGV[i]) end
+    for i = rec0 + 1, rec0 + carried do call('XADD', KEYS[3], '*', 'w', wid, field, ARGV[i]) end
     call('XTRIM', KEYS[3], 'MAXLEN', '~', maxlen)
   end
-  last = first + nrec - 1
+  if mode == 'b' then
+    last = first
+    call('HSET', KEYS[2], wid, first + 1)
+  else
+    last = first + nrec - 1
+    call('HINCRBY', KEYS[2], wid, nrec)
+  end
   call('HSET', KEYS[1], wid, last)
-  call('HINCRBY', KEYS[2], wid, nrec)
+  call('HSET', KEYS[11], wid, tip)
 end
 if stale then want_sweep() end
 if slice > 0 then sweep(slice) end

@@ -56,6 +56,7 @@ local function purge(wid, maxlen, announce)
   if n > 0 then want_sweep() end
   call('HDEL', prefix .. 'applied', wid)
   call('HDEL', prefix .. 'count', wid)
+  call('HDEL', prefix .. 'tips', wid)
   call('SREM', prefix .. 'workers', wid)
   call('DEL', prefix .. 'lease:' .. wid)
   if announce then
