@@ -23,6 +23,7 @@ from kvledger.config import Settings
 from kvledger.events.log import EventLog
 from kvledger.events.types import Removed, Stored, Tier
 from kvledger.mocker import router as router_module
+from kvledger.mocker.feeds import RedisFeed
 from kvledger.mocker.router import KvRouter, KvRouterConfig, RoundRobinRouter, WorkerLoad
 from kvledger.mocker.traces import TraceRequest, load_mooncake, synthetic
 from kvledger.registry.hashing import chain_sequence_hashes
@@ -371,10 +372,20 @@ def test_the_zmq_feed_carries_every_event_to_the_router(tmp_path: Path) -> None:
     assert outcome.index.holders() == fold_logs(tmp_path / "run").holders() != {}
 
 
-def test_the_redis_feed_goes_through_the_shared_registry(redis_client: Any, tmp_path: Path) -> None:
+def test_the_redis_feed_goes_through_the_shared_registry(
+    redis_client: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Each worker's RedisPublisher into a namespace of the run's own, the router reading
     the registry's stream: at the end its index is the fold of the workers' logs, and the
     namespace is gone."""
+    namespaces: list[str] = []
+    close = RedisFeed.close
+
+    def spy(feed: RedisFeed) -> None:
+        namespaces.append(feed.namespace)
+        close(feed)
+
+    monkeypatch.setattr(RedisFeed, "close", spy)
     outcome = run_one(
         dynamo_settings(),
         ClusterOptions(2, "kv", feed="redis", redis_url="redis://127.0.0.1:6379/0"),
@@ -385,7 +396,8 @@ def test_the_redis_feed_goes_through_the_shared_registry(redis_client: Any, tmp_
     assert outcome.summary["cluster"]["requests"] == 200
     assert outcome.index is not None
     assert outcome.index.holders() == fold_logs(tmp_path / "run").holders() != {}
-    assert not list(redis_client.scan_iter(match="kvl:{kvledger-simulate-*", count=1000))
+    assert namespaces and namespaces[0].startswith("kvledger-simulate-")
+    assert not list(redis_client.scan_iter(match=f"kvl:{{{namespaces[0]}}}*", count=1000))
 
 
 # -- the command line -------------------------------------------------------------------------

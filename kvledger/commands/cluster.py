@@ -216,9 +216,9 @@ def run_one(
                 log = open_log(url, mine)
                 logs.append(log)
                 urls.append(url)
-            publishers = [feed.publisher(wid, log)] if feed is not None else []
+            feed_sink = feed.publisher(wid, log) if feed is not None else None
             emitter = CountingEmitter(
-                worker_sink(log, publishers), worker_id=wid, dp_rank=0, clock=clock
+                worker_sink(log, feed_sink), worker_id=wid, dp_rank=0, clock=clock
             )
             registry = TieredRegistry(
                 settings.g1_blocks,

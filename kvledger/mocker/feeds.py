@@ -16,7 +16,9 @@ transport can cause at that pace. ``delay_ms`` adds a simulated delay on top of 
 event emitted at simulated time t reaches the index at t + delay (Dynamo's
 ``kv_event_lag_ms``).
 
-``worker_sink`` is the one place a worker's event log is wired to its publishers.
+``worker_sink`` is the one place a worker's event log and its feed are wired together: with a
+log, the real publishers take what the log commits, so their lag includes the log's commit
+lag, as a deployed worker's does.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import math
 import time
 import uuid
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from kvledger.events.types import AnyEvent
@@ -42,13 +44,18 @@ FEEDS = ("memory", "zmq", "redis")
 Sink = Callable[[AnyEvent], None]
 
 
-def worker_sink(log: EventLog | None, publishers: Sequence[Sink]) -> Sink | None:
-    """The sink a worker's emitter calls: its log first (the truth), then each publisher.
+def worker_sink(log: EventLog | None, feed_sink: Sink | None) -> Sink | None:
+    """The sink a worker's emitter calls, given its log and what its feed gave it.
 
-    The one place that decides how a worker's publishers get its events, so that it is the
-    only one to change when publishers take their events from the log's commits instead.
+    The one place that decides how a worker's events reach its log and its feed. A real
+    publisher (ZMQ, Redis) given the worker's log takes its events from the log's commits
+    (``EventLog.on_commit``: what other processes see is committed first), so then the log
+    alone is the sink and ``feed_sink`` is None; without a log the publisher is the sink. The
+    memory feed stands for Dynamo's in-process replay: it takes events as they are emitted.
     """
-    sinks: list[Sink] = ([log.append] if log is not None else []) + list(publishers)
+    sinks: list[Sink] = ([log.append] if log is not None else []) + (
+        [feed_sink] if feed_sink is not None else []
+    )
     if not sinks:
         return None
     if len(sinks) == 1:
@@ -160,7 +167,7 @@ class ZmqFeed:
         self.publishers: list[ZmqPublisher] = []
         self._subscribers: list[tuple[int, ZmqSubscriber, list[int]]] = []
 
-    def publisher(self, worker_id: int, log: EventLog | None) -> Sink:
+    def publisher(self, worker_id: int, log: EventLog | None) -> Sink | None:
         from kvledger.events.shared.zmq_publish import ZmqPublisher, open_publisher
         from kvledger.events.shared.zmq_subscribe import ZmqSubscriber
 
@@ -184,7 +191,7 @@ class ZmqFeed:
         self.publishers.append(pub)
         sub = ZmqSubscriber(pub.endpoint, replay_endpoint=pub.replay_endpoint)
         self._subscribers.append((worker_id, sub, [0]))
-        return pub
+        return None if log is not None else pub  # with a log, its commits feed the publisher
 
     def step_ended(self, worker_id: int, now_ms: float) -> None:
         pass  # the publisher sent them as they came
@@ -235,20 +242,25 @@ class RedisFeed:
         self.namespace = namespace or f"kvledger-simulate-{uuid.uuid4().hex[:12]}"
         self.registry: SharedRegistry = SharedRegistry(connect(redis_url), self.namespace)
         self.publishers: list[Any] = []
-        self._subscriber = StreamSubscriber(
-            self.registry,
-            "router",
-            "router-0",
-            on_event=self._holding.take,
-            on_purge=index.remove_worker,
-        )
+        try:
+            self._subscriber = StreamSubscriber(
+                self.registry,
+                "router",
+                "router-0",
+                on_event=self._holding.take,
+                on_purge=index.remove_worker,
+                on_baseline=index.apply_baseline,
+            )
+        except BaseException:
+            self.registry.delete_namespace()  # nothing of this run stays behind in Redis
+            raise
 
-    def publisher(self, worker_id: int, log: EventLog | None) -> Sink:
+    def publisher(self, worker_id: int, log: EventLog | None) -> Sink | None:
         from kvledger.events.shared.publish import RedisPublisher
 
         pub = RedisPublisher(self.registry, worker_id, log=log).start()
         self.publishers.append(pub)
-        return pub
+        return None if log is not None else pub  # with a log, its commits feed the publisher
 
     def step_ended(self, worker_id: int, now_ms: float) -> None:
         pass  # the publisher sends them as they come
