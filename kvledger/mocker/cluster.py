@@ -19,11 +19,12 @@ yet prefilled, blocks of active requests) from its own bookkeeping and the engin
 
 from __future__ import annotations
 
+import math
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 from kvledger.events.types import Tier
 from kvledger.mocker.cache import SimulatedCache
@@ -165,8 +166,7 @@ class Feed(Protocol):
     def close(self) -> None: ...
 
 
-@dataclass
-class _Reply:
+class _Reply(NamedTuple):
     """Something a worker tells the router when a step ends: a first token or a finish."""
 
     at_ms: float
@@ -313,13 +313,14 @@ class Cluster:
     def _deliver(self, now_ms: float | None) -> None:
         """Tell the router of the first tokens and finishes that happened by ``now_ms``."""
         router = self.router
+        until = math.inf if now_ms is None else now_ms
         for worker, replies in enumerate(self._replies):
-            while replies and (now_ms is None or replies[0].at_ms <= now_ms):
-                reply = replies.popleft()
-                if reply.first:
-                    router.prefill_done(worker, reply.request)
+            while replies and replies[0][0] <= until:
+                _at, first, request = replies.popleft()
+                if first:
+                    router.prefill_done(worker, request)
                 else:
-                    router.finished(worker, reply.request)
+                    router.finished(worker, request)
 
     def _behind(self) -> int:
         assert self._index_last_ids is not None

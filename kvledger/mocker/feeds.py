@@ -72,28 +72,27 @@ class _Holding:
     """Events that reached the router's side and wait until they are due: each is applied
     once simulated time reaches when it happened plus ``delay_ms``. Kept per worker, in the
     order each worker emitted them (the index needs that order, and a worker's events are
-    due in that order too)."""
+    due in that order too), in batches that fall due together."""
 
     def __init__(self, index: RouterIndex, delay_ms: float, epoch: Callable[[], float]) -> None:
         self.index = index
         self.delay_ms = delay_ms
         self._epoch = epoch  # Unix seconds at simulated time 0
-        self._held: dict[int, deque[tuple[float, AnyEvent]]] = {}
+        self._held: dict[int, deque[tuple[float, list[AnyEvent]]]] = {}
 
     def take(self, event: AnyEvent) -> None:
         """An event that happened at its ``ts``."""
         if self.delay_ms:
             due = (event.ts - self._epoch()) * 1e3 + self.delay_ms
-            self._queue(event.worker_id).append((due, event))
+            self._queue(event.worker_id).append((due, [event]))
         else:
             self.index.apply(event)
 
     def take_at(self, worker_id: int, events: list[AnyEvent], at_ms: float) -> None:
-        """``worker_id``'s events that came out at simulated ``at_ms``."""
-        due = at_ms + self.delay_ms
-        self._queue(worker_id).extend((due, event) for event in events)
+        """``worker_id``'s events that came out at simulated ``at_ms`` (the list is kept)."""
+        self._queue(worker_id).append((at_ms + self.delay_ms, events))
 
-    def _queue(self, worker_id: int) -> deque[tuple[float, AnyEvent]]:
+    def _queue(self, worker_id: int) -> deque[tuple[float, list[AnyEvent]]]:
         queue = self._held.get(worker_id)
         if queue is None:
             queue = self._held[worker_id] = deque()
@@ -104,7 +103,8 @@ class _Holding:
         apply = self.index.apply
         for held in self._held.values():
             while held and held[0][0] <= now_ms:
-                apply(held.popleft()[1])
+                for event in held.popleft()[1]:
+                    apply(event)
 
 
 class MemoryFeed:
