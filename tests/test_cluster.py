@@ -467,6 +467,24 @@ def test_bad_cluster_settings_get_a_clear_error(
     assert message in capsys.readouterr().err
 
 
+def test_whatif_names_a_damaged_cluster_folder(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    run_one(dynamo_settings(), ClusterOptions(2, "kv"), workload(50), log_dir=tmp_path / "run",
+            note=quiet)  # fmt: skip
+    requests = tmp_path / "run" / "requests.jsonl"
+    lines = requests.read_text().splitlines()
+    requests.write_text("\n".join([*lines[:3], '{"timestamp": 1}', *lines[3:]]) + "\n")
+    assert main(["whatif", str(tmp_path / "run"), "--workers", "3"]) == 2
+    assert f"{requests}:4: not a recorded request" in capsys.readouterr().err
+    (tmp_path / "run" / "cluster.json").write_text('{"workers": 2}')
+    assert main(["whatif", str(tmp_path / "run")]) == 2
+    assert "not a cluster manifest" in capsys.readouterr().err
+    assert main(["whatif", str(tmp_path / "run"), "--policy", "lru"]) == 2
+    assert "a cluster folder is re-run whole" in capsys.readouterr().err
+
+
 # -- agreement with Dynamo's multi-worker replay ------------------------------------------------
 
 

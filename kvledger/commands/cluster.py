@@ -529,7 +529,13 @@ def whatif_cluster(args: argparse.Namespace) -> dict[str, Any]:
                 for g2 in args.g2_blocks if args.g2_blocks is not None else [base.g2_capacity]:
                     for g3 in args.g3_blocks if args.g3_blocks is not None else [base.g3_capacity]:
                         settings = base.model_copy(
-                            update={"g1_blocks": g1, "g2_blocks": g2, "g3_blocks": g3}
+                            update={
+                                "g1_blocks": g1,
+                                "g2_blocks": g2,
+                                "g3_blocks": g3,
+                                "g2_gb": 0.0,  # the block counts say it all now
+                                "g3_gb": 0.0,
+                            }
                         )
                         opts = replace(recorded, workers=n, router=router)
                         if (g1, g2, g3, opts) != (

@@ -1,7 +1,7 @@
 """How a simulated cluster's router learns what the workers hold: its feeds.
 
-- ``memory``: each event reaches the router's ``RouterIndex`` as it is emitted (the engine's
-  own sink), as in Dynamo's offline replay;
+- ``memory``: each event reaches the router's ``RouterIndex`` when the engine step that
+  emitted it ends (the engine's own sink), as in Dynamo's offline replay;
 - ``zmq``: each worker publishes its events with the real ``ZmqPublisher`` (vLLM's protocol,
   on a loopback port of its own) and the router reads every worker's stream with a
   ``ZmqSubscriber``, taking what has arrived whenever it routes a request;
