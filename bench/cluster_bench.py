@@ -15,8 +15,9 @@ Ties. Round robin is deterministic, and both give the same figures run after run
 router breaks ties between equally cheap workers at random, from an unseeded generator, and a
 tie early on (every worker empty) changes what follows; kvledger's breaks them with a seeded
 one. So for the KV router each side runs ``--seeds`` times (Dynamo: that many fresh processes;
-kvledger: ``--seed 0..S-1``) and the means are compared; the spread (min to max) of each side
-is printed beside them.
+kvledger: ``--seed 0..S-1``; default 10 on the conversation trace, 30 on the synthetic one,
+whose outcomes split between two basins) and the means are compared; the spread (min to max)
+of each side is printed beside them.
 
 Speed: the wall and CPU (user + system) time of each whole process (start, trace load,
 replay, report): for round robin the best of ``--repeat`` runs, for the KV router the sum over
@@ -31,7 +32,7 @@ simulated delay, through the real ZMQ publishers, and through the shared registr
 (``--redis-url``, default ``KVLEDGER_REDIS_URL``; the row is skipped without one), with the
 index staleness each feed left at routing time.
 
-Run: .venv/bin/python bench/cluster_bench.py [--seeds 10] [--repeat 3] [--requests N] [--no-beyond]
+Run: .venv/bin/python bench/cluster_bench.py [--seeds N] [--repeat 3] [--requests N] [--no-beyond]
 """
 
 from __future__ import annotations
@@ -77,7 +78,8 @@ def agreement(args: argparse.Namespace) -> tuple[int, list[str]]:
             for router in ("round_robin", "kv"):
                 # round robin: the same figures every run, so the runs only time it (best of
                 # --repeat); KV router: --seeds runs whose figures are averaged, time summed
-                runs = args.repeat if router == "round_robin" else args.seeds
+                seeds = args.seeds or (30 if name.startswith("synthetic") else 10)
+                runs = args.repeat if router == "round_robin" else seeds
                 dyn: list[dict[str, Any]] = []
                 ours: list[dict[str, Any]] = []
                 dyn_walls: list[float] = []
@@ -165,21 +167,24 @@ def simulate(args: argparse.Namespace, *extra: str) -> dict[str, Any]:
 
 
 def beyond(args: argparse.Namespace) -> None:
+    runs = args.beyond_runs
     print(
         f"\nBeyond Dynamo's replay: conversation trace, 8 workers, KV router, arrivals x8, "
-        f"G1 {args.g1_blocks} blocks per worker"
+        f"G1 {args.g1_blocks} blocks per worker; each line the mean of {runs} runs "
+        f"(--seed 0..{runs - 1}; a real feed's lag differs run to run), TTFT p50 range beside it"
     )
-    head = (
-        f"  {'configuration':<44}{'TTFT p50':>9}{'TTFT p99':>10}{'TPOT':>7}"
-        f"{'hit':>7}{'G1':>6}{'G2':>6}{'G3':>6}{'reuse':>7}  {'stale index':<28}{'wall s':>7}"
+    print(
+        f"  {'configuration':<42}{'TTFT p50 (range)':>22}{'p99':>7}{'TPOT':>6}{'hit':>7}"
+        f"{'G1':>6}{'G2':>6}{'G3':>6}{'reuse':>7}  {'index behind: p99 events, stale':<33}"
+        f"{'loop s':>6}"
     )
-    print(head)
     tiers = ("--g2-blocks", str(args.g2_blocks), "--g3-blocks", str(args.g3_blocks))
     configs: list[tuple[str, tuple[str, ...]]] = [
         ("G1 only, memory feed", ()),
-        (f"G1 + G2 {args.g2_blocks} + G3 {args.g3_blocks}, memory feed", tiers),
-        ("G1 only, memory feed + 100 ms delay", ("--feed-delay-ms", "100")),
-        ("G1 only, memory feed + 1000 ms delay", ("--feed-delay-ms", "1000")),
+        (f"G1 + G2 {args.g2_blocks} + G3 {args.g3_blocks}, memory", tiers),
+        ("G1 only, memory feed + 1 s delay", ("--feed-delay-ms", "1000")),
+        ("G1 only, memory feed + 10 s delay", ("--feed-delay-ms", "10000")),
+        ("G1 only, memory feed + 60 s delay", ("--feed-delay-ms", "60000")),
         ("G1 only, ZMQ feed (unpaced)", ("--router-feed", "zmq")),
     ]
     redis_url = args.redis_url or os.environ.get("KVLEDGER_REDIS_URL")
@@ -190,26 +195,37 @@ def beyond(args: argparse.Namespace) -> None:
     else:
         print("  (Redis feed skipped: give --redis-url or set KVLEDGER_REDIS_URL)")
     for label, extra in configs:
-        c = simulate(args, *extra)
-        by = c["hit_rate_by_tier"]
-        behind = c.get("router_events_behind")
-        stale = (
-            f"p50 {behind['p50']:.0f}, p99 {behind['p99']:.0f} ev, "
-            f"{100 * behind['stale_decisions']:.0f}%"
-            if behind
-            else "-"
-        )
+        out = [simulate(args, *extra, "--seed", str(seed)) for seed in range(runs)]
+
+        def mean(key: str, results: list[dict[str, Any]] = out) -> float:
+            return statistics.mean(float(c[key]) for c in results)
+
+        p50 = [c["ttft_ms_p50"] for c in out]
+        by = {t: statistics.mean(c["hit_rate_by_tier"][t] for c in out) for t in ("G1", "G2", "G3")}
+        stale = "-"
+        if "router_events_behind" in out[0]:
+            b99 = statistics.mean(c["router_events_behind"]["p99"] for c in out)
+            share = statistics.mean(c["router_events_behind"]["stale_decisions"] for c in out)
+            stale = f"{b99:.0f}, {100 * share:.0f}% of decisions"
         print(
-            f"  {label:<44}{c['ttft_ms_p50']:>9.0f}{c['ttft_ms_p99']:>10.0f}"
-            f"{c['tpot_ms_mean']:>7.1f}{100 * c['hit_rate']:>6.1f}%"
+            f"  {label:<42}{mean('ttft_ms_p50'):>9.0f} ({min(p50):.0f}-{max(p50):.0f})"
+            f"{mean('ttft_ms_p99'):>7.0f}{mean('tpot_ms_mean'):>6.1f}"
+            f"{100 * mean('hit_rate'):>6.1f}%"
             + "".join(f"{100 * by[t]:>5.1f}%" for t in ("G1", "G2", "G3"))
-            + f"{100 * c['token_hit_rate_all_admissions']:>6.1f}%  {stale:<28}{c['wall_s']:>7.2f}"
+            + f"{100 * mean('token_hit_rate_all_admissions'):>6.1f}%  {stale:<33}"
+            f"{mean('wall_s'):>6.2f}"
         )
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--seeds", type=int, default=10, help="runs per side of a KV-router row")
+    parser.add_argument(
+        "--seeds",
+        type=int,
+        help="runs per side of a KV-router row (default: 10 on the conversation trace, 30 on "
+        "the synthetic one, whose runs are shorter and whose outcomes under ties are bimodal)",
+    )
+    parser.add_argument("--beyond-runs", type=int, default=3, help="runs per beyond line")
     parser.add_argument("--repeat", type=int, default=3, help="runs per side of a round-robin row")
     parser.add_argument("--requests", type=int, help="only the first N requests of each trace")
     parser.add_argument("--trace", action="append", help="trace file name (default: both)")
