@@ -81,16 +81,6 @@ class ClusterOptions:
     #: pace simulated time at this many times the wall clock (0: as fast as possible)
     sim_speedup: float = 0.0
 
-    def describe(self) -> str:
-        text = f"{self.workers} workers, router {self.router}"
-        if self.router == "kv" or self.g4:
-            text += f", feed {self.feed}"
-            if self.feed_delay_ms:
-                text += f" +{self.feed_delay_ms:g} ms"
-        if self.g4:
-            text += f", G4 at {self.g4_gbps:g} GB/s"
-        return text
-
     def manifest(self, settings: Settings) -> dict[str, Any]:
         return {
             "workers": self.workers,
