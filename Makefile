@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.installed
 
 run: $(STAMP)
 	$(BIN)/kvledger --help
-	mkdir -p kvledger-data  # --dump-state refuses a missing folder before the run starts
+	mkdir -p -m 700 kvledger-data  # --dump-state refuses a missing folder; owner-only, as kvledger makes it
 	$(BIN)/kvledger simulate --requests 1000 --g2-blocks 1024 --g3-blocks 4096 \
 	    --log sqlite:///kvledger-data/run.db --dump-state kvledger-data/run.state
 	$(BIN)/kvledger replay kvledger-data/run.db --verify kvledger-data/run.state

@@ -98,16 +98,13 @@ def cuda_reason() -> str | None:
 
 def nixl_flavour() -> tuple[str, Path] | None:
     """The NIXL wheel this process loads and the directory of the libraries it bundles."""
-    import importlib
+    from kvledger.tiers.remote.nixl import nixl_flavour as loaded_flavour
 
-    import nixl  # noqa: F401  (the meta package picks and imports the flavour)
-
-    for name in ("nixl_cu13", "nixl_cu12", "nixl_rocm"):
-        if name in sys.modules:
-            module = importlib.import_module(name)
-            root = Path(module.__file__ or "").parent.parent
-            return name, root / f"{name}.libs"
-    return None
+    name = loaded_flavour()  # loads it: through the meta package when installed
+    if name is None:
+        return None
+    root = Path(sys.modules[name].__file__ or "").parent.parent
+    return name, root / f"{name}.libs"
 
 
 def try_dlopen(name: str) -> str:
@@ -136,7 +133,7 @@ def print_stack() -> None:
         print("no NIXL flavour module loaded")
         return
     flavour, libs = found
-    print(f"NIXL flavour loaded: {flavour} (chosen from torch's CUDA {torch.version.cuda})")
+    print(f"NIXL flavour loaded: {flavour} (chosen for torch's CUDA {torch.version.cuda})")
     ucp = sorted(glob.glob(str(libs / "libucp-*.so*")))
     print(f"bundled libucp: {ucp[0] if ucp else 'NOT FOUND in ' + str(libs)}")
     modules = sorted(Path(p).name for p in glob.glob(str(libs / "ucx" / "*.so*")))
@@ -353,6 +350,8 @@ def run_matrix(args: argparse.Namespace) -> list[dict[str, Any]]:
                 continue
             r = run_row(src, dst, op, setting, args)
             results.append(r)
+            if args.json:  # after every row: a run stopped by a time limit keeps what it has
+                Path(args.json).write_text(json.dumps(results, indent=1))
             if "nixl_gbps" in r:
                 print(
                     f"{title}\n   NIXL {r['nixl_gbps']:9.2f} GB/s   reference copy_ "

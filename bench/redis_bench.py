@@ -11,6 +11,11 @@ much of each side is server work.
 Latency: ``who_has`` of 32-block prefixes in one round trip, against a PING round trip measured
 in the same run.
 
+Emit to apply: a producer appends the same kind of stream to a SQLite event log at
+``--rate`` events/s (15k, the engine-on simulation's rate) with a ``RedisPublisher`` fed by the
+log's commits; each event's time from its append until the registry confirmed it applied
+(p50/p99, ``bench/emit_latency.py``; target p99 <= the log's ``max_delay`` + 20 ms).
+
     .venv/bin/python bench/redis_bench.py [--events 20000] [--batch 512] [--queries 2000]
 
 ``--cluster`` measures the sharded registry on a Redis Cluster instead: the one at
@@ -32,16 +37,20 @@ import argparse
 import random
 import statistics
 import sys
+import tempfile
 import time
 import uuid
 from pathlib import Path
 
 import redis
+from emit_latency import delays, paced, summary
 
+from kvledger.events import codec
+from kvledger.events.log import EventLog
 from kvledger.events.shared.keys import KeySpace
-from kvledger.events.shared.registry import SharedRegistry
+from kvledger.events.shared.publish import RedisPublisher
+from kvledger.events.shared.registry import ApplyResult, SharedRegistry
 from kvledger.events.types import AnyEvent, Stored, Tier
-from kvledger.events.wire import encode_record
 from kvledger.mocker.kv_manager import Deref, FullBlock, KvManager, Use
 from kvledger.registry.hashing import TokenBlockSequence
 
@@ -77,6 +86,8 @@ def main() -> None:
     ap.add_argument("--cluster", action="store_true", help="the sharded registry on a cluster")
     ap.add_argument("--cluster-url", default=None, help="a running cluster (default: start one)")
     ap.add_argument("--shards", type=int, nargs="+", default=[1, 3, 6])
+    ap.add_argument("--rate", type=float, default=15_000, help="emit-to-apply: events/s")
+    ap.add_argument("--seconds", type=float, default=4.0, help="emit-to-apply: run length")
     args = ap.parse_args()
     if args.cluster:
         cluster_main(args)
@@ -84,7 +95,7 @@ def main() -> None:
 
     client = redis.Redis.from_url(args.url)
     events = engine_events(args.events)
-    records = [encode_record(e) for e in events]
+    records = [codec.encode(e) for e in events]
     blocks = sum(len(getattr(e, "sequence_hashes", ())) for e in events)
     stored = sum(isinstance(e, Stored) for e in events)
     print(
@@ -116,11 +127,13 @@ def main() -> None:
             raw_rates.append(len(records) / (time.perf_counter() - t0))
             raw_server.append((redis_usec("xadd") - before) / len(records))
 
-            reg.apply_records(1, [])  # loads the script: not part of the timed run
+            reg.apply(1, [])  # loads the script: not part of the timed run
             before = redis_usec("evalsha")
             t0 = time.perf_counter()
             for i in range(0, len(records), args.batch):
-                result = reg.apply_records(1, records[i : i + args.batch])
+                # as a publisher fed by the log's commits: the events and their log records
+                chunk = slice(i, i + args.batch)
+                result = reg.apply(1, events[chunk], records=records[chunk])
                 assert result.gap_at is None
             apply_rates.append(len(records) / (time.perf_counter() - t0))
             apply_server.append((redis_usec("evalsha") - before) / len(records))
@@ -175,6 +188,43 @@ def main() -> None:
         print(f"ratio who_has / PING p50  {percentile(who, 0.5) / percentile(ping, 0.5):7.2f}")
     finally:
         reg.delete_namespace()
+    print(emit_to_apply(client, args.rate, args.seconds))
+
+
+def emit_to_apply(client: redis.Redis, rate: float, seconds: float) -> str:
+    """Append ``rate`` events/s to a log for ``seconds``; each event's time until the shared
+    registry confirmed it applied."""
+    events = engine_events(int(rate * seconds), seed=3)
+    reg = SharedRegistry(client, f"bench-{uuid.uuid4().hex[:8]}")
+    applied: list[tuple[int, float]] = []
+    apply = reg.apply
+
+    def timed(
+        worker_id: int, batch: list[AnyEvent], *, token: int = 0, records: list[bytes]
+    ) -> ApplyResult:
+        result = apply(worker_id, batch, token=token, records=records)
+        applied.append((result.last_event_id, time.monotonic()))
+        return result
+
+    reg.apply = timed  # type: ignore[method-assign]
+    with tempfile.TemporaryDirectory() as tmp:
+        log = EventLog(str(Path(tmp) / "events.db"))
+        publisher = RedisPublisher(reg, 1, log=log).start()
+        try:
+            emitted = paced(log.append, events, rate)
+            got = len(emitted) / (emitted[-1] - emitted[0])
+            assert publisher.wait_applied(60), publisher.error
+            committed = [(n - 1, at) for n, at in log.commit_times]
+        finally:
+            publisher.stop()
+            log.close()
+            reg.delete_namespace()
+    return "\n".join(
+        (
+            summary("emit -> committed (log)", delays(emitted, committed), got, log.max_delay),
+            summary("emit -> Redis applied", delays(emitted, applied), got, log.max_delay),
+        )
+    )
 
 
 CLUSTER_WORKERS = 6
@@ -198,7 +248,7 @@ def cluster_main(args: argparse.Namespace) -> None:
 
 def run_cluster(args: argparse.Namespace, client: redis.RedisCluster) -> None:
     per_worker = args.events // CLUSTER_WORKERS
-    workers = {w: [encode_record(e) for e in engine_events(per_worker, w, w)] for w in range(6)}
+    workers = {w: [codec.encode(e) for e in engine_events(per_worker, w, w)] for w in range(6)}
     total = per_worker * CLUSTER_WORKERS
     # batches taken from each worker in turn, as a fleet's publishers would send them
     batches = [

@@ -12,9 +12,14 @@ G1 LayerSeparate, random source and destination slots.
 - On CUDA, the same copies dealt to 2 and 4 streams: whether overlapping copy engines close the
   gaps between one stream's copies.
 - G1<->G2 again with the layers in separate allocations (engine tensors with no block-major
-  view: gathered and scattered one layer at a time).
-- Engine and reference runs alternate, and each figure is the median of ``--reps`` runs.
+  view: gathered and scattered one layer at a time), with a fully contiguous G1, and for 4
+  blocks (the direct route: small copies skip staging).
+- Engine and reference runs alternate, and each figure is the median of ``--reps`` runs; the
+  JSON (``--json``) also keeps every repetition's ratio (reference / engine, same repetition).
 - Single-block onboard latency G2->G1 and G3->G1 (submit to ``wait()`` returning).
+- G3 through the I/O path ``--g3-backend`` picks (``auto``: kvikio where it imports); with
+  kvikio, whether it runs GPUDirect Storage or its compatibility mode, and on CUDA kvikio reading
+  and writing device memory straight (no host staging) against the same O_DIRECT reference.
 
 Run: ``.venv/bin/python bench/transfer_bench.py`` (``--help`` for sizes and the G3 folder).
 """
@@ -33,6 +38,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -44,7 +50,7 @@ from kvledger.tiers import (
     LayerSeparate,
     TransferEngine,
 )
-from kvledger.tiers.transfer.routes import slot_runs
+from kvledger.tiers.transfer.routes import DIRECT_PIECES, slot_runs
 
 
 def median_seconds(fn: Callable[[], object], reps: int, sync: Callable[[], object]) -> float:
@@ -60,17 +66,50 @@ def median_seconds(fn: Callable[[], object], reps: int, sync: Callable[[], objec
     return statistics.median(times)
 
 
-def paired_medians(
+class Paired:
+    """Seconds of ``a`` (the reference) and ``b`` (the engine), timed alternately, so drift of
+    the machine (a shared disk, clocks) falls on both alike."""
+
+    def __init__(self, ref: list[float], engine: list[float]) -> None:
+        self.ref, self.engine = ref, engine
+
+    @property
+    def ref_s(self) -> float:
+        return statistics.median(self.ref)
+
+    @property
+    def engine_s(self) -> float:
+        return statistics.median(self.engine)
+
+    def ratios(self) -> list[float]:
+        """Reference time / engine time of each repetition."""
+        return [round(r / e, 4) for r, e in zip(self.ref, self.engine, strict=True)]
+
+
+def paired(
     a: Callable[[], object], b: Callable[[], object], reps: int, sync: Callable[[], object]
-) -> tuple[float, float]:
-    """Medians of ``a`` and ``b`` timed alternately, so drift of the machine (a shared disk,
-    clocks) falls on both alike."""
+) -> Paired:
     ta: list[float] = []
     tb: list[float] = []
     for _ in range(reps):
         ta.append(median_seconds(a, 1, sync))
         tb.append(median_seconds(b, 1, sync))
-    return statistics.median(ta), statistics.median(tb)
+    return Paired(ta, tb)
+
+
+def ratio_row(
+    label: str, nbytes: int, p: Paired, reference: str, digits: int = 1
+) -> dict[str, Any]:
+    """A measured row: GB/s of both sides (medians), their ratio, and every repetition's."""
+    return {
+        "route": label,
+        "engine_gbps": round(gbps(nbytes, p.engine_s), 3),
+        "ref_gbps": round(gbps(nbytes, p.ref_s), 3),
+        "reference": reference,
+        "ratio": round(p.ref_s / p.engine_s, 4),
+        "ratios": p.ratios(),
+        "digits": digits,
+    }
 
 
 _streams: list[torch.cuda.Stream] = []
@@ -78,7 +117,10 @@ _streams: list[torch.cuda.Stream] = []
 
 def copies_on_streams(dsts: list[torch.Tensor], srcs: list[torch.Tensor], k: int) -> None:
     """``dst.copy_(src)`` for each pair, the pairs dealt round-robin to ``k`` CUDA streams that
-    start after, and are waited for by, the current stream."""
+    start after, and are waited for by, the current stream (``k`` = 1: on the current stream)."""
+    if k == 1:
+        torch._foreach_copy_(dsts, srcs, non_blocking=True)
+        return
     while len(_streams) < k:
         _streams.append(torch.cuda.Stream())  # type: ignore[no-untyped-call]
     current = torch.cuda.current_stream()
@@ -107,21 +149,27 @@ def fill_random(t: torch.Tensor, gen: torch.Generator) -> None:
     raw.copy_(torch.randint(0, 256, raw.shape, dtype=torch.uint8, generator=gen, device=t.device))
 
 
-def memory_bench(args: argparse.Namespace, shape: BlockShape, rows: list[tuple[str, ...]]) -> None:
+def setup_tiers(args: argparse.Namespace, shape: BlockShape) -> None:
+    """G1 (random bytes), G2 and the engine every part of the bench copies between."""
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    cuda = dev.type == "cuda"
-    sync = torch.cuda.synchronize if cuda else (lambda: None)
     n = args.blocks
-    nbytes = n * shape.block_bytes
-    rng = random.Random(0)
     gen = torch.Generator(device=dev).manual_seed(0)
-
     g1 = DeviceTier(shape, 2 * n, device=dev)
     for layer in g1.layout.layers:  # type: ignore[attr-defined]
         fill_random(layer, gen)
-    g2 = HostTier(shape, 2 * n)
+    args.dev, args.gen = dev, gen
+    args.g1, args.g2 = g1, HostTier(shape, 2 * n)
+    args.engine = TransferEngine(staging_blocks=args.staging_blocks)
+    args.sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+
+
+def memory_bench(args: argparse.Namespace, shape: BlockShape, rows: list[dict[str, Any]]) -> None:
+    dev, gen, g1, g2, engine, sync = args.dev, args.gen, args.g1, args.g2, args.engine, args.sync
+    cuda = dev.type == "cuda"
+    n = args.blocks
+    nbytes = n * shape.block_bytes
+    rng = random.Random(0)
     src, dst = rng.sample(range(2 * n), n), rng.sample(range(2 * n), n)
-    engine = TransferEngine(staging_blocks=args.staging_blocks)
 
     # Reference: one plain copy of the same byte count into and out of G2's own memory (pinned
     # buffers of the same size were seen to copy at 32 to 55 GB/s on one machine, so a separate
@@ -130,92 +178,77 @@ def memory_bench(args: argparse.Namespace, shape: BlockShape, rows: list[tuple[s
     ref_host = g2.layout.block_bytes_view()[:n].reshape(-1)
     fill_random(ref_dev, gen)
     ref_name = "pinned copy_" if cuda else "memcpy (copy_)"
-    down_ref, down = paired_medians(
-        lambda: ref_host.copy_(ref_dev, non_blocking=True),
-        lambda: engine.copy(g1, src, g2, dst).wait(),
-        args.reps,
-        sync,
-    )
-    up_ref, up = paired_medians(
-        lambda: ref_dev.copy_(ref_host, non_blocking=True),
-        lambda: engine.copy(g2, dst, g1, src).wait(),
-        args.reps,
-        sync,
-    )
+
+    def down_ref() -> object:
+        return ref_host.copy_(ref_dev, non_blocking=True)
+
+    def up_ref() -> object:
+        return ref_dev.copy_(ref_host, non_blocking=True)
+
+    def both_ways(label: str, tier: DeviceTier, s: list[int], d: list[int]) -> None:
+        size = len(s) * shape.block_bytes
+        down_r = ref_host[:size] if size < nbytes else ref_host
+        up_r = ref_dev[:size] if size < nbytes else ref_dev
+        down = paired(
+            lambda: down_r.copy_(up_r, non_blocking=True),
+            lambda: engine.copy(tier, s, g2, d).wait(),
+            args.reps,
+            sync,
+        )
+        up = paired(
+            lambda: up_r.copy_(down_r, non_blocking=True),
+            lambda: engine.copy(g2, d, tier, s).wait(),
+            args.reps,
+            sync,
+        )
+        rows.append(ratio_row(f"G1->G2{label}", size, down, ref_name))
+        rows.append(ratio_row(f"G2->G1{label}", size, up, ref_name))
+
+    both_ways("", g1, src, dst)
     # The ceiling left once gathering is free: the same host<->device copies the engine issues,
-    # one per run of consecutive host slots, straight from/to a contiguous device buffer.
+    # one per run of consecutive host slots, straight from/to a contiguous device buffer; on
+    # CUDA also dealt to 2 and 4 streams: whether the gaps between one stream's DMA copies (what
+    # keeps the engine under the plain copy) close when copy engines overlap.
     host_runs = slot_runs(sorted(dst))  # the runs the engine copies
     dev_rows = ref_dev.view(n, shape.block_bytes)
     host_rows = g2.layout.block_bytes_view()
-    runs_down_ref, runs_down = paired_medians(
-        lambda: ref_host.copy_(ref_dev, non_blocking=True),
-        lambda: torch._foreach_copy_(
-            [host_rows[s : s + c] for r, s, c in host_runs],
-            [dev_rows[r : r + c] for r, s, c in host_runs],
-            non_blocking=True,
-        ),
-        args.reps,
-        sync,
+    down_pairs = (
+        [host_rows[s : s + c] for r, s, c in host_runs],
+        [dev_rows[r : r + c] for r, s, c in host_runs],
     )
-    # The same copies spread over several streams: whether the gaps between one stream's DMA
-    # copies (what keeps the engine under the plain copy) close when copy engines overlap.
-    spread: list[tuple[str, float, float]] = []
-    if cuda:
-        down_pairs = (
-            [host_rows[s : s + c] for r, s, c in host_runs],
-            [dev_rows[r : r + c] for r, s, c in host_runs],
-        )
-        up_pairs = (down_pairs[1], down_pairs[0])
-        for k in (2, 4):
-            for name, (dsts, srcs), ref_copy in [
-                ("D2H", down_pairs, lambda: ref_host.copy_(ref_dev, non_blocking=True)),
-                ("H2D", up_pairs, lambda: ref_dev.copy_(ref_host, non_blocking=True)),
-            ]:
-                ref_t, t = paired_medians(
-                    ref_copy,
-                    lambda d=dsts, s=srcs, k=k: copies_on_streams(d, s, k),  # type: ignore[misc]
-                    args.reps,
-                    sync,
-                )
-                spread.append((f"{name} copies only, {len(host_runs)} runs, {k} streams", t, ref_t))
+    up_pairs = (down_pairs[1], down_pairs[0])
+    for k in (1, 2, 4) if cuda else (1,):
+        for name, (dsts, srcs), ref_copy in [
+            ("D2H", down_pairs, down_ref),
+            ("H2D", up_pairs, up_ref),
+        ]:
+            p = paired(
+                ref_copy,
+                lambda d=dsts, s=srcs, k=k: copies_on_streams(d, s, k),  # type: ignore[misc]
+                args.reps,
+                sync,
+            )
+            streams = f", {k} streams" if k > 1 else ", 1 stream" if cuda else ""
+            label = f"{name} copies only, {len(host_runs)} runs{streams}"
+            rows.append(ratio_row(label, nbytes, p, ref_name))
     # Engine tensors from one allocation per layer: no block-major view, one op per layer.
     separate = DeviceTier.from_layout(
         LayerSeparate(shape, [torch.empty_like(t) for t in g1.layout.layers])  # type: ignore[attr-defined]
     )
     for mine, theirs in zip(separate.layout.layers, g1.layout.layers, strict=True):  # type: ignore[attr-defined]
         mine.copy_(theirs)
-    sep_down_ref, sep_down = paired_medians(
-        lambda: ref_host.copy_(ref_dev, non_blocking=True),
-        lambda: engine.copy(separate, src, g2, dst).wait(),
-        args.reps,
-        sync,
-    )
-    sep_up_ref, sep_up = paired_medians(
-        lambda: ref_dev.copy_(ref_host, non_blocking=True),
-        lambda: engine.copy(g2, dst, separate, src).wait(),
-        args.reps,
-        sync,
-    )
-    for label, t, ref in [
-        ("G1->G2", down, down_ref),
-        ("G2->G1", up, up_ref),
-        (f"D2H copies only, {len(host_runs)} runs", runs_down, runs_down_ref),
-        ("G1->G2 layers apart", sep_down, sep_down_ref),
-        ("G2->G1 layers apart", sep_up, sep_up_ref),
-        *spread,
-    ]:
-        rows.append(
-            (
-                label,
-                f"{gbps(nbytes, t):.1f}",
-                f"{gbps(nbytes, ref):.1f}",
-                ref_name,
-                f"{ref / t:.3f}",
-            )
-        )
+    both_ways(" layers apart", separate, src, dst)
+    del separate
+    # A fully contiguous G1 (each block one run of bytes, as the host tiers are).
+    contiguous = DeviceTier(shape, 2 * n, layout="fully_contiguous", device=dev)
+    fill_random(contiguous.layout.tensor, gen)  # type: ignore[attr-defined]
+    both_ways(" fully contiguous", contiguous, src, dst)
+    del contiguous
+    # A few blocks: the direct route (pieces copied one by one, no staging).
+    few = max(1, min(n, DIRECT_PIECES // shape.num_layers))
+    both_ways(f" {few} blocks (direct)", g1, src[:few], dst[:few])
     one = median_seconds(lambda: engine.copy(g2, [dst[0]], g1, [src[0]]).wait(), 50, sync)
-    rows.append(("onboard 1 block G2->G1", f"{one * 1e6:.0f} us", "", "", ""))
-    args.g1, args.g2, args.engine, args.sync = g1, g2, engine, sync
+    rows.append({"route": "onboard 1 block G2->G1", "us": round(one * 1e6)})
 
 
 def direct_io(path: Path, buf: torch.Tensor, chunk: int, *, write: bool) -> None:
@@ -234,14 +267,57 @@ def direct_io(path: Path, buf: torch.Tensor, chunk: int, *, write: bool) -> None
         os.close(fd)
 
 
-def disk_bench(args: argparse.Namespace, shape: BlockShape, rows: list[tuple[str, ...]]) -> None:
+def kvikio_mode() -> dict[str, Any]:
+    """Which path kvikio takes here: GPUDirect Storage, or its compatibility mode (POSIX reads
+    and writes through a host bounce buffer) and why."""
+    import kvikio
+    import kvikio.cufile_driver
+    import kvikio.defaults
+
+    mode: dict[str, Any] = {"kvikio": kvikio.__version__}
+    for key, fn in [
+        ("compat_mode_setting", lambda: getattr(kvikio.defaults.get("compat_mode"), "name", "?")),
+        ("compat_mode_preferred", kvikio.defaults.is_compat_mode_preferred),
+        ("gds_available", lambda: kvikio.cufile_driver.get("is_gds_available")),
+        ("libcufile", kvikio.cufile_driver.libcufile_version),
+    ]:
+        try:
+            mode[key] = fn()
+        except Exception as exc:  # no cuFile library or driver: that is the answer
+            mode[key] = f"{type(exc).__name__}: {exc}"
+    gds = mode["gds_available"] is True and mode["compat_mode_preferred"] is False
+    mode["path"] = "GDS" if gds else "compat"
+    return mode
+
+
+def kvikio_device_io(path: Path, buf: torch.Tensor, chunk: int, *, write: bool) -> None:
+    """kvikio ``CuFile`` reads or writes of a device buffer in ``chunk``-byte requests: GDS
+    moves them between the disk and GPU memory, compatibility mode bounces them through host
+    memory."""
+    import kvikio
+
+    with kvikio.CuFile(path, "r+" if path.exists() else "w+") as f:
+        futures = [
+            (f.pwrite if write else f.pread)(
+                buf[off : off + chunk], min(chunk, buf.numel() - off), off
+            )
+            for off in range(0, buf.numel(), chunk)
+        ]
+        for off, fut in zip(range(0, buf.numel(), chunk), futures, strict=True):
+            assert fut.get() == min(chunk, buf.numel() - off), "short kvikio I/O"
+
+
+def disk_bench(args: argparse.Namespace, shape: BlockShape, rows: list[dict[str, Any]]) -> None:
     n = args.blocks
     nbytes = n * shape.block_bytes
     rng = random.Random(1)
     folder = Path(tempfile.mkdtemp(prefix="kvledger-bench-", dir=args.g3_dir))
-    g3 = DiskTier(folder, shape, 2 * n, io_threads=args.io_threads)
+    g3 = DiskTier(folder, shape, 2 * n, io_threads=args.io_threads, backend=args.g3_backend)
     g1, g2, engine, sync = args.g1, args.g2, args.engine, args.sync
     g2_slots, g3_slots = rng.sample(range(2 * n), n), rng.sample(range(2 * n), n)
+    if g3.io.name == "kvikio":
+        args.kvikio = kvikio_mode()
+        rows.append({"route": "kvikio path", "value": args.kvikio["path"], "detail": args.kvikio})
 
     # Reference buffer: page-aligned anonymous memory of the same size, random bytes.
     area = mmap.mmap(-1, nbytes)
@@ -249,36 +325,83 @@ def disk_bench(args: argparse.Namespace, shape: BlockShape, rows: list[tuple[str
     ref.copy_(torch.randint(0, 256, (nbytes,), dtype=torch.uint8))
     nothing = lambda: None  # noqa: E731
     ref_file = folder / "ref.bin"
-    w_ref, write = paired_medians(
+    write = paired(
         lambda: direct_io(ref_file, ref, 16 << 20, write=True),
         lambda: engine.copy(g2, g2_slots, g3, g3_slots).wait(),
         args.reps,
         nothing,
     )
-    r_ref, read = paired_medians(
+    read = paired(
         lambda: direct_io(ref_file, ref, 16 << 20, write=False),
         lambda: engine.copy(g3, g3_slots, g2, g2_slots).wait(),
         args.reps,
         nothing,
     )
-    ref_file.unlink()
     assert engine.copy(g3, g3_slots, g2, g2_slots).wait().failed == []
     ref_name = "seq O_DIRECT pwritev/preadv"
-    for label, t, r in [("G2->G3", write, w_ref), ("G3->G2", read, r_ref)]:
-        rows.append(
-            (label, f"{gbps(nbytes, t):.2f}", f"{gbps(nbytes, r):.2f}", ref_name, f"{r / t:.3f}")
-        )
+    rows.append(ratio_row("G2->G3", nbytes, write, ref_name, 2))
+    rows.append(ratio_row("G3->G2", nbytes, read, ref_name, 2))
 
+    # G1 <-> G3 through the engine (staged through host memory), alternating with the same
+    # O_DIRECT reference
     g1_slots = rng.sample(range(2 * n), n)
-    off = median_seconds(lambda: engine.copy(g1, g1_slots, g3, g3_slots).wait(), args.reps, sync)
-    on = median_seconds(lambda: engine.copy(g3, g3_slots, g1, g1_slots).wait(), args.reps, sync)
-    rows.append(("G1->G3", f"{gbps(nbytes, off):.2f}", "", "", f"{w_ref / off:.3f}"))
-    rows.append(("G3->G1", f"{gbps(nbytes, on):.2f}", "", "", f"{r_ref / on:.3f}"))
+    off = paired(
+        lambda: direct_io(ref_file, ref, 16 << 20, write=True),
+        lambda: engine.copy(g1, g1_slots, g3, g3_slots).wait(),
+        args.reps,
+        sync,
+    )
+    on = paired(
+        lambda: direct_io(ref_file, ref, 16 << 20, write=False),
+        lambda: engine.copy(g3, g3_slots, g1, g1_slots).wait(),
+        args.reps,
+        sync,
+    )
+    rows.append(ratio_row("G1->G3", nbytes, off, ref_name, 2))
+    rows.append(ratio_row("G3->G1", nbytes, on, ref_name, 2))
     one = median_seconds(lambda: engine.copy(g3, [g3_slots[0]], g1, [0]).wait(), 50, sync)
-    rows.append(("onboard 1 block G3->G1", f"{one * 1e6:.0f} us", "", "", ""))
-    rows.append(("G3 I/O path", g3.io.name, "", f"{args.io_threads} threads", ""))
+    rows.append({"route": "onboard 1 block G3->G1", "us": round(one * 1e6)})
+    if g3.io.name == "kvikio" and args.dev.type == "cuda":
+        # kvikio with device memory, no staging: what a direct G1 <-> G3 route would give
+        dev_buf = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+        dev_buf.copy_(ref)
+        dev_file = folder / "kvikio-device.bin"
+        kv_write = paired(
+            lambda: direct_io(ref_file, ref, 16 << 20, write=True),
+            lambda: kvikio_device_io(dev_file, dev_buf, 16 << 20, write=True),
+            args.reps,
+            sync,
+        )
+        kv_read = paired(
+            lambda: direct_io(ref_file, ref, 16 << 20, write=False),
+            lambda: kvikio_device_io(dev_file, dev_buf, 16 << 20, write=False),
+            args.reps,
+            sync,
+        )
+        path = args.kvikio["path"]
+        rows.append(ratio_row(f"device->file kvikio {path}", nbytes, kv_write, ref_name, 2))
+        rows.append(ratio_row(f"file->device kvikio {path}", nbytes, kv_read, ref_name, 2))
+    ref_file.unlink()
+    rows.append(
+        {"route": "G3 I/O path", "value": g3.io.name, "detail": f"{args.io_threads} threads"}
+    )
     g3.close()
     shutil.rmtree(folder)  # the slot file, its index and its lock
+
+
+def table_row(row: dict[str, Any]) -> tuple[str, ...]:
+    if "ratio" in row:
+        d = row["digits"]
+        return (
+            row["route"],
+            f"{row['engine_gbps']:.{d}f}",
+            f"{row['ref_gbps']:.{d}f}",
+            row["reference"],
+            f"{row['ratio']:.3f}",
+        )
+    if "us" in row:
+        return (row["route"], f"{row['us']} us", "", "", "")
+    return (row["route"], str(row["value"]), "", str(row.get("detail", ""))[:60], "")
 
 
 def main() -> None:
@@ -291,7 +414,14 @@ def main() -> None:
     parser.add_argument("--staging-blocks", type=int, default=32)
     parser.add_argument("--io-threads", type=int, default=4)
     parser.add_argument("--g3-dir", default=None, help="folder for the G3 files (default: tmp)")
+    parser.add_argument(
+        "--g3-backend",
+        choices=("auto", "posix", "kvikio"),
+        default="auto",
+        help="G3's I/O path (auto: kvikio where it imports, else O_DIRECT pwritev/preadv)",
+    )
     parser.add_argument("--skip-g3", action="store_true")
+    parser.add_argument("--skip-memory", action="store_true", help="only the G3 rows")
     parser.add_argument("--json", default=None, help="also write the rows here")
     args = parser.parse_args()
 
@@ -302,18 +432,24 @@ def main() -> None:
         f"({args.blocks * shape.block_bytes / 2**20:.0f} MiB), G1 LayerSeparate, random slots, "
         f"staging {args.staging_blocks} blocks, median of {args.reps}"
     )
-    rows: list[tuple[str, ...]] = []
-    memory_bench(args, shape, rows)
+    rows: list[dict[str, Any]] = []
+    setup_tiers(args, shape)
+    if not args.skip_memory:
+        memory_bench(args, shape, rows)
     if not args.skip_g3:
         disk_bench(args, shape, rows)
     args.engine.close()
 
     header = ("route", "engine GB/s", "ref GB/s", "reference", "ratio")
-    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
-    for r in [header, *rows]:
+    cells = [header, *map(table_row, rows)]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
+    for r in cells:
         print("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)))
     if args.json:
-        Path(args.json).write_text(json.dumps({"machine": machine(), "rows": rows}, indent=1))
+        for row in rows:
+            row.pop("digits", None)
+        report = {"machine": machine(), "reps": args.reps, "rows": rows}
+        Path(args.json).write_text(json.dumps(report, indent=1, default=str))
 
 
 if __name__ == "__main__":

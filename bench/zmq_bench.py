@@ -16,6 +16,11 @@ how fast Dynamo's standalone indexer ingests our stream.
    publish until a query sees the last event's blocks.
 3. Memory: what keeping token ids costs per live block (tracemalloc over pools holding the same
    blocks with and without tokens), and what the publisher's per-tier view adds.
+4. Emit to send: a producer appends a worker's stream to a SQLite event log at ``--rate``
+   events/s (15k, the engine-on simulation's rate) with a ``ZmqPublisher`` fed by the log's
+   commits; a subscriber in its own process stamps each batch as it arrives. Each event's time
+   from its append until a router had it (p50/p99, ``bench/emit_latency.py``; target p99 <=
+   the log's ``max_delay`` + 20 ms).
 
     .venv/bin/python bench/zmq_bench.py [--requests N] [--rounds R]
 """
@@ -43,10 +48,11 @@ BLOCK = 16
 # -- both sides: a subscriber that drains a PUB socket -------------------------------------
 
 
-def _drain(endpoint: str, expected: int) -> subprocess.Popen[str]:
+def _drain(endpoint: str, expected: int, stamp: bool = False) -> subprocess.Popen[str]:
     """A subscriber in its own process (as a router is) that reads ``expected`` messages."""
     proc = subprocess.Popen(
-        [sys.executable, __file__, "--drain", endpoint, "--expected", str(expected)],
+        [sys.executable, __file__, "--drain", endpoint, "--expected", str(expected)]
+        + (["--stamp"] if stamp else []),
         stdout=subprocess.PIPE,
         text=True,
     )
@@ -56,7 +62,9 @@ def _drain(endpoint: str, expected: int) -> subprocess.Popen[str]:
     return proc
 
 
-def drain_side(endpoint: str, expected: int) -> None:
+def drain_side(endpoint: str, expected: int, stamp: bool = False) -> None:
+    """Read ``expected`` messages; with ``stamp``, print each one's (sequence number, arrival
+    ``time.monotonic()``) as JSON at the end."""
     import zmq
 
     sub = zmq.Context.instance().socket(zmq.SUB)
@@ -65,10 +73,15 @@ def drain_side(endpoint: str, expected: int) -> None:
     sub.connect(endpoint)
     print("ready", flush=True)
     got = 0
+    arrivals: list[tuple[int, float]] = []
     while got < expected and sub.poll(5000):
-        sub.recv_multipart()
+        frames = sub.recv_multipart()
+        if stamp:
+            arrivals.append((int.from_bytes(frames[1], "big"), time.monotonic()))
         got += 1
     sub.close(0)
+    if stamp:
+        print(json.dumps(arrivals), flush=True)
 
 
 # -- the vLLM side (runs under .bench-venv/bin/python; imports nothing of kvledger) ---------
@@ -180,6 +193,37 @@ def kvledger_round(events: list[Any]) -> tuple[float, float]:
     drainer.wait(30)
     publisher.close()
     return rate
+
+
+def emit_to_send(rate: float, seconds: float) -> str:
+    """Append ``rate`` events/s to a log for ``seconds``; each event's time until a subscriber
+    in another process received it."""
+    from emit_latency import delays, paced, summary
+
+    from kvledger.events.log import EventLog
+    from kvledger.events.shared.zmq_publish import open_publisher
+
+    events: list[Any] = []
+    requests = 200
+    while len(events) < rate * seconds:
+        events = make_events(requests)
+        requests *= 2
+    events = events[: int(rate * seconds)]
+    with tempfile.TemporaryDirectory() as tmp:
+        log = EventLog(str(Path(tmp) / "events.db"))
+        publisher = open_publisher("tcp://127.0.0.1:*", log=log, worker_id=0, block_size=BLOCK)
+        drainer = _drain(publisher.endpoint, len(events), stamp=True)
+        try:
+            emitted = paced(log.append, events, rate)
+            got = len(emitted) / (emitted[-1] - emitted[0])
+            publisher.wait_sent(60)
+            out, _ = drainer.communicate(timeout=60)
+            arrivals = [tuple(a) for a in json.loads(out.strip().splitlines()[-1])]
+        finally:
+            publisher.close()
+            log.close()
+    seen = sorted(arrivals)
+    return summary("emit -> ZMQ received", delays(emitted, seen), got, log.max_delay)
 
 
 def vllm_batches(events: list[Any]) -> list[Any]:
@@ -387,9 +431,12 @@ def main() -> None:
     p.add_argument("--dynamo-side", action="store_true")
     p.add_argument("--drain", metavar="ENDPOINT")
     p.add_argument("--expected", type=int, default=0)
+    p.add_argument("--stamp", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--rate", type=float, default=15_000, help="emit-to-send: events/s")
+    p.add_argument("--seconds", type=float, default=4.0, help="emit-to-send: run length")
     args = p.parse_args()
     if args.drain:
-        drain_side(args.drain, args.expected)
+        drain_side(args.drain, args.expected, args.stamp)
         return
     if args.vllm_side:
         vllm_side(args.vllm_side, args.rounds)
@@ -438,6 +485,7 @@ def main() -> None:
         f"({mem['token_payload_bytes']} of them the ids); publisher's per-tier view: "
         f"{mem['publisher_view_bytes_per_block_and_tier']:.0f} bytes per block and tier"
     )
+    print(emit_to_send(args.rate, args.seconds))
     print(f"load average after: {os.getloadavg()[0]:.2f}")
 
 

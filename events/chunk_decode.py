@@ -93,6 +93,12 @@ class DecodedChunk:
     ops: dict[TierKey, BlockOps]
     last_event_id: dict[int, int]  # per worker in the chunk, its last event id
     headers: Headers | None = None  # every record's, those after the event-id bound too
+    events: int = 0  # event records folded (those within the event-id bound)
+
+    @property
+    def lookup_records(self) -> int:
+        """How many of the chunk's records were lookup records (which fold nothing)."""
+        return 0 if self.headers is None else int(_LOOKUP[self.headers.kind].sum())
 
 
 def decode_chunk(
@@ -161,7 +167,7 @@ def decode_chunk(
     new_last = _check_event_ids(worker, event_id, last_event_id)
     if new_last is None:
         return None
-    return DecodedChunk(body.ops(buf, worker, tier), new_last, headers)
+    return DecodedChunk(body.ops(buf, worker, tier), new_last, headers, len(worker))
 
 
 def _checksums_match(

@@ -79,8 +79,8 @@ from kvledger.registry.columns import BlockColumns
 from kvledger.registry.state import RegistryState
 
 LOG_RECORD_VERSION = 3
-"""The durable log's record layout (``encode``); the Redis stream's records have their own,
-``wire.STREAM_RECORD_VERSION``."""
+"""The durable log's record layout (``encode``), which the shared registry's Redis stream
+carries too."""
 UNCHECKED_VERSION = 2  # the layout before checksums: still read, nothing to verify
 SNAPSHOT_VERSION = 3
 CHECK_TAG = 0xCE  # msgpack uint32: the checksum field's first byte

@@ -9,7 +9,7 @@ them) can all depend on this module without depending on each other.
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import NamedTuple, TypeAlias
 
 
@@ -227,3 +227,11 @@ def lookup_stream(worker_id: int) -> int:
     """The key a worker's lookup records are stored under in the log's ``worker`` column
     (``-1 - worker_id``): worker ids are never negative, so the two streams cannot clash."""
     return ~worker_id
+
+
+def without_token_ids(event: AnyEvent) -> AnyEvent:
+    """``event`` without the token ids it carries (users' prompts); the same event when it has
+    none. What the ``token_ids`` setting sends where prompts must not go."""
+    if isinstance(event, Stored | Offloaded | Onboarded) and event.token_ids is not None:
+        return replace(event, token_ids=None)
+    return event

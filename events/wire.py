@@ -1,11 +1,13 @@
-"""Events on the wire: our stream record, Dynamo's KvCacheEvent JSON, vLLM's KVEventBatch.
+"""Events on the wire: the shared registry's records, Dynamo's KvCacheEvent JSON, vLLM's
+KVEventBatch.
 
 Three audiences read the same transitions:
-- our own consumers (the Redis shared registry's Lua apply, routers reading the Redis stream)
-  read a *stream record*: msgpack with every hash chain packed as one string of big-endian u64s.
-  Redis's Lua has only doubles, so a hash must reach it as bytes; one string per chain is also
-  far cheaper to decode there than one item per hash. Records use msgpack's old "raw" string
-  type because Redis's cmsgpack does not understand the newer bin type.
+- our own consumers (routers reading the shared registry's Redis stream) read each event as
+  its durable-log record (``codec.encode``, checksummed): the bytes the log stored, which the
+  publisher is handed with each committed event. The Lua apply never decodes records: the
+  Python side reduces a batch to packed hashes (``pack_hashes``: big-endian u64s in one
+  string, since Redis's Lua has only doubles). A reset of a worker's entries puts a
+  *baseline* record per tier on the stream (``encode_baseline``).
 - Dynamo's KV router reads ``KvCacheEvent`` JSON (one tier: its radix tree has none);
 - vLLM-native routers read a msgpack ``KVEventBatch``.
 """
@@ -19,7 +21,6 @@ from typing import Any
 
 import msgpack
 
-from kvledger.events.codec import KIND_CODES
 from kvledger.events.types import (
     AnyEvent,
     Baseline,
@@ -33,10 +34,8 @@ from kvledger.events.types import (
 )
 from kvledger.events.vllm_events import VLLM_MEDIA, VllmMapper, encode_events
 
-STREAM_RECORD_VERSION = 1
-"""The Redis stream record layout (``encode_record``); the durable log's records have their own,
-``codec.LOG_RECORD_VERSION``."""
-KIND_OF_CODE = {code: cls for cls, code in KIND_CODES.items()}
+BASELINE_VERSION = 1
+"""The layout of a baseline record (``encode_baseline``)."""
 _U64_MAX = (1 << 64) - 1
 
 
@@ -67,96 +66,7 @@ def hash_key(seq: int) -> bytes:
     return seq.to_bytes(8, "big")
 
 
-# -- our stream record -------------------------------------------------------------------
-
-
-def encode_record(event: AnyEvent) -> bytes:
-    """The stream record of one event: what the Redis apply script and routers decode.
-
-    ``[version, kind, event_id, worker_id, dp_rank, tier, ts, sequence_hashes, body]``
-    """
-    body: Any
-    if isinstance(event, Stored):
-        seqs = pack_hashes([seq for seq, _ in event.blocks])
-        parent = None if event.parent_hash is None else pack_hashes([event.parent_hash])
-        tokens = None if event.token_ids is None else [list(t) for t in event.token_ids]
-        body = [parent, pack_hashes([local for _, local in event.blocks]), tokens]
-    elif isinstance(event, Offloaded | Onboarded):
-        seqs = pack_hashes([b.sequence_hash for b in event.blocks])
-        parents = [None if b.parent_hash is None else hash_key(b.parent_hash) for b in event.blocks]
-        body = [int(event.src_tier), pack_hashes([b.local_hash for b in event.blocks]), parents]
-    elif isinstance(event, Removed):
-        seqs, body = pack_hashes(event.sequence_hashes), None
-    elif isinstance(event, Cleared):
-        seqs, body = b"", None
-    else:
-        raise TypeError(f"not an event: {event!r}")
-    record = [
-        STREAM_RECORD_VERSION,
-        KIND_CODES[type(event)],
-        event.event_id,
-        event.worker_id,
-        event.dp_rank,
-        int(event.tier),
-        event.ts,
-        seqs,
-        body,
-    ]
-    return msgpack.packb(record, use_bin_type=False)  # type: ignore[no-any-return]
-
-
-def decode_record(data: bytes) -> AnyEvent:
-    """Inverse of ``encode_record``; malformed bytes raise ``WireFormatError``."""
-    try:
-        record = msgpack.unpackb(data, raw=True, use_list=True, strict_map_key=False)
-    except (ValueError, msgpack.UnpackException) as exc:
-        raise WireFormatError(f"stream record is not msgpack: {exc}") from None
-    if not isinstance(record, list) or len(record) != 9:
-        raise WireFormatError(f"stream record must be a 9-item array, got {type(record).__name__}")
-    version, code, event_id, worker_id, dp_rank, tier_num, ts, seq_blob, body = record
-    if version != STREAM_RECORD_VERSION:
-        raise WireFormatError(
-            f"stream record version {version!r}; this reader knows {STREAM_RECORD_VERSION}"
-        )
-    kind = KIND_OF_CODE.get(code)
-    if kind is None:
-        raise WireFormatError(f"unknown event kind code {code!r}")
-    try:
-        tier = Tier(tier_num)
-    except ValueError:
-        raise WireFormatError(f"unknown tier {tier_num!r} in stream record") from None
-    common: dict[str, Any] = {
-        "event_id": event_id,
-        "worker_id": worker_id,
-        "dp_rank": dp_rank,
-        "tier": tier,
-        "ts": ts,
-    }
-    seqs = unpack_hashes(seq_blob)
-    if kind is Stored:
-        parent_blob, local_blob, tokens = body
-        locals_ = unpack_hashes(local_blob)
-        if len(locals_) != len(seqs):
-            raise WireFormatError(f"{len(seqs)} sequence hashes but {len(locals_)} local hashes")
-        return Stored(
-            **common,
-            parent_hash=None if parent_blob is None else unpack_hashes(parent_blob)[0],
-            blocks=tuple(zip(seqs, locals_, strict=True)),
-            token_ids=None if tokens is None else tuple(tuple(t) for t in tokens),
-        )
-    if kind is Offloaded or kind is Onboarded:
-        src, local_blob, parents = body
-        locals_ = unpack_hashes(local_blob)
-        if not (len(locals_) == len(parents) == len(seqs)):
-            raise WireFormatError("sequence, local and parent hash lists differ in length")
-        blocks = tuple(
-            BlockInfo(s, loc, None if p is None else int.from_bytes(p, "big"))
-            for s, loc, p in zip(seqs, locals_, parents, strict=True)
-        )
-        return kind(**common, src_tier=Tier(src), blocks=blocks)
-    if kind is Removed:
-        return Removed(**common, sequence_hashes=seqs)
-    return Cleared(**common)
+# -- the baseline record -------------------------------------------------------------
 
 
 BASELINE_CODE = 100
@@ -174,12 +84,12 @@ def encode_baseline(
     local: Sequence[int],
     parent: Sequence[int | None],
 ) -> bytes:
-    """The stream record of a ``Baseline``: laid out as a copy's record (sequence, local and
-    parent hashes), with its own kind code, so a reader that predates baselines refuses it
-    by name rather than folding it as a copy."""
+    """The stream record of a ``Baseline``: ``[version, 100, event_id, worker_id, dp_rank,
+    tier, ts, sequence hashes, [tier, local hashes, parents]]``, hashes packed as big-endian
+    u64s, a parent as 8 bytes or nil; msgpack's old raw string type throughout."""
     parents = [None if p is None else hash_key(p) for p in parent]
     record = [
-        STREAM_RECORD_VERSION,
+        BASELINE_VERSION,
         BASELINE_CODE,
         event_id,
         worker_id,
@@ -201,7 +111,7 @@ def decode_baseline(data: bytes) -> Baseline:
     if not isinstance(record, list) or len(record) != 9 or record[1] != BASELINE_CODE:
         raise WireFormatError("a baseline record is a 9-item array of kind 100")
     version, _code, event_id, worker_id, dp_rank, tier_num, ts, seq_blob, body = record
-    if version != STREAM_RECORD_VERSION:
+    if version != BASELINE_VERSION:
         raise WireFormatError(f"baseline record version {version!r}")
     try:
         tier = Tier(tier_num)

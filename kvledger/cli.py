@@ -70,7 +70,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             message = operator_error(exc, getattr(args, "log", None) or getattr(args, "url", None))
             if message is None:
                 raise  # not an operator's mistake: a bug, whose traceback is the report
-            print(f"{prefix}: error: {message}", file=sys.stderr)
+            for line in message.splitlines():  # one line per mistake, each named
+                print(f"{prefix}: error: {line}", file=sys.stderr)
             return 2
 
 
@@ -90,6 +91,16 @@ def operator_error(exc: Exception, where: str | None = None) -> str | None:
 
     if isinstance(exc, sa.exc.DBAPIError):
         return _database_message(exc, where)
+    if isinstance(exc, redis.AuthenticationError):  # before ConnectionError: it is one
+        return (
+            f"Redis refused the login: {_one_line(exc).rstrip('.')}; check the user name and "
+            "password in the Redis URL"
+        )
+    if isinstance(exc, redis.exceptions.NoPermissionError):
+        return (
+            f"Redis refused a command: {_one_line(exc)}; the URL's user lacks a permission "
+            "kvledger needs (docs/security.md lists each role's)"
+        )
     if isinstance(exc, redis.ConnectionError | redis.TimeoutError):
         return f"redis unreachable: {_one_line(exc)}"
     if isinstance(exc, OSError):

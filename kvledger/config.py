@@ -11,13 +11,24 @@ from __future__ import annotations
 
 import difflib
 import os
+import re
 import warnings
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal, Self
 
-from pydantic import AliasChoices, Field, ValidationError, model_validator
+from pydantic import (
+    AliasChoices,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from kvledger.events.files import private_folder
 from kvledger.events.types import Tier
 
 GIB = 1 << 30
@@ -28,6 +39,7 @@ DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "u
 OTHER_VARIABLES = ("KVLEDGER_SHARED_DATA",)
 OTHER_PREFIXES = ("KVLEDGER_TEST_",)
 _warned: set[str] = set()
+_DEVICES = re.compile(r"^[A-Za-z0-9_.:\-]+(,[A-Za-z0-9_.:\-]+)*$")
 
 
 class SettingsError(ValueError):
@@ -105,6 +117,13 @@ class Settings(BaseSettings):
         description="how long allocate waits for copies in flight to free G1 blocks, seconds",
     )
     data_dir: Path = Path("kvledger-data")
+    token_ids: Literal["keep", "live_only", "drop"] = Field(
+        "keep",
+        description="where prompts' token ids go: keep (the log, Redis records, ZMQ and its "
+        "replay), live_only (only live ZMQ messages; nothing persisted or replayed holds them), "
+        "drop (nowhere). Routers that hash tokens themselves (Dynamo's) skip blocks that come "
+        "without them (docs/security.md)",
+    )
     log_lookups: bool = Field(
         True,
         description="write each request's lookup, growth and end to the event log (for "
@@ -159,10 +178,16 @@ class Settings(BaseSettings):
         "(needs G2, redis_url and the remote extra)",
     )
     g4_timeout_s: float = Field(5.0, gt=0, description="longest wait for one remote read")
+    g4_interface: str | None = Field(
+        None,
+        description="the network devices NIXL (UCX) listens and reads on, as UCX names them "
+        "(lo, eth0, mlx5_0:1; comma-separated), or 'all'; default: UCX_NET_DEVICES when set, "
+        "else loopback (G4 between the workers of one machine)",
+    )
     zmq_endpoint: str | None = Field(
         None,
-        description="bind a vLLM-compatible ZMQ PUB socket here (e.g. tcp://*:5557) and publish "
-        "every event as a KVEventBatch",
+        description="bind a vLLM-compatible ZMQ PUB socket here (e.g. tcp://127.0.0.1:5557) and "
+        "publish every event as a KVEventBatch",
     )
     zmq_replay_endpoint: str | None = Field(
         None, description="bind the ZMQ replay (ROUTER) socket here; needs zmq_endpoint"
@@ -171,18 +196,65 @@ class Settings(BaseSettings):
     zmq_ring_size: int = Field(
         10_000, gt=0, description="newest ZMQ batches replayed from memory (older: from the log)"
     )
+    zmq_curve_secret_key: Path | None = Field(
+        None,
+        description="the publisher's CurveZMQ secret certificate (zmq.auth's NAME.key_secret): "
+        "the PUB and replay sockets encrypt, and a subscriber must know the public key",
+    )
+    zmq_curve_client_keys: Path | None = Field(
+        None,
+        description="a folder of the public certificates (NAME.key) of the subscribers "
+        "allowed in; without it any subscriber that knows the publisher's public key is",
+    )
     worker_id: int = Field(0, ge=0)
     dp_rank: int = Field(0, ge=0)
     chain_seed: int = Field(1337, ge=0, lt=1 << 64, description="seed of the sequence-hash chain")
 
+    @field_validator("event_log_url")
+    @classmethod
+    def _log_url(cls, url: str | None) -> str | None:
+        if url is None:
+            return url
+        if "://" not in url:
+            raise ValueError(f"must be a URL such as sqlite:///path.db, got {url!r}")
+        # here, not at the top: SQLAlchemy only when a log is named (simulate --no-log)
+        from kvledger.events.log.schema import check_log_url
+
+        return check_log_url(url)
+
+    @field_validator("g4_interface")
+    @classmethod
+    def _interface(cls, devices: str | None) -> str | None:
+        if devices is not None and not _DEVICES.match(devices):
+            raise ValueError(
+                "must name network devices as UCX does (lo, eth0, mlx5_0:1; comma-separated) "
+                f"or be 'all', got {devices!r}"
+            )
+        return devices
+
+    @field_validator("zmq_curve_secret_key")
+    @classmethod
+    def _secret_key(cls, path: Path | None) -> Path | None:
+        if path is not None and not path.is_file():
+            raise ValueError(f"no such file {path} (a zmq.auth NAME.key_secret certificate)")
+        return path
+
+    @field_validator("zmq_curve_client_keys")
+    @classmethod
+    def _client_keys(cls, path: Path | None) -> Path | None:
+        if path is not None and not path.is_dir():
+            raise ValueError(f"no such folder {path} (of zmq.auth NAME.key certificates)")
+        return path
+
     @model_validator(mode="after")
     def _check(self) -> Settings:
-        if self.event_log_url is not None and "://" not in self.event_log_url:
-            raise ValueError(
-                f"event_log_url must be a URL such as sqlite:///path.db, got {self.event_log_url!r}"
-            )
         if self.zmq_replay_endpoint is not None and self.zmq_endpoint is None:
             raise ValueError("zmq_replay_endpoint needs zmq_endpoint")
+        curve = (self.zmq_curve_secret_key, self.zmq_curve_client_keys)
+        if any(key is not None for key in curve) and self.zmq_endpoint is None:
+            raise ValueError("zmq_curve_secret_key and zmq_curve_client_keys need zmq_endpoint")
+        if self.zmq_curve_client_keys is not None and self.zmq_curve_secret_key is None:
+            raise ValueError("zmq_curve_client_keys needs zmq_curve_secret_key")
         if self.g4 and (not self.g2_capacity or self.redis_url is None):
             raise ValueError("g4 needs a G2 (g2_gb or g2_blocks) and redis_url")
         return self
@@ -202,6 +274,13 @@ class Settings(BaseSettings):
             return cls(**overrides)
         except ValidationError as exc:
             raise SettingsError(_describe(exc)) from None
+
+    def prepare_log_folder(self) -> None:
+        """Create the data folder (0700) when the log is the default SQLite file in it, so a
+        first run in an empty folder works. A log given by URL is the operator's: its folder
+        must exist (a mistyped path is reported, not created)."""
+        if self.event_log_url is None:
+            private_folder(self.data_dir)
 
     # -- derived -------------------------------------------------------------------------
 
@@ -247,7 +326,14 @@ class Settings(BaseSettings):
             "max_delay": self.event_log_max_delay_s,
             "queue_size": self.event_log_queue_size,
             "retry_for": self.event_log_retry_s,
+            "token_ids": self.persist_token_ids,
         }
+
+    @property
+    def persist_token_ids(self) -> bool:
+        """Whether token ids may go where they outlive the moment: the event log, Redis stream
+        records, ZMQ replays (the ``token_ids`` setting)."""
+        return self.token_ids == "keep"
 
     def zmq_options(self) -> dict[str, Any]:
         """``open_publisher``'s keyword arguments for these settings, beside the endpoint,
@@ -258,6 +344,9 @@ class Settings(BaseSettings):
             "topic": self.zmq_topic,
             "dp_rank": self.dp_rank,
             "ring_size": self.zmq_ring_size,
+            "token_ids": self.token_ids,
+            "curve_secret_key": self.zmq_curve_secret_key,
+            "curve_client_keys": self.zmq_curve_client_keys,
         }
 
     @property
@@ -283,15 +372,6 @@ def unknown_variables(environ: Any) -> list[str]:
     return out
 
 
-def ensure_log_folder(url: str) -> None:
-    """Create the folder of a SQLite log file, so a first run in an empty folder works."""
-    import sqlalchemy as sa
-
-    parsed = sa.make_url(url)
-    if parsed.get_backend_name() == "sqlite" and parsed.database not in (None, "", ":memory:"):
-        Path(parsed.database).parent.mkdir(parents=True, exist_ok=True)
-
-
 def _env_names(field: str) -> str:
     info = Settings.model_fields.get(field)
     names = [f"KVLEDGER_{field.upper()}"]
@@ -302,10 +382,11 @@ def _env_names(field: str) -> str:
 
 
 def _describe(exc: ValidationError) -> str:
-    lines = ["invalid kvledger settings:"]
+    """One line per bad setting, naming it and its variables."""
+    lines = []
     for err in exc.errors():
         loc = [str(part) for part in err["loc"]]
-        field = loc[0] if loc else "settings"
+        field = loc[0] if loc else ""
         for name, info in Settings.model_fields.items():
             alias = info.validation_alias
             if isinstance(alias, AliasChoices) and field in alias.choices:
@@ -313,6 +394,73 @@ def _describe(exc: ValidationError) -> str:
         field = field.removeprefix("KVLEDGER_").lower() if field.isupper() else field
         shown = f"{field} ({_env_names(field)})" if field in Settings.model_fields else field
         value = err.get("input")
-        got = "" if isinstance(value, dict) else f", got {value!r}"
-        lines.append(f"  {shown}: {err['msg']}{got}")
+        # a validator of ours says what it got (and never a URL's password)
+        got = "" if isinstance(value, dict) or err["type"] == "value_error" else f", got {value!r}"
+        what = f"invalid kvledger setting {shown}" if shown else "invalid kvledger settings"
+        lines.append(f"{what}: {_message(err)}{got}")
     return "\n".join(lines)
+
+
+_MESSAGES = {
+    "int_type": "must be a whole number (a JSON integer)",
+    "string_type": "must be a string",
+    "bool_type": "must be true or false",
+    "extra_forbidden": "is not a key kvledger reads",
+}
+
+
+def _message(err: Any) -> str:
+    """pydantic's message, in the words of a setting (a model validator's "Value error, "
+    prefix dropped: the message is ours)."""
+    value = err.get("input")
+    if err["type"] == "int_type" and isinstance(value, float) and value.is_integer():
+        return f"must be a whole number written as one ({int(value)})"
+    if err["type"] == "missing":
+        return "is required"
+    return _MESSAGES.get(err["type"]) or str(err["msg"]).removeprefix("Value error, ")
+
+
+class ExtraConfig(BaseModel):
+    """An engine's extra config for a kvledger integration (vLLM's
+    ``kv_connector_extra_config``, SGLang's storage backend extra config), checked the way
+    ``Settings`` are: one rule per key, a key kvledger does not read refused (with the closest
+    one it does), and a bad value refused rather than coerced (``"8e9"``, ``true`` or ``1.7``
+    where a whole number belongs). Keys the engine itself reads (``engine_keys``) pass through.
+    Subclasses declare the keys; ``load`` raises ``SettingsError`` with one line per bad key.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True, allow_inf_nan=False)
+
+    where: ClassVar[str] = "extra config"
+    """How the engine names this config, for messages (``kv_connector_extra_config``)."""
+    engine_keys: ClassVar[frozenset[str]] = frozenset()
+
+    @classmethod
+    def load(cls, config: Mapping[str, Any] | None) -> Self:
+        values = {k: v for k, v in (config or {}).items() if k not in cls.engine_keys}
+        try:
+            return cls.model_validate(values)
+        except ValidationError as exc:
+            raise SettingsError(cls._describe(exc)) from None
+
+    @classmethod
+    def _describe(cls, exc: ValidationError) -> str:
+        known = sorted([*cls.model_fields, *cls.engine_keys])
+        lines = []
+        for err in exc.errors():
+            key = ".".join(str(part) for part in err["loc"])
+            message = _message(err)
+            if err["type"] == "extra_forbidden":
+                close = difflib.get_close_matches(key, known, n=1)
+                hint = f"did you mean {close[0]!r}?" if close else f"known: {', '.join(known)}"
+                lines.append(f"{cls.where} {key!r} {message}; {hint}")
+                continue
+            value = err.get("input")
+            got = (
+                ""
+                if isinstance(value, dict) or err["type"] == "value_error"
+                else f", got {value!r}"
+            )
+            named = f"{cls.where} {key}" if key else cls.where
+            lines.append(f"{named}: {message}{got}")
+        return "\n".join(lines)

@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from xxhash import xxh3_64_intdigest
 
-from kvledger.config import Settings, ensure_log_folder
+from kvledger.config import Settings
 from kvledger.events.log import EventLog
 from kvledger.events.log.replay import replay
 from kvledger.events.shared.client import connect
@@ -140,7 +140,7 @@ class BlockManager:
         )
         self._own_log = event_log is None and log_events
         if self._own_log:
-            ensure_log_folder(s.log_url)  # a first run in an empty folder makes kvledger-data/
+            s.prepare_log_folder()  # a first run in an empty folder makes kvledger-data/
         self._event_log = (
             EventLog(s.log_url, **s.event_log_options()) if self._own_log else event_log
         )
@@ -234,6 +234,7 @@ class BlockManager:
         self._transfers = TransferEngine()
         self._in_flight: dict[TransferHandle, CopyPlan] = {}
         self._failed_copies = 0
+        self._copy_thread_errors = 0
         self._g4: G4Link | None = None
         if s.g4:
             self._g4 = self._link_g4(s, metrics)
@@ -339,7 +340,7 @@ class BlockManager:
 
         assert s.redis_url is not None and self._publisher is not None  # checked by Settings
         g2 = self._tiers[Tier.G2]
-        agent = RemoteAgent(s.worker_id)
+        agent = RemoteAgent(s.worker_id, devices=s.g4_interface)
         try:
             agent.register(g2)  # type: ignore[arg-type]
             directory = RemoteDirectory(connect(s.redis_url), s.redis_namespace)
@@ -399,7 +400,9 @@ class BlockManager:
                 "redis_url is set but worker_id is not (KVLEDGER_WORKER_ID): this worker "
                 "publishes as worker 0, and a second one that also forgets it is refused"
             )
-        shared = SharedRegistry(connect(s.redis_url), s.redis_namespace)
+        shared = SharedRegistry(
+            connect(s.redis_url), s.redis_namespace, token_ids=s.persist_token_ids
+        )
         return RedisPublisher(
             shared, s.worker_id, log=self._event_log, dp_rank=s.dp_rank, linger_s=s.redis_linger_s
         ).start()
@@ -823,7 +826,15 @@ class BlockManager:
         return handle
 
     def _record_offload(self, plan: CopyPlan, handle: TransferHandle) -> None:
-        self._record(plan, handle)
+        """Record a finished offload, on the copy thread. A sink that fails here (the log's
+        disk is full) fails the engine's next call too, which is where it is reported: on
+        this thread it is said once, in one line, not as a traceback per copy."""
+        try:
+            self._record(plan, handle)
+        except Exception as exc:
+            if not self._copy_thread_errors:
+                log.error("kvledger: recording a finished copy failed: %s", exc)
+            self._copy_thread_errors += 1
 
     def _observe_transfer(self, plan: CopyPlan, handle: TransferHandle, started: float) -> None:
         assert self.metrics is not None

@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from kvledger.events.files import open_private
 from kvledger.mocker.stats import SimStats
 from kvledger.report import percent
 
@@ -23,6 +24,12 @@ def _pyplot() -> Any:
     import matplotlib.pyplot as plt
 
     return plt
+
+
+def _save(fig: Any, path: Path) -> None:
+    """Write the PNG readable by its owner only, as every file kvledger makes."""
+    with open_private(path) as file:
+        fig.savefig(file, dpi=100, format="png")
 
 
 def _check_png(path: str | Path) -> Path:
@@ -102,7 +109,7 @@ def plot_timeline(
     _title(fig, title, subtitle)
     _stamp_failure(fig, failure)
     fig.tight_layout(rect=(0, 0, 1, 0.94))
-    fig.savefig(path, dpi=100)
+    _save(fig, path)
     plt.close(fig)
     return path
 
@@ -221,7 +228,7 @@ def plot_hit_rate_lines(
     _title(fig, title, subtitle)
     _stamp_failure(fig, failure)
     fig.tight_layout(rect=(0, 0, 1, 0.93))
-    fig.savefig(path, dpi=100)
+    _save(fig, path)
     plt.close(fig)
     return path
 
@@ -303,61 +310,108 @@ def plot_whatif(out: dict[str, Any], path: str | Path) -> Path:
     _title(fig, "What if: hit rate of the recorded lookups", subtitle)
     _stamp_failure(fig, failure)
     fig.tight_layout(rect=(0, 0, 1, 0.9))
-    fig.savefig(path, dpi=100)
+    _save(fig, path)
     plt.close(fig)
     return path
 
 
 def plot_report(out: dict[str, Any], path: str | Path) -> Path:
-    """``kvledger report --plot``: aligned panels over time, one x axis (seconds from the
-    start of the range): hit rate per tier, rows per kind, blocks moved, requests in flight."""
+    """``kvledger report --plot``: ``report_figure`` as a PNG."""
     path = _check_png(path)
+    plt = _pyplot()
+    fig = report_figure(out)
+    _save(fig, path)
+    plt.close(fig)
+    return path
+
+
+_TIER_STYLE = {"G1": ("tab:green", "o"), "G2": ("tab:orange", "s"), "G3": ("tab:purple", "^")}
+_SERIES_COLORS = (
+    "tab:blue",
+    "tab:orange",
+    "tab:green",
+    "tab:red",
+    "tab:purple",
+    "tab:brown",
+    "tab:pink",
+    "tab:olive",
+    "tab:cyan",
+    "black",
+)
+_SERIES_MARKERS = ("o", "s", "^", "v", "D", "P", "X", "<", ">", "*")
+
+
+def _series(ax: Any, x: list[float], series: list[tuple[str, list[float], Any]]) -> None:
+    """Lines that stay distinguishable when their values coincide (evictions from G2 and
+    offloads into it, in a steady state, are the same numbers): each its own colour, marker
+    and dash, markers placed in turn (series ``i`` marks points ``i``, ``i + n``, ...) so that
+    every series shows its own even on top of another, and earlier lines drawn wider, so one
+    laid on another still shows as an outline."""
+    n = len(series)
+    for i, (label, values, style) in enumerate(series):
+        color, marker, dash = style or (
+            _SERIES_COLORS[i % len(_SERIES_COLORS)],
+            _SERIES_MARKERS[i % len(_SERIES_MARKERS)],
+            "-",
+        )
+        ax.plot(
+            x,
+            values,
+            color=color,
+            marker=marker,
+            ls=dash,
+            lw=1.0 + 3.0 * (n - 1 - i) / max(n - 1, 1),
+            ms=6,
+            markevery=(i % max(min(n, len(x)), 1), max(min(n, len(x)), 1)),
+            label=label,
+            zorder=2 + i,
+        )
+
+
+def report_figure(out: dict[str, Any]) -> Any:
+    """Aligned panels over time, one x axis (seconds from the start of the range): hit rate
+    per tier, rows per kind, blocks moved, requests in flight. Every series is a line of its
+    own colour and marker (``_series``), so none hides another, however small or equal."""
     plt = _pyplot()
     windows = out["windows"]
     t0 = out["since_ts"]
     mid = [(w["start_ts"] + w["end_ts"]) / 2 - t0 for w in windows]
-    fig, axes = plt.subplots(4, 1, figsize=(10, 10), sharex=True)
+    fig, axes = plt.subplots(4, 1, figsize=(10, 11), sharex=True)
     ax_hit, ax_rows, ax_moved, ax_flight = axes
-    colors = {"G1": "tab:green", "G2": "tab:orange", "G3": "tab:purple"}
-    bottom = [0.0] * len(windows)
-    for tier in ("G1", "G2", "G3"):
-        values = [100 * (w["hit_rate_by_tier"][tier] or 0.0) for w in windows]
-        if not any(values):
-            continue
-        top = [b + v for b, v in zip(bottom, values, strict=True)]
-        ax_hit.fill_between(
-            mid, bottom, top, step="mid", alpha=0.6, color=colors[tier], label=f"served from {tier}"
-        )
-        bottom = top
     total = [100 * w["hit_rate"] if w["hit_rate"] is not None else float("nan") for w in windows]
-    ax_hit.step(mid, total, where="mid", color="black", lw=1.2, label="hit rate, per window")
-    ax_hit.set_ylim(0, min(100, max([v for v in total if v == v] or [1]) * 1.15 + 1))
+    hits: list[tuple[str, list[float], Any]] = [("hit rate, all tiers", total, ("black", "*", "-"))]
+    for tier, (color, marker) in _TIER_STYLE.items():
+        values = [100 * (w["hit_rate_by_tier"][tier] or 0.0) for w in windows]
+        if any(values):
+            hits.append((f"served from {tier}", values, (color, marker, "--")))
+    _series(ax_hit, mid, hits)
+    ax_hit.set_ylim(0, min(100, max([v for v in total if v == v] or [1]) * 1.3 + 1))
     ax_hit.set_ylabel("prefix hit rate\n(% of blocks asked)")
-    ax_hit.legend(fontsize=8, loc="lower left", ncol=4)
+    ax_hit.legend(fontsize=8, loc="upper left", ncol=4)
     kinds = sorted({k for w in windows for k in w["rows_by_kind"]})
-    for kind in kinds:
-        ax_rows.plot(mid, [w["rows_by_kind"].get(kind, 0) for w in windows], marker=".", label=kind)
+    _series(
+        ax_rows,
+        mid,
+        [(kind, [w["rows_by_kind"].get(kind, 0) for w in windows], None) for kind in kinds],
+    )
     ax_rows.set_ylabel("rows per window\nby kind")
     peak_rows = max((v for w in windows for v in w["rows_by_kind"].values()), default=0)
-    ax_rows.set_ylim(0, max(1, peak_rows) * 1.4)  # headroom: the legend sits above the lines
+    ax_rows.set_ylim(0, max(1, peak_rows) * 1.45)  # headroom: the legend sits above the lines
     ax_rows.legend(fontsize=7, ncol=4, loc="upper right")
-    moved = (
-        ("evicted", "evicted_blocks", "-"),
-        ("offloaded", "offloaded_blocks", "--"),
-        ("onboarded", "onboarded_blocks", ":"),
-    )
-    moved_keys = [key for _, key, _ in moved]
-    for label, key, style in moved:
+    moved: list[tuple[str, list[float], Any]] = []
+    for label, key in (
+        ("evicted from", "evicted_blocks"),
+        ("offloaded to", "offloaded_blocks"),
+        ("onboarded from", "onboarded_blocks"),
+    ):
         for tier in ("G1", "G2", "G3"):
             values = [w[key][tier] for w in windows]
             if any(values):
-                ax_moved.plot(mid, values, ls=style, color=colors[tier], label=f"{label} {tier}")
+                moved.append((f"{label} {tier}", values, None))
+    _series(ax_moved, mid, moved)
     ax_moved.set_ylabel("blocks per window")
-    peak_moved = max(
-        (w[key][tier] for w in windows for key in moved_keys for tier in ("G1", "G2", "G3")),
-        default=0,
-    )
-    ax_moved.set_ylim(0, max(1, peak_moved) * 1.4)
+    peak_moved = max((v for _, values, _ in moved for v in values), default=0)
+    ax_moved.set_ylim(0, max(1, peak_moved) * 1.45)
     ax_moved.legend(fontsize=7, ncol=3, loc="upper right")
     in_flight = [w["requests_in_flight"] for w in windows]
     ax_flight.step(mid, in_flight, where="mid", color="tab:blue")
@@ -386,9 +440,7 @@ def plot_report(out: dict[str, Any], path: str | Path) -> Path:
         f"lookups, hit rate {percent(hit)} overall; {settings}",
     )
     fig.tight_layout(rect=(0, 0, 1, 0.94))
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return fig
 
 
 def _series_label(run: dict[str, Any]) -> str:
@@ -460,7 +512,7 @@ def plot_cluster(runs: list[dict[str, Any]], path: str | Path, *, title: str) ->
         ax.legend(fontsize=8, loc="best")
     _title(fig, title, subtitle)
     fig.tight_layout(rect=(0, 0, 1, 0.93))
-    fig.savefig(path, dpi=100)
+    _save(fig, path)
     plt.close(fig)
     return path
 
@@ -512,6 +564,6 @@ def _plot_one_cluster(
         ax.grid(alpha=0.3, axis="y")
     _title(fig, title, subtitle)
     fig.tight_layout(rect=(0, 0, 1, 0.93))
-    fig.savefig(path, dpi=100)
+    _save(fig, path)
     plt.close(fig)
     return path

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -113,8 +114,10 @@ def build_report(
     windows: int = 20,
     worker: int | None = None,
     top: int = 10,
+    on_progress: Callable[[int], object] | None = None,
 ) -> dict[str, Any]:
-    """The report of the rows in the range, as ``kvledger report --json`` prints it."""
+    """The report of the rows in the range, as ``kvledger report --json`` prints it;
+    ``on_progress`` is called with the position reached after each chunk of rows."""
     if windows < 1:
         raise ValueError(f"windows must be 1 or more, got {windows}")
     after = max(since_position - 1, 0)
@@ -202,6 +205,8 @@ def build_report(
             elif isinstance(record, Onboarded):
                 for w in (window, total):
                     w.onboarded[record.src_tier.name] += len(record.blocks)
+        if on_progress is not None:
+            on_progress(chunk[-1][0])
     while current < windows:
         cuts[current].in_flight = len(live)
         current += 1

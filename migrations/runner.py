@@ -9,6 +9,7 @@ from alembic import command
 from alembic.config import Config
 from alembic.script import ScriptDirectory
 
+from kvledger.events.log.engine import prepare_sqlite_file
 from kvledger.events.log.schema import database_url, schema_revision
 
 SCRIPT_LOCATION = str(Path(__file__).resolve().parent)
@@ -24,15 +25,9 @@ def alembic_config(url: str, connection: sa.Connection | None = None) -> Config:
     return cfg
 
 
-def _make_parent_dir(url: str) -> None:
-    parsed = sa.make_url(database_url(url))
-    if parsed.get_backend_name() == "sqlite" and parsed.database not in (None, "", ":memory:"):
-        Path(parsed.database).parent.mkdir(parents=True, exist_ok=True)
-
-
 def upgrade(url: str, revision: str = "head", connection: sa.Connection | None = None) -> None:
-    if connection is None:
-        _make_parent_dir(url)
+    if connection is None:  # a new SQLite file is made readable by its owner only
+        prepare_sqlite_file(database_url(url))
     command.upgrade(alembic_config(url, connection), revision)
 
 

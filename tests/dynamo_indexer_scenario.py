@@ -6,12 +6,18 @@ one JSON object: per checkpoint, the probe prompts where the indexer's per-tier 
 for a worker differs from that worker's own ``match``.
 
     python tests/dynamo_indexer_scenario.py WORK_DIR
+
+A third worker runs as a child process of its own (``--child``), so that it can be SIGKILLed
+while it publishes: after each kill it is restarted on the same log and data folder, and
+checks from inside that the indexer's view of it equals its own restarted state (which the
+durable log rebuilds: other tests hold that), i.e. the indexer converged after the crash.
 """
 
 from __future__ import annotations
 
 import json
 import random
+import signal
 import subprocess
 import sys
 import time
@@ -27,7 +33,9 @@ from kvledger.registry.hashing import TokenBlockSequence
 BLOCK = 4
 HTTP = "http://127.0.0.1:8090"
 WORKERS = (11, 12)
+KILLED = 13  # the worker run as a child process and SIGKILLed
 LORA = "adapter-a"
+KILLS = 3
 
 
 def settings(work: Path, worker: int) -> Settings:
@@ -74,7 +82,7 @@ def start_indexer(log_path: Path) -> subprocess.Popen[bytes]:
             time.sleep(0.1)
     else:
         raise RuntimeError("the indexer did not come up")
-    for worker in WORKERS:
+    for worker in (*WORKERS, KILLED):
         post(
             "/register",
             {
@@ -122,7 +130,7 @@ def indexer_view(tokens: list[int], lora: str | None) -> dict[int, tuple[int, in
         query["lora_name"] = lora
     answer = post("/query", query)
     out = {}
-    for worker in WORKERS:
+    for worker in (*WORKERS, KILLED):
         got = answer.get("instances", {}).get(str(worker))
         out[worker] = (0, 0, 0) if got is None else (got["gpu"], got["cpu"], got["disk"])
     return out
@@ -152,11 +160,61 @@ def converged(mgrs: dict[int, BlockManager], probes: list[Probe], wait: float = 
         time.sleep(0.3)
 
 
-def main(work: Path) -> None:
+def prompts_and_probes() -> tuple[list[list[int]], list[Probe]]:
     rng = random.Random(7)
     prompts = [[rng.randrange(1000) for _ in range(BLOCK * rng.randrange(2, 7))] for _ in range(9)]
     plain = prompts + [p[: BLOCK * 2] for p in prompts] + [[999] * BLOCK * 3]
-    probes: list[Probe] = [(p, None) for p in plain]
+    return prompts, [(p, None) for p in plain]
+
+
+def child(work: Path, mode: str, seed: int) -> None:
+    """Worker ``KILLED`` in a process of its own. ``busy``: says it started, then serves
+    requests until it is killed. ``restart``: serves a few, then prints how the indexer's
+    view of it differs from its own state (converged, or what is left after the wait)."""
+    prompts, probes = prompts_and_probes()
+    mgrs = {KILLED: BlockManager(settings(work, KILLED))}
+    rng = random.Random(seed)
+    if mode == "busy":
+        print("started", flush=True)
+        while True:
+            tail = [rng.randrange(1000) for _ in range(BLOCK * rng.randrange(0, 3))]
+            serve(mgrs[KILLED], rng.choice(prompts) + tail)
+    workload_one(mgrs[KILLED], prompts, 10, rng)
+    print(json.dumps(converged(mgrs, probes, wait=30)), flush=True)
+    mgrs[KILLED].close()
+
+
+def workload_one(mgr: BlockManager, prompts: list[list[int]], n: int, rng: random.Random) -> None:
+    for _ in range(n):
+        tail = [rng.randrange(1000) for _ in range(BLOCK * rng.randrange(0, 3))]
+        serve(mgr, rng.choice(prompts) + tail)
+    mgr.wait_idle(30)
+    _publisher(mgr).wait_sent()
+
+
+def kill_rounds(work: Path, rounds: int) -> list[list[str]]:
+    """SIGKILL the child worker while it publishes, restart it, and collect what the
+    indexer got wrong about it after each restart (empty lists: it converged)."""
+    here = [sys.executable, __file__, str(work), "--child"]
+    found = []
+    rng = random.Random(11)
+    for number in range(rounds):
+        busy = subprocess.Popen([*here, "busy", str(number)], stdout=subprocess.PIPE, text=True)
+        assert busy.stdout is not None and busy.stdout.readline().strip() == "started"
+        time.sleep(rng.uniform(0.3, 1.2))
+        busy.send_signal(signal.SIGKILL)
+        busy.wait()
+        done = subprocess.run(
+            [*here, "restart", str(100 + number)], capture_output=True, text=True, timeout=120
+        )
+        if done.returncode != 0:
+            raise RuntimeError(f"restart {number} failed: {done.stderr[-2000:]}")
+        found.append(json.loads(done.stdout.strip().splitlines()[-1]))
+    return found
+
+
+def main(work: Path) -> None:
+    prompts, probes = prompts_and_probes()
     # LoRA blocks go out with their LoRA name: checked live, since the durable log does not
     # keep the name (a router replaying from it gets them without tokens, and skips them)
     with_lora: list[Probe] = probes + [(p, LORA) for p in prompts]
@@ -195,6 +253,9 @@ def main(work: Path) -> None:
         report["after_restart"] = converged(mgrs, probes)
         report["events"] = {w: m.next_event_id for w, m in mgrs.items()}
         report["dropped"] = sum(_publisher(m).dropped for m in mgrs.values())
+
+        # a third worker is SIGKILLed while it publishes, and restarted on the same log
+        report["killed"] = kill_rounds(work, KILLS)
     finally:
         for mgr in mgrs.values():
             mgr.close()
@@ -204,4 +265,7 @@ def main(work: Path) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]))
+    if len(sys.argv) > 2 and sys.argv[2] == "--child":
+        child(Path(sys.argv[1]), sys.argv[3], int(sys.argv[4]))
+    else:
+        main(Path(sys.argv[1]))

@@ -6,7 +6,13 @@ Both are real servers (``.ci/services`` starts them); the PostgreSQL address can
 
 from __future__ import annotations
 
+import contextlib
+import glob
 import os
+import shutil
+import socket
+import subprocess
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -80,3 +86,61 @@ def manager_settings(tmp_path: Path, **kw: object) -> Settings:
     )
     base.update(kw)
     return Settings.load(**base)
+
+
+class PrivatePostgres:
+    """A PostgreSQL server of one test's own, on a free loopback port, which the test may
+    restart or stop (the shared server on :5432 is never touched). Needs the server binaries
+    (``initdb``, ``pg_ctl``) and, when run as root, the ``postgres`` user to run them as."""
+
+    def __init__(self) -> None:
+        found = sorted(glob.glob("/usr/lib/postgresql/*/bin/pg_ctl"))
+        self._bin = Path(found[-1]).parent if found else None
+        if self._bin is None and shutil.which("pg_ctl"):
+            self._bin = Path(str(shutil.which("pg_ctl"))).parent
+        if self._bin is None:
+            pytest.skip("needs the PostgreSQL server binaries (initdb, pg_ctl)")
+        self._as: list[str] = []
+        if os.geteuid() == 0:
+            if shutil.which("runuser") is None:
+                pytest.skip("as root, a private PostgreSQL needs runuser and a postgres user")
+            self._as = ["runuser", "-u", "postgres", "--"]
+        self.dir = Path(tempfile.mkdtemp(prefix="kvledger-pg-"))
+        if self._as:
+            shutil.chown(self.dir, "postgres")
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = int(s.getsockname()[1])
+        self._run("initdb", "-D", str(self.dir / "data"), "-A", "trust", "-U", "postgres")
+
+    @property
+    def url(self) -> str:
+        return f"postgresql+psycopg://postgres@127.0.0.1:{self.port}/postgres"
+
+    def _run(self, tool: str, *args: str) -> None:
+        assert self._bin is not None
+        subprocess.run(
+            [*self._as, str(self._bin / tool), *args], check=True, capture_output=True, timeout=60
+        )
+
+    def _ctl(self, action: str) -> None:
+        options = f"-p {self.port} -k {self.dir} -c listen_addresses=127.0.0.1"
+        self._run(
+            "pg_ctl", "-D", str(self.dir / "data"), "-l", str(self.dir / "log"), "-m", "fast",
+            "-w", "-o", options, action,
+        )  # fmt: skip
+
+    def start(self) -> PrivatePostgres:
+        self._ctl("start")
+        return self
+
+    def restart(self) -> None:
+        self._ctl("restart")
+
+    def stop(self) -> None:
+        self._ctl("stop")
+
+    def remove(self) -> None:
+        with contextlib.suppress(Exception):
+            self.stop()
+        shutil.rmtree(self.dir, ignore_errors=True)

@@ -55,7 +55,7 @@ def test_disk_without_cpu_cache_offloads_straight_to_disk(
         ("KVLEDGER_EVICTION_POLICY", "fifo", "'lru', 'lineage' or 'multi_lru'"),
         ("DYN_KVBM_CPU_CACHE_GB", "-1", "DYN_KVBM_CPU_CACHE_GB"),
         ("DYN_KVBM_DISK_CACHE_OVERRIDE_NUM_BLOCKS", "lots", "g3_blocks"),
-        ("KVLEDGER_EVENT_LOG_URL", "events.db", "event_log_url must be a URL"),
+        ("KVLEDGER_EVENT_LOG_URL", "events.db", "(KVLEDGER_EVENT_LOG_URL): must be a URL"),
         ("KVLEDGER_OFFLOAD_FILTER", "sometimes", "'always', 'seen_twice' or 'never'"),
         ("KVLEDGER_REDIS_LINGER_S", "-0.5", "redis_linger_s (KVLEDGER_REDIS_LINGER_S)"),
         ("KVLEDGER_REDIS_LINGER_S", "60", "redis_linger_s"),

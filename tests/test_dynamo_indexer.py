@@ -7,8 +7,9 @@ private network namespace (``unshare -rn``: only a loopback interface, nothing r
 outside) and talks to it on loopback. The scenario itself is tests/dynamo_indexer_scenario.py:
 two workers with G1+G2+G3 and the lineage policy, a workload with evictions, offloads and
 onboards (some requests under a LoRA adapter, queried by its name), the indexer killed and
-restarted (it catches up from the replay sockets, which read the durable log), and a worker
-restart (``Cleared`` of G1 and G2, G3 recovered).
+restarted (it catches up from the replay sockets, which read the durable log), a worker
+restart (``Cleared`` of G1 and G2, G3 recovered), and a third worker SIGKILLed while it
+publishes, three times, and restarted on its log.
 """
 
 from __future__ import annotations
@@ -53,3 +54,6 @@ def test_dynamo_indexer_agrees_with_every_worker_per_tier(tmp_path: Path) -> Non
     assert report["lora_cached"] > 0  # LoRA blocks were among those compared
     for phase in ("live", "indexer_restart", "worker_restart", "after_restart"):
         assert report[phase] == [], (phase, report[phase][:5])
+    # a worker SIGKILLed while publishing, three times: after each restart the indexer's view
+    # of it equals its restarted state
+    assert report["killed"] == [[], [], []], report["killed"]

@@ -90,7 +90,9 @@ def test_replay_inspect_and_tail_commands_read_it(
     path, events = read_only_log
     assert main(["replay", str(path)]) == 0
     assert main(["inspect", str(path)]) == 0
-    assert f"events: {len(events)}" in capsys.readouterr().out
+    assert f"rows: {len(events)} (positions 1..{len(events)}): {len(events)} events" in (
+        capsys.readouterr().out
+    )
     assert main(["tail", str(path), "--no-follow", "-n", "3"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert len(lines) == 3 and lines[-1].split()[1] == f"w3#{len(events) - 1}"

@@ -31,6 +31,7 @@ def test_block_manager_opens_its_log_with_the_log_settings(
     finally:
         manager.close()
     monkeypatch.setenv("KVLEDGER_EVENT_LOG_DURABILITY", "none")
+    (tmp_path / "none").mkdir()
     manager = BlockManager(manager_settings(tmp_path / "none", g1_blocks=8))
     try:
         assert manager.event_log is not None and manager.event_log.max_lag is None

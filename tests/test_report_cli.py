@@ -183,3 +183,40 @@ def test_whatif_since_and_until_pick_the_lookups_that_count(
     assert early["baseline_reproduces"] and late["baseline_reproduces"]
     assert early["recorded"]["lookups"] + late["recorded"]["lookups"] == 400
     assert 0 < early["recorded"]["lookups"] < 400
+
+
+def test_every_report_series_can_be_told_apart(
+    recorded_log: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """In each panel every series is a line of its own colour and marker, whose markers fall
+    where no other series' do, so two series with the same values (G2's evictions and the
+    offloads into it, in a steady state) and one near zero (the G2 hit share) both show; and
+    the lower of two coinciding lines is drawn wider, so it shows as an outline."""
+    import numpy as np
+
+    from kvledger.plots import report_figure
+
+    out = run_json(capsys, "report", str(recorded_log))
+    fig = report_figure(out)
+    panels = fig.axes[:3]  # hit rate, rows by kind, blocks moved
+    labels = [[line.get_label() for line in ax.get_lines()] for ax in panels]
+    assert "served from G2" in labels[0] and "offloaded to G2" in labels[2]
+    assert not any(ax.collections for ax in panels)  # no stacked bands hiding a thin one
+    for ax in panels:
+        lines = ax.get_lines()
+        styles = [(line.get_color(), line.get_marker()) for line in lines]
+        assert len(set(styles)) == len(styles), styles
+        marked: list[set[float]] = []
+        for line in lines:
+            xs = np.asarray(line.get_xdata(), dtype=float)
+            start, step = line.get_markevery()
+            marked.append(set(xs[start::step].tolist()))
+            assert marked[-1], f"{line.get_label()} shows no marker"
+        for i, a in enumerate(lines):
+            for j, b in enumerate(lines[i + 1 :], i + 1):
+                assert not marked[i] & marked[j], (a.get_label(), b.get_label())
+                if np.array_equal(a.get_ydata(), b.get_ydata()):
+                    assert a.get_linewidth() > b.get_linewidth()
+    png = tmp_path / "report.png"
+    assert main(["report", str(recorded_log), "--plot", str(png)]) == 0
+    assert png.read_bytes().startswith(PNG_MAGIC)

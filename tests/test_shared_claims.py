@@ -131,6 +131,7 @@ def test_redis_url_without_worker_id_warns_naming_the_setting(
             pass
         assert any("worker_id" in r.getMessage() for r in caplog.records)
         caplog.clear()
+        (tmp_path / "b").mkdir()
         named = manager_settings(
             tmp_path / "b", redis_url=REDIS_URL, redis_namespace=namespace, worker_id=1
         )

@@ -29,8 +29,8 @@ from worker_kills import kill_rounds, worker_command
 
 from kvledger.events.log import EventLog
 from kvledger.events.shared import SharedRegistry, StreamSubscriber, connect
+from kvledger.events.shared.subscribe import decode_stream_record
 from kvledger.events.types import AnyEvent, Tier
-from kvledger.events.wire import decode_record
 from kvledger.registry.index import RouterIndex, holders_from_state
 from kvledger.registry.state import RegistryState
 from kvledger.tiers.remote.directory import AgentCard, BlockEntry, Region, RemoteDirectory
@@ -137,7 +137,7 @@ def _run_workers(
         entries = cast(list[tuple[bytes, dict[bytes, bytes]]], reg.client.xrange(stream))
         for _id, fields in entries:
             if b"r" in fields:
-                event = decode_record(fields[b"r"])
+                event = decode_stream_record(fields[b"r"])
                 seen.setdefault(event.worker_id, []).append(event.event_id)
     assert seen == {w: list(range(last[w] + 1)) for w in WORKERS}  # each once, in order
     for proc in procs.values():

@@ -12,7 +12,6 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import cast
 
-import msgpack
 import pytest
 import redis
 from event_streams import prompt_pool, worker_events
@@ -22,12 +21,12 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 from services import REDIS_URL, redis_or_skip
 
+from kvledger.events import codec
 from kvledger.events.log import EventLog
 from kvledger.events.shared.publish import RedisPublisher
 from kvledger.events.shared.registry import SharedRegistry
-from kvledger.events.shared.subscribe import StreamSubscriber
-from kvledger.events.types import AnyEvent, BlockInfo, Cleared, Tier
-from kvledger.events.wire import WireFormatError, decode_record, encode_record
+from kvledger.events.shared.subscribe import StreamSubscriber, decode_stream_record
+from kvledger.events.types import AnyEvent, BlockInfo, Cleared, Lookup, Tier
 from kvledger.registry.emitter import EventEmitter
 from kvledger.registry.hashing import TokenBlockSequence
 from kvledger.registry.index import RouterIndex, holders_from_state
@@ -48,7 +47,7 @@ def _stream_ids(reg: SharedRegistry) -> dict[int, list[int]]:
     entries = cast(list[tuple[bytes, dict[bytes, bytes]]], reg.client.xrange(reg.stream_key))
     for _id, fields in entries:
         if b"r" in fields:
-            event = decode_record(fields[b"r"])
+            event = decode_stream_record(fields[b"r"])
             out.setdefault(event.worker_id, []).append(event.event_id)
     return out
 
@@ -70,8 +69,8 @@ def test_apply_is_idempotent_and_stops_at_gaps(registry: SharedRegistry) -> None
     assert _stream_ids(registry) == {4: list(range(len(events)))}
     with pytest.raises(ValueError, match="is from worker 4, not 5"):
         registry.apply(5, events[:1])
-    with pytest.raises(ValueError, match="record of worker 4 sent as worker 5"):
-        registry.apply_records(5, [encode_record(events[0])])
+    with pytest.raises(ValueError, match="is from worker 4, not 5"):
+        registry.apply_records(5, [codec.encode(events[0])])
     assert registry.applied_event_id(5) == -1
 
 
@@ -535,23 +534,22 @@ def test_malformed_records_are_refused_before_anything_is_written(
     registry: SharedRegistry,
 ) -> None:
     events = worker_events(5, 3, 10, prompt_pool(5))
-    good = encode_record(events[0])
-    record = msgpack.unpackb(good, raw=True)
-    record[2] = 1  # the event after ``good``: refused although ``good`` itself is fine
-    short = list(record)
-    short[7] = short[7][:-3]  # a hash blob that is not whole 8-byte hashes
-    bad_tier = list(record)
-    bad_tier[5] = 9
-    bad_kind = list(record)
-    bad_kind[1] = 42
+    good = codec.encode(events[0])
+    flipped = bytearray(codec.encode(events[1]))
+    flipped[12] ^= 0x10  # the event after ``good``: refused although ``good`` itself is fine
+    lookup = codec.encode(
+        Lookup(
+            event_id=1, worker_id=3, dp_rank=0, tier=Tier.G1, ts=0.0, request_id=1,
+            num_tokens=0, start=0, sequence_hashes=(1,), hits=(0, 0, 0),
+        )
+    )  # fmt: skip
     cases = [
-        (short, "hash blob is not whole 8-byte hashes"),
-        (bad_tier, "unknown tier 9"),
-        (bad_kind, "unknown event kind 42"),
+        (bytes(flipped), codec.CodecError, "checksum"),
+        (codec.encode(events[1])[:-7], codec.CodecError, ""),
+        (lookup, ValueError, "not a transition"),
     ]
-    for fields, message in cases:
-        bad = msgpack.packb(fields, use_bin_type=False)
-        with pytest.raises(WireFormatError, match=message):
+    for bad, error, message in cases:
+        with pytest.raises(error, match=message or None):
             registry.apply_records(3, [good, bad])
         assert registry.applied_event_id(3) == -1
         assert registry.snapshot() == {}

@@ -173,7 +173,7 @@ def test_sweep_reports_hit_rate_rising_with_capacity(tmp_path: Path) -> None:
         (["--g1-blocks", "0"], "argument --g1-blocks: must be 1 or more"),
         (["--g1-blocks", "4"], "needs"),  # a request larger than G1
         (["--plot", "chart.jpg"], "give a file name ending in .png"),
-        (["--log", "nosuchdriver://x/y"], "cannot open the event log"),
+        (["--log", "nosuchdriver://x/y"], "SQLAlchemy knows no database 'nosuchdriver'"),
         (["--no-log", "--log", "x.db"], "argument --log: not allowed with argument --no-log"),
         (["--speedup-ratio", "0"], "argument --speedup-ratio: must be a finite number above 0"),
         (["--timing-model", "cubic"], "argument --timing-model: invalid choice: 'cubic'"),

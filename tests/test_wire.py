@@ -14,12 +14,24 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from vllm_schema import vllm_classes
 
-from kvledger.events.types import AnyEvent, BlockInfo, Cleared, Offloaded, Removed, Stored, Tier
+from kvledger.events import codec
+from kvledger.events.shared.subscribe import decode_stream_record
+from kvledger.events.types import (
+    AnyEvent,
+    Baseline,
+    BlockInfo,
+    Cleared,
+    Offloaded,
+    Removed,
+    RunInfo,
+    Stored,
+    Tier,
+)
 from kvledger.events.wire import (
     WireFormatError,
-    decode_record,
+    decode_baseline,
+    encode_baseline,
     encode_dynamo,
-    encode_record,
     encode_vllm_batch,
     pack_hashes,
 )
@@ -31,56 +43,74 @@ U64 = st.integers(0, 2**64 - 1)
 COMMON: dict[str, Any] = {"worker_id": 7, "dp_rank": 1, "tier": Tier.G2, "ts": 12.5}
 
 
-# -- our stream record -------------------------------------------------------------------
+# -- the shared registry's records -------------------------------------------------------
 
 
 @settings(max_examples=30, deadline=None)
 @given(seed=st.integers(0, 10_000), ops=st.integers(1, 60))
-def test_record_round_trip_of_streams(seed: int, ops: int) -> None:
+def test_the_stream_carries_each_events_log_record(seed: int, ops: int) -> None:
     for event in worker_events(seed, 2, ops, prompt_pool(seed)):
-        assert decode_record(encode_record(event)) == event
+        assert decode_stream_record(codec.encode(event)) == event
 
 
 @given(
     eid=st.integers(0, 2**53),
-    parent=st.none() | U64,
-    blocks=st.lists(st.tuples(U64, U64), min_size=1, max_size=8),
-    with_tokens=st.booleans(),
+    blocks=st.lists(st.tuples(U64, U64, st.none() | U64), min_size=0, max_size=8),
+    tier=st.sampled_from(list(Tier)),
 )
-def test_record_round_trip_of_extremes(
-    eid: int, parent: int | None, blocks: list[tuple[int, int]], with_tokens: bool
+def test_baseline_round_trip(
+    eid: int, blocks: list[tuple[int, int, int | None]], tier: Tier
 ) -> None:
-    tokens = tuple((2**32 - 1, 0, 5) for _ in blocks) if with_tokens else None
-    stored = Stored(
-        event_id=eid, **COMMON, parent_hash=parent, blocks=tuple(blocks), token_ids=tokens
+    baseline = decode_baseline(
+        encode_baseline(
+            worker_id=7,
+            dp_rank=1,
+            tier=tier,
+            event_id=eid,
+            ts=2.5,
+            seq=[s for s, _, _ in blocks],
+            local=[loc for _, loc, _ in blocks],
+            parent=[p for _, _, p in blocks],
+        )
     )
-    assert decode_record(encode_record(stored)) == stored
-    infos = tuple(BlockInfo(s, loc, parent) for s, loc in blocks)
-    off = Offloaded(event_id=eid, **COMMON, src_tier=Tier.G1, blocks=infos)
-    assert decode_record(encode_record(off)) == off
+    assert baseline == Baseline(
+        event_id=eid,
+        worker_id=7,
+        dp_rank=1,
+        tier=tier,
+        ts=2.5,
+        blocks=tuple(BlockInfo(*b) for b in blocks),
+    )
 
 
 def test_record_errors_name_the_problem() -> None:
-    good = encode_record(Removed(event_id=1, **COMMON, sequence_hashes=(1, 2)))
-    with pytest.raises(ValueError, match="unsigned 64-bit"):
-        encode_record(Removed(event_id=1, **COMMON, sequence_hashes=(2**64,)))
     with pytest.raises(ValueError, match="unsigned 64-bit"):
         pack_hashes([-1])
+    with pytest.raises(codec.CodecError):
+        decode_stream_record(b"\xc1")
+    run = RunInfo(
+        event_id=0, worker_id=7, dp_rank=0, tier=Tier.G1, ts=0.0, g1_blocks=1, g2_blocks=0,
+        g3_blocks=0, block_size=4, policy="lru", offload_filter="always",
+    )  # fmt: skip
+    with pytest.raises(codec.CodecError, match="transitions only"):
+        decode_stream_record(codec.encode(run))
     with pytest.raises(WireFormatError, match="not msgpack"):
-        decode_record(b"\xc1")
-    with pytest.raises(WireFormatError, match="9-item array"):
-        decode_record(msgpack.packb([1, 2]))
+        decode_baseline(b"\xc1")
+    with pytest.raises(WireFormatError, match="kind 100"):
+        decode_baseline(msgpack.packb([1, 2]))
+    good = encode_baseline(
+        worker_id=1, dp_rank=0, tier=Tier.G1, event_id=3, ts=0.0, seq=[1], local=[2], parent=[None]
+    )
     record = msgpack.unpackb(good, raw=True)
     for index, value, message in [
         (0, 9, "version 9"),
-        (1, 42, "unknown event kind code 42"),
         (5, 7, "unknown tier 7"),
         (7, b"\x00" * 5, "multiple of 8 bytes"),
     ]:
         bad = list(record)
         bad[index] = value
         with pytest.raises(WireFormatError, match=message):
-            decode_record(msgpack.packb(bad, use_bin_type=False))
+            decode_baseline(msgpack.packb(bad, use_bin_type=False))
 
 
 # -- Dynamo ------------------------------------------------------------------------------

@@ -13,7 +13,7 @@ from kvledger.events.log.buffer import AppendBuffer
 from kvledger.events.log.checkpoints import Checkpoint
 from kvledger.events.log.core import EventLogError
 from kvledger.events.log.engine import DURABILITY_MODES, Durability
-from kvledger.events.log.event_log import EventLog
+from kvledger.events.log.event_log import Committed, EventLog
 from kvledger.events.log.reader import LogSummary
 from kvledger.events.log.schema import DEFAULT_URL, SchemaError
 
@@ -23,6 +23,7 @@ __all__ = [
     "AppendBuffer",
     "AsyncEventLog",
     "Checkpoint",
+    "Committed",
     "Durability",
     "EventLog",
     "EventLogError",

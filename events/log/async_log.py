@@ -21,7 +21,7 @@ from kvledger.events.codec import decode
 from kvledger.events.log import reader
 from kvledger.events.log.core import EventLogError, LogCore
 from kvledger.events.log.engine import Durability, make_async_engine
-from kvledger.events.log.rows import InsertStatements, max_params, to_row
+from kvledger.events.log.rows import InsertStatements, max_params
 from kvledger.events.log.schema import SchemaError, check_schema, shown_url
 from kvledger.events.types import AnyEvent, LogRecord, Lookup, Released, RunInfo
 
@@ -40,9 +40,14 @@ class AsyncEventLog(LogCore):
         durability: Durability = "batch",
         max_delay: float = 0.05,
         create: bool = True,
+        token_ids: bool = True,
     ) -> None:
         super().__init__(
-            batch_size=batch_size, queue_size=queue_size, max_delay=max_delay, durability=durability
+            batch_size=batch_size,
+            queue_size=queue_size,
+            max_delay=max_delay,
+            durability=durability,
+            token_ids=token_ids,
         )
         self.url = url
         self.create = create
@@ -82,7 +87,7 @@ class AsyncEventLog(LogCore):
 
     async def append_many(self, batch: Iterable[LogRecord]) -> None:
         """Queue events (checked as a whole first); waits while the backlog is at its bound."""
-        rows = [to_row(e) for e in batch]
+        rows = [self._to_row(e) for e in batch]
         cond = self._cond()
         self._check_open()
         committed = {w: await self._last_committed_id(w) for w in self._unknown_workers(rows)}

@@ -16,8 +16,9 @@ from time import monotonic
 import sqlalchemy as sa
 
 from kvledger.events.log.engine import Durability
-from kvledger.events.log.rows import Row
+from kvledger.events.log.rows import Row, to_row, to_row_without_tokens
 from kvledger.events.log.schema import shown_url
+from kvledger.events.types import lookup_stream
 
 
 class EventLogError(RuntimeError):
@@ -183,14 +184,23 @@ def _category(exc: BaseException) -> tuple[BaseException, str]:
     return cause, category
 
 
-_LASTING = ("no such table", "no such column", "readonly database", "has no column")
-"""SQLite reports these as OperationalError too, but they do not pass with time."""
+_LASTING = (
+    "no such table",
+    "no such column",
+    "has no column",
+    "readonly database",
+    "disk i/o error",
+    "disk is full",
+    "no space left",
+)
+"""OperationalErrors that do not pass by waiting a minute (a missing table, a read-only file, a
+full disk): reported at once, not retried."""
 
 
 def is_outage(exc: BaseException) -> bool:
     """Whether ``exc`` means the database is out of reach for now (a dropped connection, a
-    server restarting, a locked or full SQLite file), so that the writer tries again: PEP
-    249's OperationalError and InterfaceError, less what waiting cannot mend."""
+    server restarting, a locked SQLite file), so that the writer tries again: PEP 249's
+    OperationalError and InterfaceError, less what waiting cannot mend (``_LASTING``)."""
     cause, category = _category(exc)
     if category not in ("OperationalError", "InterfaceError"):
         return False
@@ -226,10 +236,19 @@ def writer_failure(exc: BaseException, lost: int) -> EventLogError:
 
 
 def order_error(worker: int, event_id: int, expected: int) -> ValueError:
+    """The error for an append out of order. ``worker`` is the row's ``worker`` column: a
+    negative one is a worker's lookup-record stream (``lookup_stream``), named as that worker."""
     what = "repeats an id already logged" if event_id < expected else "leaves a gap"
+    if worker < 0:
+        owner = lookup_stream(worker)  # its own inverse
+        return ValueError(
+            f"worker {owner}: lookup record {event_id} {what}; the log expects record "
+            f"{expected} next (is another process logging as worker {owner}?)"
+        )
     return ValueError(
         f"worker {worker}: event {event_id} {what}; the log expects event {expected} next "
-        f"(start the worker's emitter at log.last_event_id({worker}) + 1)"
+        f"(is another process logging as worker {worker}? A worker's emitter starts at "
+        f"log.last_event_id({worker}) + 1)"
     )
 
 
@@ -245,8 +264,17 @@ class LogCore:
     url: str
 
     def __init__(
-        self, *, batch_size: int, queue_size: int, max_delay: float, durability: Durability
+        self,
+        *,
+        batch_size: int,
+        queue_size: int,
+        max_delay: float,
+        durability: Durability,
+        token_ids: bool = True,
     ) -> None:
+        self.token_ids = token_ids
+        """False: ``Stored`` events are stored without their token ids (prompts stay out)."""
+        self._to_row = to_row if token_ids else to_row_without_tokens
         self._backlog = Backlog(
             batch_size=batch_size, queue_size=queue_size, max_delay=max_delay, durability=durability
         )

@@ -13,10 +13,15 @@ from urllib.parse import quote
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
+from kvledger.events.files import check_private, private_file
+
 Durability = Literal["batch", "fsync", "none"]
 DURABILITY_MODES: tuple[Durability, ...] = ("batch", "fsync", "none")
 _SQLITE_SYNC = {"batch": "NORMAL", "fsync": "FULL", "none": "OFF"}
 _PG_SYNC = {"batch": "on", "fsync": "on", "none": "off"}
+SQLITE_BUSY_S = 5.0
+"""How long SQLite itself waits for another connection's lock before a statement fails with
+"database is locked"; the log's writer then tries again for up to its ``retry_for``."""
 
 
 def engine_args(url: str, durability: Durability) -> tuple[sa.URL, dict[str, Any], str | None]:
@@ -38,7 +43,7 @@ def engine_args(url: str, durability: Durability) -> tuple[sa.URL, dict[str, Any
             )
         return (
             parsed,
-            {"connect_args": {"timeout": 30}, "hide_parameters": True},
+            {"connect_args": {"timeout": SQLITE_BUSY_S}, "hide_parameters": True},
             _SQLITE_SYNC[durability],
         )
     if backend == "postgresql":
@@ -65,9 +70,26 @@ def install_sqlite_pragmas(engine: sa.Engine, synchronous: str) -> None:
         cur.close()
 
 
+def prepare_sqlite_file(url: str | sa.URL) -> None:
+    """Create a SQLite log's file as 0600 before SQLite opens it (SQLite would create it with
+    the umask's mode, and its ``-wal`` and ``-shm`` files take the database file's mode), or
+    warn when an existing one, or its ``-wal``/``-shm``, is readable by others. Its folder must
+    exist: a mistyped path is reported, never created."""
+    parsed = sa.make_url(url)
+    path = parsed.database
+    if parsed.get_backend_name() != "sqlite" or path in (None, "", ":memory:"):
+        return
+    if path.startswith("file:"):  # a SQLite URI: its options are the operator's
+        return
+    if not private_file(path):
+        check_private(f"{path}-wal", f"{path}-shm")
+
+
 def make_engine(url: str, durability: Durability = "batch") -> sa.Engine:
-    """An engine with the settings that ``durability`` asks for."""
+    """An engine with the settings that ``durability`` asks for (a new SQLite file is made
+    readable by its owner only)."""
     parsed, kwargs, synchronous = engine_args(url, durability)
+    prepare_sqlite_file(parsed)
     engine = sa.create_engine(parsed, **kwargs)
     if synchronous is not None:
         install_sqlite_pragmas(engine, synchronous)
@@ -78,6 +100,7 @@ def make_async_engine(url: str, durability: Durability = "batch") -> AsyncEngine
     """``make_engine`` for SQLAlchemy's asyncio engine (``sqlite+aiosqlite``,
     ``postgresql+psycopg``)."""
     parsed, kwargs, synchronous = engine_args(url, durability)
+    prepare_sqlite_file(parsed)
     engine = create_async_engine(parsed, **kwargs)
     if synchronous is not None:
         install_sqlite_pragmas(engine.sync_engine, synchronous)

@@ -32,12 +32,13 @@ from kvledger.events.log.checkpoints import Checkpoint
 from kvledger.events.log.core import LogCore, is_outage, outage_failure
 from kvledger.events.log.engine import Durability, make_engine, open_read_only
 from kvledger.events.log.reader import READ_CHUNK, LogSummary
-from kvledger.events.log.rows import InsertStatements, Row, max_params, to_row
+from kvledger.events.log.rows import InsertStatements, Row, max_params
 from kvledger.events.log.schema import (
     DEFAULT_URL,
     SchemaError,
     check_schema,
     database_url,
+    paste_note,
     shown_url,
 )
 from kvledger.events.types import AnyEvent, LogRecord, Lookup, Released, RunInfo
@@ -45,7 +46,9 @@ from kvledger.registry.state import RegistryState
 
 log = logging.getLogger(__name__)
 
-CommitSink = Callable[[Sequence[AnyEvent]], object]
+Committed = tuple[AnyEvent, bytes]
+"""A committed transition and its record, the bytes the log stored (``codec.encode``)."""
+CommitSink = Callable[[Sequence[Committed]], object]
 """Called by the writer with each committed batch's transitions (``EventLog.on_commit``)."""
 
 RETRY_FOR = 60.0
@@ -74,6 +77,7 @@ class EventLog(LogCore):
     process dying), "fsync" (also survives the machine dying), "none". ``Backlog`` states the
     bound on what a crash loses and the back-pressure that keeps it. ``read_only`` opens an
     existing log without a writer, also where it cannot be written (see ``open_read_only``).
+    ``token_ids`` False stores ``Stored`` events without their token ids (users' prompts).
     """
 
     def __init__(
@@ -87,11 +91,16 @@ class EventLog(LogCore):
         read_only: bool = False,
         create: bool = True,
         retry_for: float = RETRY_FOR,
+        token_ids: bool = True,
     ) -> None:
         if not retry_for >= 0:
             raise ValueError(f"retry_for must be 0 or more seconds, got {retry_for}")
         super().__init__(
-            batch_size=batch_size, queue_size=queue_size, max_delay=max_delay, durability=durability
+            batch_size=batch_size,
+            queue_size=queue_size,
+            max_delay=max_delay,
+            durability=durability,
+            token_ids=token_ids,
         )
         self.url = database_url(url)
         parsed = sa.make_url(self.url)
@@ -141,7 +150,8 @@ class EventLog(LogCore):
             if not create:
                 raise SchemaError(
                     f"{shown_url(self.url)} holds no event log; run "
-                    f"`kvledger db upgrade --url '{shown_url(self.url)}'` or open it for writing"
+                    f"`kvledger db upgrade --url '{shown_url(self.url)}'`{paste_note(self.url)} "
+                    "or open it for writing"
                 )
             from kvledger.migrations.runner import upgrade
 
@@ -154,7 +164,7 @@ class EventLog(LogCore):
     def append(self, event: LogRecord) -> None:
         """Queue one event (or lookup record); waits while the backlog is at its bound. Usable
         as an emitter's sink."""
-        rows = [to_row(event)]
+        rows = [self._to_row(event)]
         backlog = self._backlog
         with self._lock:
             self._check_open()
@@ -176,7 +186,7 @@ class EventLog(LogCore):
         """``append_many``; with ``wait`` False, queued whatever the backlog holds: how the
         writer itself hands over what waits in an ``AppendBuffer`` (it would wait for itself)."""
         events = list(batch)
-        rows = [to_row(e) for e in events]
+        rows = [self._to_row(e) for e in events]
         backlog = self._backlog
         with self._lock:
             if wait:
@@ -355,8 +365,9 @@ class EventLog(LogCore):
     def _committed(self, batch: list[Row], events: list[LogRecord]) -> None:
         """``batch`` is in the database: hand its events to the commit sinks, then count it
         (so a ``flush`` returns only once the sinks have them)."""
-        if events:
-            self._hand_to_commit_sinks(events)
+        if events:  # the events of the newest rows of the batch, in order
+            records = [row[5] for row in batch[len(batch) - len(events) :]]
+            self._hand_to_commit_sinks(list(zip(events, records, strict=True)))
         with self._lock:
             self._backlog.done(len(batch), monotonic())
             self._committed_cv.notify_all()
@@ -380,7 +391,9 @@ class EventLog(LogCore):
 
     def on_commit(self, sink: CommitSink, *, worker_id: int | None = None) -> None:
         """Hand ``sink`` every transition committed from now on (of ``worker_id`` only, when
-        given), in commit order, a committed batch per call, from the writer thread.
+        given), in commit order, a committed batch per call, from the writer thread, each as
+        (event, record): the record is the row's payload, so a sink that ships events on
+        (the shared registry's stream) sends the very bytes the log stored.
 
         This is how views outside the process (the shared registry, the ZMQ stream) are fed:
         they receive an event only once it is committed, so a crash never un-says what they
@@ -401,14 +414,14 @@ class EventLog(LogCore):
             if not self._commit_sinks:
                 self._pending_events = None
 
-    def _hand_to_commit_sinks(self, records: list[LogRecord]) -> None:
+    def _hand_to_commit_sinks(self, pairs: list[tuple[LogRecord, bytes]]) -> None:
         with self._lock:
             sinks = list(self._commit_sinks)
-        events = [e for e in records if not isinstance(e, _LOOKUP_TYPES)]
+        events: list[Committed] = [p for p in pairs if not isinstance(p[0], _LOOKUP_TYPES)]  # type: ignore[misc]
         if not events or not sinks:
             return
         for sink, worker in sinks:
-            mine = events if worker is None else [e for e in events if e.worker_id == worker]
+            mine = events if worker is None else [p for p in events if p[0].worker_id == worker]
             if not mine:
                 continue
             try:

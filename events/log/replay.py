@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from operator import itemgetter
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import sqlalchemy as sa
@@ -32,6 +33,7 @@ from kvledger.events.codec import (
     encode_state,
     lookup_record_ts,
 )
+from kvledger.events.files import write_private
 from kvledger.events.log import Checkpoint, EventLog
 from kvledger.events.types import AnyEvent, LogRecord, Lookup, Released, RunInfo
 from kvledger.registry.columns import ops_from_events
@@ -57,7 +59,12 @@ class ReplayReport:
     start_position: int  # 0, or the checkpoint replay started from
     last_position: int  # the last row folded (start_position when none was)
     rows_folded: int
+    """Rows read and checked: events and lookup records (``kvledger inspect`` counts rows)."""
     checkpoints_written: list[int] = field(default_factory=list)
+    events: int = 0
+    """Events (block transitions) folded: those of ``rows_folded`` within an event-id bound."""
+    lookup_records: int = 0
+    """Lookup records among ``rows_folded`` (they fold nothing)."""
 
 
 def replay(
@@ -142,9 +149,11 @@ def _replay(
                 take = len(chunk) if not every else min(len(chunk), every - since_checkpoint)
                 piece, chunk = chunk[:take], chunk[take:]
                 try:
-                    fold_chunk(state, piece, until_event_id)
+                    folded = fold_chunk(state, piece, until_event_id)
                 except (CodecError, RowOrderError) as exc:
                     raise _stopped_at(log, exc, piece, report.last_position) from None
+                report.events += folded.events
+                report.lookup_records += folded.lookup_records
                 max_ts = max(max_ts, max(map(_TS, piece)))
                 report.rows_folded += len(piece)
                 report.last_position = piece[-1][0]
@@ -163,11 +172,18 @@ def _replay(
     return report
 
 
+class Folded(NamedTuple):
+    """What ``fold_chunk`` folded: events, and lookup records passed over."""
+
+    events: int
+    lookup_records: int
+
+
 def fold_chunk(
     state: RegistryState,
     chunk: Sequence[tuple[int, float, bytes]],
     until_event_id: int | None = None,
-) -> None:
+) -> Folded:
     """Fold log rows ``(position, ts, payload)`` into ``state``, skipping events after
     ``until_event_id``.
 
@@ -176,28 +192,34 @@ def fold_chunk(
     into the state's arrays in one batch. A chunk the array decoder does not vouch for is
     decoded row by row, which raises the precise error or skips a repeated event. Either way
     every record's checksum and its ``ts`` column are checked, skipped events' too.
+    Returns how many events it folded and lookup records it passed over.
     """
     if not chunk:
-        return
+        return Folded(0, 0)
     ts = np.fromiter(map(_TS, chunk), np.float64, len(chunk))
     decoded = decode_chunk(list(map(_PAYLOAD, chunk)), state.last_event_id, ts, until_event_id)
     if decoded is None:
         last_event_id = dict(state.last_event_id)
-        ops = ops_from_events(_accepted(chunk, last_event_id, until_event_id))
+        counts = [0, 0]
+        ops = ops_from_events(_accepted(chunk, last_event_id, until_event_id, counts))
+        folded = Folded(*counts)
     else:
         ops, last_event_id = decoded.ops, decoded.last_event_id
+        folded = Folded(decoded.events, decoded.lookup_records)
     for key, batch in ops.items():
         state.fold_ops(key, batch)
     state.last_event_id.update(last_event_id)
+    return folded
 
 
 def _accepted(
     chunk: Sequence[tuple[int, float, bytes]],
     last_event_id: dict[int, int],
     until_event_id: int | None,
+    counts: list[int],
 ) -> Iterator[AnyEvent]:
     """The chunk's events one by one, repeats and events after the bound skipped, a gap or a
-    bad record raised."""
+    bad record raised; ``counts`` is [events yielded, lookup records passed over]."""
     for position, ts, payload in chunk:
         record_ts = lookup_record_ts(payload, position)
         if record_ts is not None:  # a lookup record: verified, folds nothing
@@ -205,17 +227,21 @@ def _accepted(
                 raise CodecError(
                     f"damaged: its ts column reads {ts!r} but its record {record_ts!r}", position
                 )
+            counts[1] += 1
             continue
         event = _checked(position, ts, payload)
         if isinstance(event, Lookup | Released | RunInfo):
+            counts[1] += 1
             continue
         if until_event_id is not None and event.event_id > until_event_id:
             continue
         try:
-            if take_next(last_event_id, event):
-                yield event
+            taken = take_next(last_event_id, event)
         except EventOrderError as exc:
             raise RowOrderError(str(exc), position) from None
+        if taken:
+            counts[0] += 1
+            yield event
 
 
 def _checked(position: int, ts: float, payload: bytes) -> LogRecord:
@@ -296,8 +322,9 @@ def verify(replayed: RegistryState, live: RegistryState) -> list[str]:
 
 
 def save_state(path: str | Path, state: RegistryState) -> None:
-    """Dump a (live) state to a file that ``kvledger replay --verify`` reads."""
-    Path(path).write_bytes(encode_state(state))
+    """Dump a (live) state to a file that ``kvledger replay --verify`` reads (readable by its
+    owner only: it names every cached block)."""
+    write_private(path, encode_state(state))
 
 
 def load_state(path: str | Path) -> RegistryState:

@@ -18,7 +18,15 @@ from typing import Any
 
 from kvledger.events.codec import KIND_NAMES, encode
 from kvledger.events.log.schema import events
-from kvledger.events.types import LogRecord, Lookup, Released, RunInfo, lookup_stream
+from kvledger.events.types import (
+    LogRecord,
+    Lookup,
+    Released,
+    RunInfo,
+    Stored,
+    lookup_stream,
+    without_token_ids,
+)
 
 Row = tuple[int, int, str, int, float, bytes]
 
@@ -37,6 +45,14 @@ def to_row(event: LogRecord) -> Row:
 
 
 _LOOKUP_TYPES = frozenset((Lookup, Released, RunInfo))
+
+
+def to_row_without_tokens(event: LogRecord) -> Row:
+    """``to_row`` with a ``Stored`` event's token ids left out: what a log that must not hold
+    prompts stores (the ``token_ids`` setting). Replay needs none of them."""
+    if type(event) is Stored:
+        return to_row(without_token_ids(event))
+    return to_row(event)
 
 
 def row_worker(record: LogRecord) -> int:

@@ -70,8 +70,47 @@ def shown_url(url: str) -> str:
     return sa.make_url(url).render_as_string(hide_password=True)
 
 
+def paste_note(url: str) -> str:
+    """What to add after a command that shows ``url`` (as ``shown_url`` does, or ``url`` as
+    shown): pasted as printed, a URL whose password reads ``***`` would log in with the
+    password "***"."""
+    if sa.make_url(url).password is None:
+        return ""
+    return " (the password is shown as ***: put yours back before running it)"
+
+
 def upgrade_hint(url: str) -> str:
     return f"kvledger db upgrade --url '{shown_url(url)}'"
+
+
+def check_log_url(url: str) -> str:
+    """``url`` when it names a database kvledger can open here; otherwise a ``ValueError``
+    saying why in one line: not a URL, a kind of database SQLAlchemy does not know, or one whose
+    driver is not installed (``mysql://`` without MySQLdb), so the mistake is reported when the
+    setting or flag is read rather than as a driver's traceback when the log is opened."""
+    try:
+        parsed = sa.make_url(url)
+    except sa.exc.ArgumentError:
+        raise ValueError(
+            f"{url!r} is not a database URL; give e.g. sqlite:///path/events.db or "
+            "postgresql+psycopg://user@host/db"
+        ) from None
+    shown = parsed.render_as_string(hide_password=True)
+    try:
+        dialect = parsed.get_dialect()
+    except sa.exc.NoSuchModuleError:
+        raise ValueError(
+            f"{shown}: SQLAlchemy knows no database {parsed.drivername!r}; kvledger's logs are "
+            "SQLite (sqlite:///path/events.db) or PostgreSQL (postgresql+psycopg://user@host/db)"
+        ) from None
+    try:
+        dialect.import_dbapi()
+    except ImportError as exc:
+        raise ValueError(
+            f"{shown}: the {parsed.drivername} driver is not installed ({exc}); install it, or "
+            "use SQLite (sqlite:///path/events.db) or PostgreSQL (postgresql+psycopg://...)"
+        ) from None
+    return url
 
 
 def schema_revision(conn: sa.Connection) -> str | None:
@@ -103,13 +142,13 @@ def check_schema(conn: sa.Connection, url: str) -> bool:
             raise SchemaError(
                 f"{where} has an '{events.name}' table but no kvledger schema version; it was "
                 f"not created by kvledger. Point the log at an empty database, or run "
-                f"`{upgrade_hint(url)}` on one."
+                f"`{upgrade_hint(url)}`{paste_note(url)} on one."
             )
         return False
     if revision in KNOWN_REVISIONS:
         raise SchemaError(
             f"{where} has event-log schema revision {revision}, older than this kvledger's "
-            f"{SCHEMA_HEAD}. Run `{upgrade_hint(url)}` to migrate it."
+            f"{SCHEMA_HEAD}. Run `{upgrade_hint(url)}`{paste_note(url)} to migrate it."
         )
     raise SchemaError(
         f"{where} has event-log schema revision {revision!r}, which this kvledger does not know "

@@ -29,11 +29,13 @@ from typing import Protocol
 
 import redis
 
+from kvledger.events import codec
+from kvledger.events.log import Committed
 from kvledger.events.log.replay import replay
-from kvledger.events.shared.claims import ClaimLost, Holder
+from kvledger.events.shared.claims import ClaimLost, Holder, WorkerIdTaken
+from kvledger.events.shared.client import REFUSALS
 from kvledger.events.shared.registry import SharedRegistry, record_tip
 from kvledger.events.types import AnyEvent
-from kvledger.events.wire import encode_record
 
 log = logging.getLogger(__name__)
 
@@ -53,15 +55,20 @@ BASELINE_AFTER = 100_000
 log's fold (one call per shard) rather than every event read back (about 40k a second)."""
 
 
+MAX_BATCH = 8192
+"""The most events one apply takes from the queue (``batch_size`` is what a lingering batch
+waits to fill)."""
+
+
 class PublisherLog(Protocol):
     """What a publisher needs of the worker's durable log (``EventLog`` has it): its commits,
     and reads for catch-up and for the fold a reset writes."""
 
     def on_commit(
-        self, sink: Callable[[Sequence[AnyEvent]], object], *, worker_id: int | None = None
+        self, sink: Callable[[Sequence[Committed]], object], *, worker_id: int | None = None
     ) -> None: ...
 
-    def off_commit(self, sink: Callable[[Sequence[AnyEvent]], object]) -> None: ...
+    def off_commit(self, sink: Callable[[Sequence[Committed]], object]) -> None: ...
 
     def last_event_id(self, worker_id: int) -> int: ...
 
@@ -172,7 +179,7 @@ class RedisPublisher:
         self.claims = claim
         self.baseline_after = baseline_after
         self._oldest_pending_at = 0.0
-        self._pending: deque[AnyEvent] = deque()
+        self._pending: deque[Committed] = deque()  # (event, its log record)
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -203,23 +210,24 @@ class RedisPublisher:
             raise ValueError(
                 f"publisher of worker {self.worker_id} got an event of worker {event.worker_id}"
             )
-        self._queue((event,))
+        self._queue(((event, codec.encode(event)),))
 
-    def _committed(self, events: Sequence[AnyEvent]) -> None:
-        """The log's writer, after a commit: queue the worker's newly committed events."""
-        self._queue(events)
+    def _committed(self, batch: Sequence[Committed]) -> None:
+        """The log's writer, after a commit: queue the worker's newly committed events, each
+        with the record the log stored (what the stream carries)."""
+        self._queue(batch)
 
-    def _queue(self, events: Sequence[AnyEvent]) -> None:
+    def _queue(self, batch: Sequence[Committed]) -> None:
         pending = self._pending
         if not pending:
             self._oldest_pending_at = time.monotonic()
         room = self.max_pending - len(pending)
-        if room >= len(events):
-            pending.extend(events)
+        if room >= len(batch):
+            pending.extend(batch)
         else:
-            pending.extend(events[: max(room, 0)])
-            self.dropped += len(events) - max(room, 0)  # the log has them: caught up later
-        self.last_seen_id = events[-1].event_id
+            pending.extend(batch[: max(room, 0)])
+            self.dropped += len(batch) - max(room, 0)  # the log has them: caught up later
+        self.last_seen_id = batch[-1][0].event_id
         self._wake.set()
 
     # -- lifecycle -----------------------------------------------------------------------
@@ -227,22 +235,27 @@ class RedisPublisher:
     def start(self) -> RedisPublisher:
         """Claim the worker id, bring the registry in step with the log, then publish what
         the log commits from now on. Raises ``WorkerIdTaken`` (and publishes nothing) when
-        another live process holds the id; Redis out of reach defers the check to the
-        thread, which retries."""
+        another live process holds the id. With Redis out of reach both wait for the thread,
+        which retries; a claim refused then stops it (``error``)."""
         if self._thread is not None:
             return self
-        if self.claims:
-            self.token = self.registry.claim(self.worker_id, self._holder)
         if self.log is not None:
             self.log.on_commit(self._committed, worker_id=self.worker_id)
             self.last_seen_id = self.log.last_event_id(self.worker_id)
-            with contextlib.suppress(*OUTAGES):  # else the thread checks once Redis answers
+        with contextlib.suppress(*OUTAGES):  # else the thread does both once Redis answers
+            self._claim()
+            if self.log is not None:
                 self.reconciled = self.reconcile()
         self._thread = threading.Thread(
             target=self._run, name=f"kvledger-publish-{self.worker_id}", daemon=True
         )
         self._thread.start()
         return self
+
+    def _claim(self) -> None:
+        """Claim the worker id (once), unless this publisher writes unclaimed."""
+        if self.claims and not self.token:
+            self.token = self.registry.claim(self.worker_id, self._holder)
 
     def reconcile(self) -> Reconciliation:
         """Compare what every shard applied for this worker with the log, and replace the
@@ -279,7 +292,7 @@ class RedisPublisher:
     def _log_tip(self, event_id: int) -> int | None:
         """The tip the registry keeps for ``event_id`` as the log has it (None: not there)."""
         event = self._logged(event_id)
-        return None if event is None else record_tip(encode_record(event))
+        return None if event is None else record_tip(codec.encode(event))
 
     def _logged(self, event_id: int) -> AnyEvent | None:
         assert self.log is not None
@@ -302,7 +315,7 @@ class RedisPublisher:
         blocks = self.registry.reset(
             self.worker_id,
             last_event_id=last,
-            tip=0 if newest is None else record_tip(encode_record(newest)),
+            tip=0 if newest is None else record_tip(codec.encode(newest)),
             held=held,
             # the rank the worker's events carry: routers key blocks by (worker, dp rank)
             dp_rank=self.dp_rank if newest is None else newest.dp_rank,
@@ -355,6 +368,7 @@ class RedisPublisher:
             try:
                 now = time.monotonic()
                 if now >= next_beat:
+                    self._claim()  # when Redis was out of reach at start
                     if not self.registry.heartbeat(self.worker_id, self.token, self._holder):
                         raise ClaimLost(
                             f"worker {self.worker_id}: another process claimed this worker id"
@@ -379,6 +393,15 @@ class RedisPublisher:
                 if not self._publish_some():
                     self._wake.wait(min(self.heartbeat_s, 0.05, self.linger_s or 0.05))
                     self._wake.clear()
+            except REFUSALS as exc:  # a wrong password or a missing ACL permission
+                self.error = exc
+                log.error(
+                    "worker %d: Redis refused the publisher (%s); it stopped, and the events "
+                    "stay in the log (docs/security.md lists what a worker's user needs)",
+                    self.worker_id,
+                    exc,
+                )
+                return
             except OUTAGES as exc:
                 self.outages += 1
                 if down_since is None:
@@ -392,7 +415,7 @@ class RedisPublisher:
                     )
                 self._stop.wait(self.retry_s)
                 next_beat = 0.0
-            except ClaimLost as exc:
+            except (ClaimLost, WorkerIdTaken) as exc:
                 self.error = exc
                 log.error("%s; this process stopped publishing", exc)
                 return
@@ -404,7 +427,7 @@ class RedisPublisher:
     def _publish_some(self) -> bool:
         """Send what is due; False when there was nothing to do."""
         pending = self._pending
-        while pending and pending[0].event_id <= self.applied_id:
+        while pending and pending[0][0].event_id <= self.applied_id:
             pending.popleft()
         if not pending:
             if self.applied_id < self.last_seen_id:
@@ -418,9 +441,17 @@ class RedisPublisher:
             and time.monotonic() - self._oldest_pending_at < self.linger_s
         ):
             return False  # let the batch fill up a little longer
-        batch = [pending[i] for i in range(min(self.batch_size, len(pending)))]
+        # All that waits, up to MAX_BATCH: one apply is several script calls in one pipeline,
+        # and each round trip costs this thread a wait for the interpreter while the engine's
+        # thread runs, so a publisher that fell behind catches up in fewer, larger ones.
+        batch = [pending[i] for i in range(min(MAX_BATCH, len(pending)))]
         self._oldest_pending_at = 0.0  # what is left waited already: next round sends it
-        result = self.registry.apply(self.worker_id, batch, token=self.token)
+        result = self.registry.apply(
+            self.worker_id,
+            [event for event, _ in batch],
+            records=[record for _, record in batch],
+            token=self.token,
+        )
         self.applied_id = result.last_event_id
         if result.gap_at is not None:
             self._catch_up(result.gap_at - 1)

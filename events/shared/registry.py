@@ -8,7 +8,9 @@ checks the records and reduces a run of events to what it leaves behind (each to
 once, with the bits it ends set or cleared, and the Cleared count per tier), so Lua only does
 the part that needs the stored values; a long batch goes out as several calls in one pipeline.
 The same script appends every applied event to one Redis stream (trimmed approximately), so
-routers reading it with a consumer group see each event exactly once, in order per worker.
+routers reading it with a consumer group see each event exactly once, in order per worker. The
+stream's record of an event is its durable-log record (``codec.encode``, checksummed): a
+publisher fed by the log's commits sends the very bytes the log stored.
 
 The index may be split over N shards by sequence hash (``keys.KeySpace.shards``); every shard
 keeps all the keys below for its blocks (its own applied id per worker, generations, lease),
@@ -53,29 +55,35 @@ import contextlib
 import hashlib
 import itertools
 import struct
-import zlib
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import msgpack
 import numpy as np
 import redis
+from xxhash import xxh3_64_intdigest
 
+from kvledger.events import codec
 from kvledger.events.codec import KIND_CODES
 from kvledger.events.shared import scripts as lua
 from kvledger.events.shared.claims import ClaimLost, Holder, WorkerIdTaken
-from kvledger.events.shared.client import Client
+from kvledger.events.shared.client import REFUSALS, Client
 from kvledger.events.shared.keys import MAX_SHARDS, KeySpace
-from kvledger.events.types import AnyEvent, Cleared, Removed, Tier
-from kvledger.events.wire import (
-    KIND_OF_CODE,
-    STREAM_RECORD_VERSION,
-    WireFormatError,
-    encode_baseline,
-    encode_record,
-    hash_key,
+from kvledger.events.types import (
+    AnyEvent,
+    Cleared,
+    LogRecord,
+    Lookup,
+    Offloaded,
+    Onboarded,
+    Released,
+    Removed,
+    RunInfo,
+    Stored,
+    Tier,
+    without_token_ids,
 )
+from kvledger.events.wire import encode_baseline, hash_key, pack_hashes
 from kvledger.registry.columns import BlockColumns
 from kvledger.registry.index import prefix_depths
 
@@ -98,10 +106,11 @@ _NOT_PURGED = -4
 
 
 def record_tip(record: bytes) -> int:
-    """The checksum a shard keeps of the last record it applied for a worker (its tip): a
+    """The hash a shard keeps of the last record it applied for a worker (its tip): a
     restarted worker compares it with the same event of its own log, to tell a log that
-    still holds what the registry applied from one that was replaced or rolled back."""
-    return zlib.crc32(record)
+    still holds what the registry applied from one that was replaced or rolled back. (Not
+    the CRC-32: that of a record which ends with its own CRC is the same for every record.)"""
+    return xxh3_64_intdigest(record)
 
 
 @dataclass
@@ -134,6 +143,7 @@ class SharedRegistry:
         stream_maxlen: int = 1_000_000,
         sweep_slice: int = 256,
         events_per_call: int = 512,
+        token_ids: bool = True,
     ) -> None:
         keys = KeySpace(namespace)
         if lease_ttl_s <= 0:
@@ -158,6 +168,8 @@ class SharedRegistry:
         self.stream_maxlen = stream_maxlen
         self.sweep_slice = sweep_slice
         """Blocks of a running stale-entry sweep each apply cleans (0: only ``sweep`` does)."""
+        self.token_ids = token_ids
+        """False: stream records of ``Stored`` events go without their token ids."""
         self.events_per_call = events_per_call
         """Events per apply script call; a longer batch is several calls in one pipeline (with
         one server the first of them an eighth of this, so Redis starts on it while the rest
@@ -168,11 +180,19 @@ class SharedRegistry:
         self.workers_key = keys.workers
         self.index_key = keys.index
         self._sha = {src: hashlib.sha1(src.encode()).hexdigest() for src in _SCRIPTS}
+        self._read_eval = "EVALSHA_RO"
+        """How ``who_has`` calls its script: read-only (Redis >= 7), so a router whose ACL
+        user may only read the namespace's keys can ask (docs/security.md)."""
         self._wanted_shards = shards
         self._shard_keys: list[KeySpace] | None = None
-        # read on first use when Redis is down: a publisher started then retries it
-        with contextlib.suppress(redis.ConnectionError, redis.TimeoutError):
+        # read on first use when Redis is down: a publisher started then retries it (a
+        # refused login is not an outage: it is reported at once)
+        try:
             self._shard_keys = keys.shards(self._recorded_shards(shards))
+        except REFUSALS:
+            raise
+        except (redis.ConnectionError, redis.TimeoutError):
+            pass
 
     @property
     def shard_keys(self) -> list[KeySpace]:
@@ -218,26 +238,22 @@ class SharedRegistry:
 
     # -- writing -------------------------------------------------------------------------
 
-    def apply(self, worker_id: int, events: Sequence[AnyEvent], *, token: int = 0) -> ApplyResult:
+    def apply(
+        self,
+        worker_id: int,
+        events: Sequence[AnyEvent],
+        *,
+        token: int = 0,
+        records: Sequence[bytes] | None = None,
+    ) -> ApplyResult:
         """Apply one worker's events, in id order, atomically up to the first gap.
 
-        ``token`` is the worker's fencing token (``claim``); 0 writes unclaimed, which every
-        shard allows only while nobody has claimed the worker id. A shard that holds a newer
-        claim's fence refuses the call (``ClaimLost``)."""
-        for event in events:
-            if event.worker_id != worker_id:
-                raise ValueError(
-                    f"event {event.event_id} is from worker {event.worker_id}, not {worker_id}"
-                )
-        return self.apply_records(worker_id, [encode_record(e) for e in events], token=token)
+        The stream gets each event's log record (``codec.encode``): ``records``, when the
+        caller has them (a publisher fed by the log's commits has the bytes the log stored),
+        else encoded here. ``token`` is the worker's fencing token (``claim``); 0 writes
+        unclaimed, which every shard allows only while nobody has claimed the worker id. A
+        shard that holds a newer claim's fence refuses the call (``ClaimLost``).
 
-    def apply_records(
-        self, worker_id: int, records: Sequence[bytes], *, token: int = 0
-    ) -> ApplyResult:
-        """``apply`` for records already encoded with ``wire.encode_record``.
-
-        Every record is checked here before anything is sent, so a malformed one
-        (``WireFormatError``) or one of another worker (``ValueError``) leaves Redis as it was.
         A run of consecutive event ids goes out as script calls of up to ``events_per_call``
         events, each cut by shard and sent to every shard (a shard none of whose blocks the
         call touches still moves its applied id), all in one pipeline per node: with one
@@ -249,12 +265,36 @@ class SharedRegistry:
         """
         if not 0 <= worker_id < 1 << 32:
             raise ValueError(f"worker ids must fit in 32 bits, got {worker_id}")
-        parsed = [_parse_record(worker_id, record) for record in records]
+        for event in events:
+            if event.worker_id != worker_id:
+                raise ValueError(
+                    f"event {event.event_id} is from worker {event.worker_id}, not {worker_id}"
+                )
+        keep = self.token_ids
+        if records is None:
+            records = [codec.encode(e if keep else without_token_ids(e)) for e in events]
+        elif len(records) != len(events):
+            raise ValueError(f"{len(events)} events but {len(records)} records")
+        elif not keep:  # the log may keep what the shared registry must not
+            records = [
+                r if getattr(e, "token_ids", None) is None else codec.encode(without_token_ids(e))
+                for e, r in zip(events, records, strict=True)
+            ]
+        parsed = [_parsed(event) for event in events]
         try:
             return self._apply_parsed(worker_id, records, parsed, token)
         except redis.exceptions.NoScriptError:  # a restarted or flushed Redis: load, send again
             self._load_scripts()
             return self._apply_parsed(worker_id, records, parsed, token)
+
+    def apply_records(
+        self, worker_id: int, records: Sequence[bytes], *, token: int = 0
+    ) -> ApplyResult:
+        """``apply`` for log records (``codec.encode``), each checked by decoding it before
+        anything is sent, so a damaged one (``CodecError``) or one of another worker
+        (``ValueError``) leaves Redis as it was."""
+        events = [_transition(codec.decode(record)) for record in records]
+        return self.apply(worker_id, events, token=token, records=records)
 
     def _apply_parsed(
         self, worker_id: int, records: Sequence[bytes], parsed: Sequence[_Parsed], token: int
@@ -357,8 +397,9 @@ class SharedRegistry:
         """Send commands to the one server in one pipeline; their replies.
 
         Packed and sent here rather than through a redis-py pipeline, which packs every call
-        before sending any: sending each call as soon as it is packed lets Redis run it while
-        the next one is packed. ``calls`` may be a generator: it is read once.
+        before sending any: the first call goes out as soon as it is packed, so Redis runs it
+        while the others are packed, and they follow in one write. ``calls`` may be a
+        generator: it is read once.
         """
         assert isinstance(self.client, redis.Redis)
         packed = iter(calls)
@@ -367,12 +408,19 @@ class SharedRegistry:
         sent: list[bytes] = []  # what went out, for a retry on a fresh connection
 
         def send_and_read() -> list[Any]:
-            for part in sent:
-                conn.send_packed_command([part])  # type: ignore[no-untyped-call]
-            for args in packed:
-                data = b"*%d\r\n" % len(args) + _resp_args(args)
-                sent.append(data)
-                conn.send_packed_command([data])  # type: ignore[no-untyped-call]
+            if not sent:  # the first call at once, so Redis starts on it while the rest is packed
+                first = next(packed, None)
+                if first is not None:
+                    sent.append(b"*%d\r\n" % len(first) + _resp_args(first))
+                    conn.send_packed_command(sent)  # type: ignore[no-untyped-call]
+                rest = len(sent)
+            else:  # a retry on a fresh connection: all of it again
+                rest = 0
+            sent.extend(b"*%d\r\n" % len(args) + _resp_args(args) for args in packed)
+            if len(sent) > rest:
+                # the rest in one write: each system call gives the interpreter to the engine's
+                # thread, and getting it back can take a whole switch interval (5 ms)
+                conn.send_packed_command([b"".join(sent[rest:])])  # type: ignore[no-untyped-call]
             replies, error = [], None
             for _ in sent:  # read every reply, so the connection stays in step
                 try:
@@ -443,7 +491,7 @@ class SharedRegistry:
         try:
             for args in calls:
                 listed.append(args)
-                key = args[3 if args[0] == "EVALSHA" else 1]
+                key = args[3 if args[0] in ("EVALSHA", "EVALSHA_RO") else 1]
                 node = self.client.get_node_from_key(key)  # type: ignore[no-untyped-call]
                 if node.name not in opened:
                     pool = self.client.get_redis_connection(node).connection_pool
@@ -712,16 +760,18 @@ class SharedRegistry:
         for shard, at in positions.items():
             k = self.shard_keys[shard]
             keys = [hash_key(sequence_hashes[i]) for i in at]
-            calls.append(["EVALSHA", sha, 3, k.index, k.generations, k.sweep, k.prefix, *keys])
-        if len(calls) == 1 and not self.cluster:
-            # one server, one shard: EVALSHA itself (a pipeline costs ~30 us a call here)
-            try:
-                replies = [self.client.execute_command(*calls[0])]  # type: ignore[no-untyped-call]
-            except redis.exceptions.NoScriptError:
-                self._load_scripts()
-                replies = [self.client.execute_command(*calls[0])]  # type: ignore[no-untyped-call]
-        else:
-            replies = self._scripted(calls)
+            calls.append(
+                [self._read_eval, sha, 3, k.index, k.generations, k.sweep, k.prefix, *keys]
+            )
+        try:
+            replies = self._read_calls(calls)
+        except redis.ResponseError as exc:
+            if self._read_eval == "EVALSHA" or "unknown command" not in str(exc).lower():
+                raise
+            self._read_eval = "EVALSHA"  # a Redis before 7.0: no read-only script calls
+            for call in calls:
+                call[0] = "EVALSHA"
+            replies = self._read_calls(calls)
         out: list[dict[int, int]] = [{}] * len(sequence_hashes)
         for at, values in zip(positions.values(), replies, strict=True):
             for position, value in zip(at, values, strict=True):
@@ -731,6 +781,16 @@ class SharedRegistry:
                 if not holders:
                     return out[:position]
         return out
+
+    def _read_calls(self, calls: Sequence[Sequence[bytes | str | int]]) -> list[Any]:
+        if len(calls) == 1 and not self.cluster:
+            # one server, one shard: the call itself (a pipeline costs ~30 us a call here)
+            try:
+                return [self.client.execute_command(*calls[0])]  # type: ignore[no-untyped-call]
+            except redis.exceptions.NoScriptError:
+                self._load_scripts()
+                return [self.client.execute_command(*calls[0])]  # type: ignore[no-untyped-call]
+        return self._scripted(calls)
 
     def prefix_depths(self, sequence_hashes: Sequence[int]) -> dict[int, dict[Tier, int]]:
         """Per worker and tier, how many leading blocks of the prefix it holds."""
@@ -881,28 +941,26 @@ def _resp_args(args: Sequence[bytes | str | int]) -> bytes:
     return b"".join(out)
 
 
-def _parse_record(worker_id: int, record: bytes) -> _Parsed:
-    """The fields of a stream record the index needs, after the checks the script relies on."""
-    try:
-        fields = msgpack.unpackb(record, raw=True, use_list=False)
-    except (ValueError, msgpack.UnpackException) as exc:
-        raise WireFormatError(f"stream record is not msgpack: {exc}") from None
-    if not isinstance(fields, tuple) or len(fields) != 9:
-        raise WireFormatError("a stream record is a 9-item array")
-    version, kind, event_id, worker, _dp_rank, tier, _ts, seqs, _body = fields
-    if version != STREAM_RECORD_VERSION:
-        raise WireFormatError(f"stream record version {version!r}; this reader knows 1")
-    if worker != worker_id:
-        raise ValueError(f"record of worker {worker!r} sent as worker {worker_id}")
-    if kind not in KIND_OF_CODE:
-        raise WireFormatError(f"unknown event kind {kind!r}")
-    if tier not in (1, 2, 3, 4):
-        raise WireFormatError(f"unknown tier {tier!r}")
-    if not isinstance(event_id, int) or event_id < 0:
-        raise WireFormatError(f"event id {event_id!r} is not a non-negative integer")
-    if not isinstance(seqs, bytes) or len(seqs) % 8:
-        raise WireFormatError(f"event {event_id}: hash blob is not whole 8-byte hashes")
-    return event_id, kind, tier, seqs
+def _parsed(event: AnyEvent) -> _Parsed:
+    """What the apply needs of an event: id, kind code, tier, its blocks' packed hashes."""
+    hashes: Sequence[int]
+    if isinstance(event, Stored):
+        hashes = [seq for seq, _ in event.blocks]
+    elif isinstance(event, Removed):
+        hashes = event.sequence_hashes
+    elif isinstance(event, Offloaded | Onboarded):
+        hashes = [b.sequence_hash for b in event.blocks]
+    elif isinstance(event, Cleared):
+        hashes = ()
+    else:
+        raise TypeError(f"not an event: {event!r}")
+    return event.event_id, KIND_CODES[type(event)], int(event.tier), pack_hashes(hashes)
+
+
+def _transition(record: LogRecord) -> AnyEvent:
+    if isinstance(record, Lookup | Released | RunInfo):
+        raise ValueError(f"a lookup record is not a transition: {record!r}")
+    return record
 
 
 def _net_changes(parsed: Sequence[_Parsed]) -> _Changes:

@@ -17,9 +17,10 @@ from typing import Any
 
 import redis
 
+from kvledger.events import codec
 from kvledger.events.shared.registry import SharedRegistry
-from kvledger.events.types import AnyEvent, Baseline
-from kvledger.events.wire import decode_baseline, decode_record
+from kvledger.events.types import AnyEvent, Baseline, Lookup, Released, RunInfo
+from kvledger.events.wire import decode_baseline
 
 
 class StreamSubscriber:
@@ -99,7 +100,7 @@ class StreamSubscriber:
             for entry_id, fields in entries:
                 record = fields.get(b"r")
                 if record is not None:
-                    self.on_event(decode_record(record))
+                    self.on_event(decode_stream_record(record))
                 elif b"b" in fields:
                     self.on_baseline(decode_baseline(fields[b"b"]))
                 elif b"purged" in fields:
@@ -109,3 +110,12 @@ class StreamSubscriber:
                 self.client.xack(stream, self.group, *ids)
                 handled += len(ids)
         return handled
+
+
+def decode_stream_record(record: bytes) -> AnyEvent:
+    """An event of the shared registry's stream: its durable-log record (``codec.decode``
+    checks its checksum)."""
+    event = codec.decode(record)
+    if isinstance(event, Lookup | Released | RunInfo):
+        raise codec.CodecError(f"the stream carries transitions only, got {event!r}")
+    return event

@@ -25,27 +25,43 @@ Where this differs from vLLM's publisher, on purpose:
 - When a subscriber joins, the newest batch is sent again, so that one which missed batches
   (a restarted router, or one reconnecting to a restarted worker) sees its gap and asks for
   them at once, rather than at the worker's next event. Others skip it by its number.
+
+What it exposes: ``BlockStored`` carries prompts' token ids. ``token_ids`` says where they go:
+``keep`` (live and replayed batches), ``live_only`` (live batches only: the ring and the log
+replay serve batches without them), ``drop`` (nowhere). With ``curve_secret_key`` (a zmq.auth
+secret certificate) both sockets speak CurveZMQ: traffic is encrypted and only a subscriber that
+knows the publisher's public key gets anything; ``curve_client_keys`` (a folder of public
+certificates) further admits only those subscribers. A socket bound beyond loopback without
+CurveZMQ is reported with a warning, once.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import threading
 from collections import deque
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from typing import Any
+from pathlib import Path
+from typing import Any, Literal
 
 import zmq
+import zmq.auth
+from zmq.auth.thread import ThreadAuthenticator
 
 from kvledger.events.log.replay import replay
-from kvledger.events.types import AnyEvent, Tier
+from kvledger.events.types import AnyEvent, Tier, without_token_ids
 from kvledger.events.vllm_events import VllmMapper, encode_events
 
 log = logging.getLogger(__name__)
 
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 """The sequence number that ends a replay (vLLM's ``ZmqEventPublisher.END_SEQ``)."""
+
+TokenIds = Literal["keep", "live_only", "drop"]
+TOKEN_ID_MODES: tuple[TokenIds, ...] = ("keep", "live_only", "drop")
+_LOOPBACK_HOSTS = ("localhost", "::1", "[::1]", "ip6-localhost")
 
 
 class ZmqPublisher:
@@ -73,9 +89,19 @@ class ZmqPublisher:
         hwm: int = 100_000,
         metrics_registry: object | None = None,
         context: zmq.Context[Any] | None = None,
+        token_ids: TokenIds = "keep",
+        curve_secret_key: str | os.PathLike[str] | None = None,
+        curve_client_keys: str | os.PathLike[str] | None = None,
     ) -> None:
         if ring_size < 1:
             raise ValueError(f"ring_size must be positive, got {ring_size}")
+        if token_ids not in TOKEN_ID_MODES:
+            raise ValueError(
+                f"token_ids must be one of {', '.join(TOKEN_ID_MODES)}, got {token_ids!r}"
+            )
+        if curve_client_keys is not None and curve_secret_key is None:
+            raise ValueError("curve_client_keys needs curve_secret_key")
+        self.token_ids = token_ids
         self.worker_id = worker_id
         self.dp_rank = dp_rank
         self.block_size = block_size
@@ -92,27 +118,60 @@ class ZmqPublisher:
         self.published = 0
         self._next_seq: int | None = None  # the first live batch's number, once one is sent
         self._dropped_metric = _dropped_counter(metrics_registry)
+        curve = None if curve_secret_key is None else load_curve_secret(curve_secret_key)
+        self.curve_public_key: bytes | None = None if curve is None else curve[0]
+        # CurveZMQ's authenticator serves a whole context: a publisher that checks its
+        # subscribers' keys gets a context of its own, so two of them never share one
+        self._own_context: zmq.Context[Any] | None = None
+        if context is None and curve_client_keys is not None:
+            context = self._own_context = zmq.Context()
         ctx = context if context is not None else zmq.Context.instance()
+        self._auth: ThreadAuthenticator | None = None
         self._pub = ctx.socket(zmq.XPUB)
         self._replay: zmq.Socket[Any] | None = None
         try:
+            if curve_client_keys is not None:
+                self._auth = _authenticator(ctx, curve_client_keys)
             self._pub.setsockopt(zmq.XPUB_NODROP, 1)
             self._pub.setsockopt(zmq.XPUB_VERBOSE, 1)  # every subscription, not only the first
             self._pub.setsockopt(zmq.SNDHWM, hwm)
             self._pub.setsockopt(zmq.LINGER, 500)
+            if curve is not None:
+                _serve_curve(self._pub, curve)
             self._pub.bind(endpoint)
             if replay_endpoint is not None:
                 self._replay = ctx.socket(zmq.ROUTER)
                 self._replay.setsockopt(zmq.SNDHWM, 0)  # a replay is sent whole
                 self._replay.setsockopt(zmq.LINGER, 500)
+                if curve is not None:
+                    _serve_curve(self._replay, curve)
                 self._replay.bind(replay_endpoint)
         except zmq.ZMQError as exc:
             self._close_sockets()
             raise ValueError(f"cannot bind the ZMQ publisher: {exc}") from None
+        except BaseException:  # the client keys' folder: nothing half-made stays open
+            self._close_sockets()
+            raise
         self.endpoint = self._pub.getsockopt_string(zmq.LAST_ENDPOINT)
         self.replay_endpoint = (
             None if self._replay is None else self._replay.getsockopt_string(zmq.LAST_ENDPOINT)
         )
+        logger = logging.getLogger(__name__)  # ``log`` is the event log here
+        logger.info(
+            "publishing KV events on %s%s",
+            self.endpoint,
+            "" if self.replay_endpoint is None else f" (replay: {self.replay_endpoint})",
+        )
+        if curve is None:
+            for bound in (self.endpoint, self.replay_endpoint):
+                if bound is not None and not is_loopback(bound):
+                    logger.warning(
+                        "the ZMQ socket %s listens beyond this machine without CurveZMQ: "
+                        "whoever reaches it reads every KV event%s; bind 127.0.0.1, or set "
+                        "zmq_curve_secret_key (docs/security.md)",
+                        bound,
+                        "" if token_ids == "drop" else ", prompts' token ids included",
+                    )
         if log is not None:
             # subscribe first, then fold what is committed: an event committed in between is
             # both folded and handed over, and skipped by its id
@@ -141,9 +200,9 @@ class ZmqPublisher:
             if self._idle:  # waking a busy thread would cost the engine a lock for nothing
                 self._wake.set()
 
-    def _committed(self, events: Sequence[AnyEvent]) -> None:
+    def _committed(self, batch: Sequence[tuple[AnyEvent, bytes]]) -> None:
         """The log's writer, after a commit: queue the worker's newly committed events."""
-        self._queue.extend(events)
+        self._queue.extend(event for event, _record in batch)
         if self._idle:
             self._wake.set()
 
@@ -206,6 +265,7 @@ class ZmqPublisher:
 
     def _send_queued(self) -> None:
         queue, ring, mapper = self._queue, self._ring, self._mapper
+        keep = self.token_ids
         send = self._pub.send
         topic, rank = self._topic, self.dp_rank
         more = zmq.NOBLOCK | zmq.SNDMORE
@@ -217,15 +277,23 @@ class ZmqPublisher:
                 continue
             if event.event_id <= self._folded_up_to:
                 continue  # committed while the publisher started: in the mapper's seed
+            kept = event
+            if keep != "keep":
+                kept = without_token_ids(event)
+                if keep == "drop":
+                    event = kept
             try:
                 payload = mapper.payload(event, rank)
+                # only a copy without token ids outlives the moment (live_only); mapping an
+                # event twice is harmless: Stored and copies only add to the mapper's sets
+                stored = payload if kept is event else mapper.payload(kept, rank)
             except Exception:
                 log.exception("cannot map event %s for vLLM routers; sending an empty batch", event)
-                payload = encode_events([], mapper, ts=event.ts, dp_rank=rank)
+                payload = stored = encode_events([], mapper, ts=event.ts, dp_rank=rank)
             seq = event.event_id
             if self._next_seq is None:
                 self._next_seq = seq
-            ring.append((seq, payload))
+            ring.append((seq, stored))
             try:
                 # the first frame either goes to every subscriber or fails; the rest follow it
                 send(topic, more)
@@ -282,10 +350,13 @@ class ZmqPublisher:
         """Batches ``start..until-1`` rebuilt from the durable log. The mapping of a
         ``Cleared`` depends on everything before it, so the worker's events are read from
         its first; copies get their tokens from the ``Stored`` events before them."""
-        mapper = VllmMapper(self.block_size, remember_tokens=True)
+        keep = self.token_ids == "keep"
+        mapper = VllmMapper(self.block_size, remember_tokens=keep)
         last = None if until is None else until - 1
         # the ring holds committed events only, so everything older is in the log already
         for event in self._log.read(worker_id=self.worker_id, until_event_id=last):
+            if not keep:  # a log written before token_ids was set may still hold some
+                event = without_token_ids(event)
             payload = mapper.payload(event, self.dp_rank)
             if event.event_id >= start:
                 yield event.event_id, payload
@@ -294,6 +365,12 @@ class ZmqPublisher:
         for sock in (self._pub, self._replay):
             if sock is not None:
                 sock.close()
+        if self._auth is not None:
+            self._auth.stop()
+            self._auth = None
+        if self._own_context is not None:
+            self._own_context.term()
+            self._own_context = None
 
 
 class _Marker:
@@ -303,6 +380,49 @@ class _Marker:
 
     def __init__(self, done: threading.Event) -> None:
         self.done = done
+
+
+def is_loopback(endpoint: str) -> bool:
+    """Whether a bound ZMQ endpoint is reachable from this machine only (``ipc://`` and
+    ``inproc://`` are; ``tcp://`` on a 127.x or ::1 address is)."""
+    transport, _, rest = endpoint.partition("://")
+    if transport in ("ipc", "inproc"):
+        return True
+    host = rest.rpartition(":")[0]
+    return host.startswith("127.") or host in _LOOPBACK_HOSTS
+
+
+def load_curve_secret(path: str | os.PathLike[str]) -> tuple[bytes, bytes]:
+    """(public, secret) key of a zmq.auth secret certificate (``NAME.key_secret``, made by
+    ``zmq.auth.create_certificates``); a file that is not one is refused by name."""
+    try:
+        public, secret = zmq.auth.load_certificate(os.fspath(path))
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"cannot read the CurveZMQ certificate {path}: {exc}") from None
+    if secret is None:
+        raise ValueError(
+            f"{path} is a public certificate; CurveZMQ needs the secret one (NAME.key_secret)"
+        )
+    return public, secret
+
+
+def _serve_curve(sock: zmq.Socket[Any], keys: tuple[bytes, bytes]) -> None:
+    sock.curve_server = True
+    sock.curve_publickey, sock.curve_secretkey = keys
+
+
+def _authenticator(
+    ctx: zmq.Context[Any], client_keys: str | os.PathLike[str]
+) -> ThreadAuthenticator:
+    """A ZAP handler admitting the CurveZMQ clients whose public certificates lie in
+    ``client_keys``."""
+    folder = Path(client_keys)
+    if not folder.is_dir():
+        raise ValueError(f"no folder of CurveZMQ client certificates at {folder}")
+    auth = ThreadAuthenticator(ctx, log=logging.getLogger(__name__ + ".auth"))
+    auth.start()
+    auth.configure_curve(domain="*", location=str(folder))
+    return auth
 
 
 def _dropped_counter(registry: object | None) -> Any:
@@ -344,6 +464,9 @@ def open_publisher(
     dp_rank: int = 0,
     ring_size: int = 10_000,
     metrics_registry: object | None = None,
+    token_ids: TokenIds = "keep",
+    curve_secret_key: str | os.PathLike[str] | None = None,
+    curve_client_keys: str | os.PathLike[str] | None = None,
 ) -> ZmqPublisher:
     """A publisher for a worker that writes ``log``: it sends what the log commits, replay
     reaches back through the log, and a restart's ``Cleared`` events are mapped against what
@@ -358,4 +481,7 @@ def open_publisher(
         log=log,
         ring_size=ring_size,
         metrics_registry=metrics_registry,
+        token_ids=token_ids,
+        curve_secret_key=curve_secret_key,
+        curve_client_keys=curve_client_keys,
     )

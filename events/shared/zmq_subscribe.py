@@ -4,14 +4,21 @@ The subscriber checks sequence numbers as Dynamo's indexer does: the first batch
 ``start_seq`` (0 by default: everything), and a batch after a gap makes it ask the replay
 socket for the missing ones before going on, so what it yields has no holes. Without a replay
 endpoint a gap is reported (``gaps``) and reading goes on.
+
+A publisher that speaks CurveZMQ is read with its public key (``curve_server_key``: the
+``NAME.key`` certificate zmq.auth made with its secret one); ``curve_client_key`` is this
+subscriber's own secret certificate, which a publisher that admits only listed subscribers
+needs (otherwise a fresh key pair is made for each socket).
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from typing import Any
 
 import zmq
+import zmq.auth
 
 from kvledger.events.types import AnyEvent
 from kvledger.events.vllm_events import decode_batch, to_events
@@ -32,10 +39,16 @@ class ZmqSubscriber:
         start_seq: int = 0,
         replay_timeout: float = 10.0,
         context: zmq.Context[Any] | None = None,
+        curve_server_key: str | os.PathLike[str] | None = None,
+        curve_client_key: str | os.PathLike[str] | None = None,
     ) -> None:
+        if curve_client_key is not None and curve_server_key is None:
+            raise ValueError("curve_client_key needs curve_server_key (the publisher's)")
+        self._curve = _client_keys(curve_server_key, curve_client_key)
         ctx = context if context is not None else zmq.Context.instance()
         self._ctx = ctx
         self._sub = ctx.socket(zmq.SUB)
+        self._secure(self._sub)
         self._sub.setsockopt(zmq.LINGER, 0)
         self._sub.setsockopt(zmq.SUBSCRIBE, topic.encode())
         self._sub.connect(endpoint)
@@ -47,6 +60,12 @@ class ZmqSubscriber:
 
     def close(self) -> None:
         self._sub.close()
+
+    def _secure(self, sock: zmq.Socket[Any]) -> None:
+        if self._curve is not None:
+            server, (public, secret) = self._curve
+            sock.curve_serverkey = server
+            sock.curve_publickey, sock.curve_secretkey = public, secret
 
     def __enter__(self) -> ZmqSubscriber:
         return self
@@ -81,6 +100,7 @@ class ZmqSubscriber:
         if self._replay_endpoint is None:
             raise ValueError("this subscriber has no replay endpoint")
         sock = self._ctx.socket(zmq.DEALER)
+        self._secure(sock)
         sock.setsockopt(zmq.LINGER, 0)
         try:
             sock.connect(self._replay_endpoint)
@@ -122,3 +142,22 @@ class ZmqSubscriber:
             converted = to_events(worker_id, next_id, batch)
             next_id += len(converted)
             yield from converted
+
+
+def _client_keys(
+    server: str | os.PathLike[str] | None, client: str | os.PathLike[str] | None
+) -> tuple[bytes, tuple[bytes, bytes]] | None:
+    """(the publisher's public key, this subscriber's key pair), read from zmq.auth
+    certificates, or None without CurveZMQ."""
+    if server is None:
+        return None
+    try:
+        server_public, _ = zmq.auth.load_certificate(os.fspath(server))
+        if client is None:
+            return server_public, zmq.curve_keypair()
+        public, secret = zmq.auth.load_certificate(os.fspath(client))
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"cannot read a CurveZMQ certificate: {exc}") from None
+    if secret is None:
+        raise ValueError(f"{client} is a public certificate; give the secret one (.key_secret)")
+    return server_public, (public, secret)

@@ -167,12 +167,16 @@ def log_location(text: str) -> str:
     """A log's SQLite path or SQLAlchemy URL; a folder is refused with what to give instead."""
     import sqlalchemy as sa  # here, not at the top: a command that logs nothing never loads it
 
-    from kvledger.events.log.schema import database_url
+    from kvledger.events.log.schema import check_log_url, database_url
 
     try:
         parsed = sa.make_url(database_url(text))
     except sa.exc.ArgumentError:
         raise argparse.ArgumentTypeError(f"not a SQLite path or SQLAlchemy URL: {text!r}") from None
+    try:  # a database kind SQLAlchemy lacks, or one whose driver is missing: said now, by name
+        check_log_url(database_url(text))
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
     folder = Path(parsed.database or "")
     if parsed.get_backend_name() == "sqlite" and parsed.database and folder.is_dir():
         raise argparse.ArgumentTypeError(

@@ -18,8 +18,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
 from kvledger.commands.cluster_args import MANIFEST
-from kvledger.commands.runlog import lookup_recorder, open_log, private_file, replay_matches
+from kvledger.commands.runlog import lookup_recorder, open_log, replay_matches
 from kvledger.config import Settings
+from kvledger.events.files import open_private, private_folder, write_private
 from kvledger.events.types import Tier
 from kvledger.mocker.cache import SimulatedCache
 from kvledger.mocker.cluster import Cluster, ClusterEngine, ClusterWorker, cluster_summary
@@ -196,14 +197,14 @@ def run_one(
     config = EngineConfig.from_settings(settings)
     try:
         if log_dir is not None:
-            log_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+            private_folder(log_dir)
             write_requests(log_dir / REQUESTS, requests)
         for wid, clock in zip(worker_ids, clocks, strict=True):
             mine = settings.model_copy(update={"worker_id": wid})
             log = None
             if log_dir is not None:
                 url = f"sqlite:///{log_dir / f'worker-{wid}.db'}"
-                log = open_log(url, mine)
+                log = open_log(url, mine, default=False)
                 logs.append(log)
                 urls.append(url)
             feed_sink = feed.publisher(wid, log) if feed is not None else None
@@ -280,9 +281,7 @@ def run_one(
     if log_dir is not None:
         recorded = opts.manifest(settings)
         recorded["outcome"] = {key: out["cluster"].get(key) for key in OUTCOME}
-        (log_dir / MANIFEST).unlink(missing_ok=True)
-        private_file(log_dir / MANIFEST)
-        (log_dir / MANIFEST).write_text(json.dumps(recorded, indent=1) + "\n")
+        write_private(log_dir / MANIFEST, (json.dumps(recorded, indent=1) + "\n").encode())
     out["cluster"].update(
         feed=opts.feed if index is not None else None,
         feed_delay_ms=opts.feed_delay_ms,
@@ -300,9 +299,7 @@ OUTCOME = ("ttft_ms_p50", "ttft_ms_p99", "tpot_ms_mean", "hit_rate", "routed")
 
 
 def write_requests(path: Path, requests: Sequence[TraceRequest]) -> None:
-    path.unlink(missing_ok=True)
-    private_file(path)
-    with path.open("w") as out:
+    with open_private(path) as out:
         for r in iter_arrivals(list(requests)):
             row = {
                 "timestamp": r.arrival_ms,
@@ -311,7 +308,7 @@ def write_requests(path: Path, requests: Sequence[TraceRequest]) -> None:
                 "hash_ids": list(r.block_ids),
                 "block_size": r.trace_block_size,
             }
-            out.write(json.dumps(row, separators=(",", ":")) + "\n")
+            out.write(json.dumps(row, separators=(",", ":")).encode() + b"\n")
 
 
 def read_requests(path: Path) -> list[TraceRequest]:
@@ -429,6 +426,8 @@ def _log_dirs(
         )
     if root.exists() and not root.is_dir():
         raise ValueError(f"--log with --workers names a folder; {root} is a file")
+    if args.log and not root.parent.is_dir():  # the operator's path: a typo creates nothing
+        raise ValueError(f"--log: folder {root.parent} does not exist; create it first")
     if len(runs) == 1:
         return [root]
     return [root / f"{o.router}-{o.workers}w" for o in runs]

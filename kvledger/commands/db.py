@@ -14,6 +14,7 @@ from kvledger.events.log.schema import (
     SCHEMA_HEAD,
     SchemaError,
     database_url,
+    paste_note,
     shown_url,
 )
 from kvledger.migrations import runner
@@ -78,12 +79,16 @@ def _refuse_newer(url: str) -> None:
             f"{shown_url(url)} is at schema revision {revision!r}, which this kvledger does not "
             f"know (its newest is {SCHEMA_HEAD}): a newer kvledger wrote it. Use that kvledger, "
             f"or downgrade with it: `kvledger db downgrade {SCHEMA_HEAD} --url "
-            f"'{shown_url(url)}'`."
+            f"'{shown_url(url)}'`{paste_note(url)}."
         )
 
 
 def upgrade(args: argparse.Namespace) -> int:
     url = _url(args)
+    if args.url is None:  # the default log: its data folder is made (0700), as a run makes it
+        from kvledger.config import Settings
+
+        Settings.load().prepare_log_folder()
     if _exists(url):
         _refuse_newer(url)
     runner.upgrade(url, args.revision)

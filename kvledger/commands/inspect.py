@@ -11,7 +11,9 @@ from kvledger.commands.args import log_location
 from kvledger.events.codec import LOG_RECORD_VERSION, UNCHECKED_VERSION
 from kvledger.events.log import EventLog
 from kvledger.events.log.check import CheckReport, check_log, record_versions
+from kvledger.events.log.reader import LogSummary
 from kvledger.events.log.schema import shown_url
+from kvledger.events.types import LOOKUP_KINDS
 from kvledger.progress import Progress
 
 
@@ -82,7 +84,9 @@ def run(args: argparse.Namespace) -> int:
             json.dumps(
                 {
                     "log": url,
-                    "events": s.rows,
+                    "rows": s.rows,
+                    "events": s.rows - _lookup_records(s),
+                    "lookup_records": _lookup_records(s),
                     "positions": [s.first_position, s.last_position],
                     "time_span": [s.first_ts, s.last_ts],
                     "by_kind_tier": {
@@ -101,7 +105,11 @@ def run(args: argparse.Namespace) -> int:
         )
         return status
     print(f"log: {url}")
-    print(f"events: {s.rows} (positions {s.first_position}..{s.last_position})")
+    lookups = _lookup_records(s)
+    print(
+        f"rows: {s.rows} (positions {s.first_position}..{s.last_position}): "
+        f"{s.rows - lookups} events, {lookups} lookup records"
+    )
     span = (s.last_ts - s.first_ts) if s.first_ts is not None and s.last_ts is not None else 0.0
     print(f"time: {_when(s.first_ts)} .. {_when(s.last_ts)} ({span:.3f} s)")
     print("by kind and tier:")
@@ -119,6 +127,11 @@ def run(args: argparse.Namespace) -> int:
     if check is not None:
         _print_check(check)
     return status
+
+
+def _lookup_records(s: LogSummary) -> int:
+    """Rows that are lookup records (lookup, release, run), not events."""
+    return sum(n for (kind, _tier), n in s.by_kind_tier.items() if kind in LOOKUP_KINDS)
 
 
 def _damaged_summary(args: argparse.Namespace, url: str, error: str, check: CheckReport) -> int:

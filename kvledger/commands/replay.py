@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import datetime as dt
 import json
+import math
 import shlex
 import sys
+import warnings
 
 from kvledger.commands.args import (
     input_file,
@@ -24,6 +27,7 @@ from kvledger.events.log.replay import (
     save_state,
     verify,
 )
+from kvledger.events.log.schema import database_url, paste_note, shown_url
 from kvledger.progress import Progress
 from kvledger.registry.state import RegistryState
 
@@ -78,7 +82,7 @@ def _replay(args: argparse.Namespace) -> ReplayReport:
         # way): positions can skip and --until stops earlier, so it ends where replay does.
         progress = Progress(log.last_position(), "replay", unit="rows")
         try:
-            return replay_report(
+            report = replay_report(
                 log,
                 until_event_id=args.until,
                 until_ts=args.until_ts,
@@ -88,6 +92,43 @@ def _replay(args: argparse.Namespace) -> ReplayReport:
             )
         finally:
             progress.close()
+        if not report.state.last_event_id and log.last_position():
+            _warn_nothing_selected(args, log)
+        return report
+
+
+def _warn_nothing_selected(args: argparse.Namespace, log: EventLog) -> None:
+    """A bound that selects none of a log's events is most likely a mistake (a time from
+    another day, another zone): say so, with the log's span, rather than print an empty
+    state as if the log were empty."""
+    bounds = [
+        f"{flag} {value}"
+        for flag, value in (
+            ("--until", args.until),
+            ("--until-ts", None if args.until_ts is None else _when(args.until_ts, floor=True)),
+            ("--until-position", args.until_position),
+        )
+        if value is not None
+    ]
+    if not bounds:
+        return
+    s = log.summary()
+    span = f"positions {s.first_position}..{s.last_position}"
+    if s.first_ts is not None and s.last_ts is not None:
+        span += f", {_when(s.first_ts)} .. {_when(s.last_ts)}"
+    warnings.warn(
+        f"{' '.join(bounds)} selects none of the log's events ({span}; "
+        "`kvledger inspect` prints it): the state below is empty",
+        stacklevel=2,
+    )
+
+
+def _when(ts: float, *, floor: bool = False) -> str:
+    """``ts`` as ``kvledger inspect`` prints times (``floor``: a bound that covers its last
+    millisecond, shown as that millisecond)."""
+    if floor:
+        ts = math.floor(ts * 1000) / 1000
+    return dt.datetime.fromtimestamp(ts, dt.UTC).isoformat(timespec="milliseconds")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -97,9 +138,12 @@ def run(args: argparse.Namespace) -> int:
         # a damaged row: say where, and how to replay what comes before it
         hint = ""
         if exc.last_good is not None:
+            url = database_url(args.log)
+            # the log as the operator gave it, unless that shows a password
+            shown = shown_url(url) if paste_note(url) else args.log
             hint = (
-                f"; `kvledger replay {shlex.quote(args.log)} --until-position {exc.last_good}` "
-                f"replays the log up to it"
+                f"; `kvledger replay {shlex.quote(shown)} --until-position "
+                f"{exc.last_good}`{paste_note(url)} replays the log up to it"
             )
         print(f"kvledger replay: error: {exc}{hint}", file=sys.stderr)
         return 2
@@ -110,12 +154,17 @@ def run(args: argparse.Namespace) -> int:
     out = summary(state)
     out["start_position"] = report.start_position
     out["rows_folded"] = report.rows_folded
+    out["events"] = report.events
+    out["lookup_records"] = report.lookup_records
     if args.verify:
         out["verify"] = differences
     if args.json:
         print(json.dumps(out, sort_keys=True))
     else:
-        print(f"replayed {report.rows_folded} events from position {report.start_position}")
+        print(
+            f"replayed {report.events} events and {report.lookup_records} lookup records "
+            f"({report.rows_folded} rows) from position {report.start_position}"
+        )
         for key, n in out["counts"].items():  # type: ignore[attr-defined]
             print(f"  worker {key.replace(':', ' ')}: {n} blocks")
         print(f"  total: {out['blocks']} blocks, digest {out['digest']}")

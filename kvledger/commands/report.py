@@ -24,6 +24,7 @@ from kvledger.commands.args import (
 )
 from kvledger.events.log import EventLog
 from kvledger.events.log.schema import database_url, shown_url
+from kvledger.progress import Progress
 from kvledger.report import build_report, percent
 
 
@@ -50,16 +51,22 @@ def report(args: argparse.Namespace) -> dict[str, Any]:
     until: LogBound = args.until or LogBound()
     url = database_url(args.log)
     with EventLog(url, read_only=True) as log:
-        out = build_report(
-            log,
-            since_position=since.position or 1,
-            until_position=until.position,
-            since_ts=since.since,
-            until_ts=until.until,
-            windows=args.windows,
-            worker=args.worker,
-            top=args.top,
-        )
+        # the bar shows the position reached, as replay's does
+        progress = Progress(until.position or log.last_position(), "report", unit="rows")
+        try:
+            out = build_report(
+                log,
+                since_position=since.position or 1,
+                until_position=until.position,
+                since_ts=since.since,
+                until_ts=until.until,
+                windows=args.windows,
+                worker=args.worker,
+                top=args.top,
+                on_progress=progress,
+            )
+        finally:
+            progress.close()
     out["log"] = shown_url(url)
     if args.plot:
         from kvledger.plots import plot_report

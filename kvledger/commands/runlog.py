@@ -5,12 +5,10 @@ Shared by ``kvledger simulate`` for one worker and for a cluster (one log per wo
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
-from pathlib import Path
 from typing import TYPE_CHECKING
 
-from kvledger.config import Settings, ensure_log_folder
+from kvledger.config import Settings
 from kvledger.events.types import lookup_stream
 from kvledger.registry.lookups import LookupRecorder
 from kvledger.registry.state import RegistryState
@@ -43,18 +41,17 @@ def lookup_recorder(
     return recorder
 
 
-def open_log(url: str, settings: Settings) -> EventLog:
-    """The event log at ``url``; a new SQLite file is made readable by its owner only (SQLite
-    gives its journal the same mode), as prompts' hashes are users' data."""
+def open_log(url: str, settings: Settings, *, default: bool) -> EventLog:
+    """The run's log; the data folder is made for the default one (``default``), while a
+    log given by ``--log`` needs its folder to exist. The log makes a new SQLite file
+    readable by its owner only."""
     import sqlalchemy as sa
 
     from kvledger.events.log import EventLog
 
     try:
-        ensure_log_folder(url)
-        parsed = sa.make_url(url)
-        if parsed.get_backend_name() == "sqlite" and parsed.database not in (None, "", ":memory:"):
-            private_file(Path(parsed.database))
+        if default:
+            settings.prepare_log_folder()
         return EventLog(url, **settings.event_log_options())
     except sa.exc.ArgumentError as exc:  # unparsable URL, unknown driver
         raise ValueError(f"cannot open the event log {url!r}: {exc}") from None
@@ -71,12 +68,3 @@ def replay_matches(url: str, worker: int, live: RegistryState, note: Callable[[s
     for line in mine.diff(live)[:10]:
         note(f"replay differs: {line}")
     return False
-
-
-def private_file(path: Path) -> None:
-    """Create ``path`` empty, readable and writable by its owner only, unless it exists."""
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    except FileExistsError:
-        return
-    os.close(fd)

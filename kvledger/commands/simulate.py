@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import sys
 import time
 from collections.abc import Callable
@@ -32,7 +33,7 @@ from kvledger.commands.args import (
 from kvledger.commands.cluster_args import add_cluster_args
 from kvledger.commands.runlog import lookup_recorder, open_log, replay_matches
 from kvledger.config import Settings
-from kvledger.events.types import AnyEvent
+from kvledger.events.types import AnyEvent, lookup_stream
 from kvledger.mocker.cache import SimulatedCache
 from kvledger.mocker.engine import EngineConfig, MockEngine, SimClock
 from kvledger.mocker.engine_off import replay_cache
@@ -313,6 +314,13 @@ class Outcome:
     replay_ok: bool
 
 
+def _bound(publisher: ZmqPublisher) -> str:
+    """Where a ZMQ publisher listens, with the ports the system picked for ``:*``."""
+    if publisher.replay_endpoint is None:
+        return str(publisher.endpoint)
+    return f"{publisher.endpoint} (replay: {publisher.replay_endpoint})"
+
+
 def simulate(args: argparse.Namespace, note: Callable[[str], None]) -> Outcome:
     settings = settings_from_args(args)
     requests, workload = load_workload(args, settings)
@@ -330,7 +338,7 @@ def simulate(args: argparse.Namespace, note: Callable[[str], None]) -> Outcome:
 
         url = database_url(args.log) if args.log else settings.log_url
         shown = shown_url(url)
-        log = open_log(url, settings)
+        log = open_log(url, settings, default=not args.log)
     zmq_publisher: ZmqPublisher | None = None
     try:
         sinks: list[Callable[[AnyEvent], None]] = [] if log is None else [log.append]
@@ -343,7 +351,7 @@ def simulate(args: argparse.Namespace, note: Callable[[str], None]) -> Outcome:
             zmq_publisher = open_publisher(
                 settings.zmq_endpoint, log=log, worker_id=worker, **settings.zmq_options()
             )
-            note(f"publishing KV events on {zmq_publisher.endpoint}")
+            note(f"publishing KV events on {_bound(zmq_publisher)}")
         if metrics is not None:
             sinks.append(metrics.observe_event)
             metrics.serve(args.metrics_port)
@@ -356,6 +364,7 @@ def simulate(args: argparse.Namespace, note: Callable[[str], None]) -> Outcome:
                 sink(event)
 
         previous = -1 if log is None else log.last_event_id(worker)
+        lookups_before = -1 if log is None else log.last_event_id(lookup_stream(worker))
         clock = engine_clock(args)
         emitter = counter = CountingEmitter(
             fan_out if len(sinks) > 1 else (sinks[0] if sinks else None),
@@ -395,6 +404,9 @@ def simulate(args: argparse.Namespace, note: Callable[[str], None]) -> Outcome:
         elapsed = time.perf_counter() - started
         if metrics is not None:
             metrics.refresh(cache.registry.pools)
+        lookup_records = (
+            0 if log is None else log.last_event_id(lookup_stream(worker)) - lookups_before
+        )
     finally:
         try:
             if log is not None:
@@ -412,6 +424,7 @@ def simulate(args: argparse.Namespace, note: Callable[[str], None]) -> Outcome:
 
     summary = stats.summary(cache, counter)
     summary.update(
+        lookup_records_written=lookup_records,
         workload=workload,
         engine=args.engine,
         **(
@@ -488,10 +501,12 @@ def print_table(s: dict[str, Any], out: TextIO | None = None) -> None:
             "  ".join(f"from {t} {n}" for t, n in s["onboarded_blocks"].items() if t != "G1"),
         ),
         (
-            "events written",
-            f"{s['events_written']} to {s['log']}"
+            "written",
+            # the words of `kvledger replay` and `inspect`: events, lookup records, rows
+            f"{s['events_written']} events and {s['lookup_records_written']} lookup records "
+            f"to {s['log']}"
             if s["log"]
-            else f"none ({s['events_written']} counted, no log)",
+            else f"nothing ({s['events_written']} events counted, no log)",
         ),
     ]
     if "ttft_ms_p50" in s:
@@ -518,9 +533,11 @@ def print_table(s: dict[str, Any], out: TextIO | None = None) -> None:
     for name, value in rows:
         print(f"{name:<{width}}{value}", file=out)
     if s["log"] is not None and s["replay_matches"]:
+        from kvledger.events.log.schema import paste_note  # a log was written: loaded
+
         print(
-            f"\n`kvledger replay {s['log']}` reproduces the final per-tier state "
-            f"(digest {s['state_digest']}).",
+            f"\n`kvledger replay {shlex.quote(s['log'])}`{paste_note(s['log'])} reproduces the "
+            f"final per-tier state (digest {s['state_digest']}).",
             file=out,
         )
     elif s["log"] is not None:

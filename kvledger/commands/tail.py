@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from kvledger.commands.args import log_location, non_negative_int, positive_int
+from kvledger.commands.args import input_file, log_location, non_negative_int, positive_int
 from kvledger.events.log import EventLog
 from kvledger.events.types import AnyEvent, Cleared, Offloaded, Onboarded, Removed, Stored
 
@@ -28,6 +28,19 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "--zmq-replay", metavar="ENDPOINT", help="its replay socket: start from the first batch"
     )
     p.add_argument("--zmq-topic", default="", help="topic to subscribe to (default: all)")
+    p.add_argument(
+        "--zmq-server-key",
+        metavar="FILE",
+        type=input_file,
+        help="the publisher's CurveZMQ public certificate (NAME.key), when it speaks CurveZMQ",
+    )
+    p.add_argument(
+        "--zmq-client-key",
+        metavar="FILE",
+        type=input_file,
+        help="this subscriber's CurveZMQ secret certificate, when the publisher lists its "
+        "subscribers (default: a fresh key pair)",
+    )
     p.add_argument(
         "--worker-id", type=non_negative_int, default=0, help="worker id to show for a ZMQ stream"
     )
@@ -95,7 +108,11 @@ def _tail_zmq(args: argparse.Namespace) -> int:
     from kvledger.events.vllm_events import to_events
 
     with ZmqSubscriber(
-        args.zmq, replay_endpoint=args.zmq_replay, topic=args.zmq_topic
+        args.zmq,
+        replay_endpoint=args.zmq_replay,
+        topic=args.zmq_topic,
+        curve_server_key=args.zmq_server_key,
+        curve_client_key=args.zmq_client_key,
     ) as subscriber:
         batches = subscriber.replay(0) if args.zmq_replay is not None else iter(())
         followed, next_id = 0, 0

@@ -13,6 +13,7 @@ import argparse
 import json
 import sys
 import time
+from collections.abc import Callable
 from typing import Any, TextIO
 
 from kvledger.commands.args import (
@@ -31,6 +32,7 @@ from kvledger.events.log import EventLog
 from kvledger.events.log.schema import database_url, shown_url
 from kvledger.mocker.rerun import CacheSettings, alternatives, ceiling, load_run, recorded, rerun
 from kvledger.mocker.router import ROUTERS
+from kvledger.progress import Progress
 from kvledger.registry.tiered import OFFLOAD_FILTERS
 
 
@@ -86,19 +88,23 @@ def whatif(args: argparse.Namespace) -> dict[str, Any]:
     until: LogBound = args.until or LogBound()
     url = database_url(args.log)
     with EventLog(url, read_only=True) as log:
-        run = load_run(
-            log,
-            worker=args.worker,
-            since_position=since.position or 1,
-            since_ts=since.since,
-            until_position=until.position,
-            until_ts=until.until,
-        )
+        # progress as replay's: the rows read, then the lookup records re-run
+        reading = Progress(until.position or log.last_position(), "whatif: read", unit="rows")
+        try:
+            run = load_run(
+                log,
+                worker=args.worker,
+                since_position=since.position or 1,
+                since_ts=since.since,
+                until_position=until.position,
+                until_ts=until.until,
+                on_progress=reading,
+            )
+        finally:
+            reading.close()
     base = run.settings
-    started = time.perf_counter()
-    baseline = rerun(run, base, compare=True)
-    runs = [baseline] + [
-        rerun(run, alt)
+    others = [
+        alt
         for alt in alternatives(
             base,
             g1_blocks=args.g1_blocks,
@@ -109,6 +115,16 @@ def whatif(args: argparse.Namespace) -> dict[str, Any]:
         )
         if alt != base
     ]
+    per_run = len(run.records)
+    progress = Progress(per_run * (1 + len(others)), "whatif", unit="lookup records")
+    started = time.perf_counter()
+    try:
+        runs = [rerun(run, base, compare=True, on_progress=progress)]
+        for i, alt in enumerate(others, 1):
+            runs.append(rerun(run, alt, on_progress=_from(i * per_run, progress)))
+    finally:
+        progress.close()
+    baseline = runs[0]
     elapsed = time.perf_counter() - started
     lookups = sum(1 for _ in run.records) * len(runs)
     had = recorded(run)
@@ -131,6 +147,11 @@ def whatif(args: argparse.Namespace) -> dict[str, Any]:
         plot_whatif(out, args.plot)
         out["plot"] = args.plot
     return out
+
+
+def _from(offset: int, progress: Progress) -> Callable[[int], None]:
+    """A re-run's progress as part of the whole sweep's: its records start at ``offset``."""
+    return lambda done: progress(offset + done)
 
 
 def _settings(s: CacheSettings) -> dict[str, Any]:

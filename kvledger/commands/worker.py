@@ -21,6 +21,7 @@ from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 from kvledger.commands.args import linger_seconds, log_location, non_negative_int, positive_int
+from kvledger.config import Settings
 from kvledger.events.log import EventLog
 from kvledger.events.shared.client import connect
 from kvledger.events.shared.publish import RedisPublisher
@@ -93,14 +94,18 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
 def run(args: argparse.Namespace) -> int:
     _report_publisher_warnings()
-    _fill_from_settings(args)
+    settings = _fill_from_settings(args)
     client = connect(args.redis_url)  # a cluster client when the server is a cluster node
     registry = SharedRegistry(
-        client, args.namespace, shards=args.shards, lease_ttl_s=args.lease_ttl
+        client,
+        args.namespace,
+        shards=args.shards,
+        lease_ttl_s=args.lease_ttl,
+        token_ids=settings.persist_token_ids,
     )
     if args.zmq_replay_endpoint is not None and args.zmq_endpoint is None:
         raise ValueError("--zmq-replay-endpoint needs --zmq-endpoint")
-    log = EventLog(args.log)
+    log = EventLog(args.log, token_ids=settings.persist_token_ids)
     publisher = RedisPublisher(
         registry, args.worker_id, log=log, dp_rank=args.dp_rank, linger_s=args.publish_linger
     )
@@ -119,6 +124,15 @@ def run(args: argparse.Namespace) -> int:
                 block_size=args.block_size,
                 replay_endpoint=args.zmq_replay_endpoint,
                 dp_rank=args.dp_rank,
+                token_ids=settings.token_ids,
+                curve_secret_key=settings.zmq_curve_secret_key,
+                curve_client_keys=settings.zmq_curve_client_keys,
+            )
+            replay = zmq_publisher.replay_endpoint
+            # the ports the system picked for tcp://127.0.0.1:*, where subscribers must connect
+            _note(
+                f"publishing KV events on {zmq_publisher.endpoint}"
+                + (f" (replay: {replay})" if replay else "")
             )
         mgr = KvManager(
             args.blocks,
@@ -209,19 +223,17 @@ def _note(message: str) -> None:
     print(f"kvledger worker: {message}", file=sys.stderr, flush=True)
 
 
-def _fill_from_settings(args: argparse.Namespace) -> None:
+def _fill_from_settings(args: argparse.Namespace) -> Settings:
     """The Redis URL and namespace the flags leave unset come from the settings, as they do for
     the library: an operator who exports ``KVLEDGER_REDIS_NAMESPACE`` once gets the same
-    namespace in every worker and in ``BlockManager``."""
-    if args.redis_url is not None and args.namespace is not None:
-        return
-    from kvledger.config import Settings  # pydantic-settings: only when a flag is left unset
-
+    namespace in every worker and in ``BlockManager``. The settings also say where token ids
+    may go (``token_ids``) and the ZMQ sockets' CurveZMQ keys."""
     settings = Settings.load()
     if args.redis_url is None:
         args.redis_url = settings.redis_url or "redis://127.0.0.1:6379/0"
     if args.namespace is None:
         args.namespace = settings.redis_namespace
+    return settings
 
 
 def _report_publisher_warnings() -> None:

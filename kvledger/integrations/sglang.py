@@ -17,7 +17,9 @@ Settings, all optional, in the extra config: ``data_dir`` (default ``$KVLEDGER_D
 ``kvledger-hicache``), ``capacity_pages`` (G3 slots, default 4096), ``page_bytes`` (default:
 the host pool's page, known once SGLang registers it), ``log_url`` (default one SQLite file per
 rank in ``data_dir``; a PostgreSQL URL puts every rank in one log), ``worker_id`` (default
-``tp_rank + tp_size * pp_rank``).
+``tp_rank + tp_size * pp_rank``). Every key is checked by
+``kvledger.integrations.extra_config.SglangExtraConfig``: a bad value or a key kvledger does not
+read stops start-up with a message naming it.
 """
 
 from __future__ import annotations
@@ -39,10 +41,12 @@ from sglang.srt.mem_cache.hicache_storage import (
 )
 
 from kvledger.config import Settings
+from kvledger.events.files import private_folder
 from kvledger.events.log import EventLog
 from kvledger.events.log.replay import replay
 from kvledger.events.shared import RedisPublisher, SharedRegistry, connect
 from kvledger.events.types import BlockInfo, Tier
+from kvledger.integrations.extra_config import SglangExtraConfig
 from kvledger.registry.emitter import EventEmitter
 from kvledger.registry.pool import BlockPool
 from kvledger.tiers.disk import DiskTier
@@ -54,7 +58,6 @@ __all__ = ["KvledgerHiCacheStorage", "page_hashes"]
 
 log = logging.getLogger(__name__)
 
-DEFAULT_CAPACITY_PAGES = 4096
 G3_BIT = 1 << (Tier.G3 - 1)  # the shared registry's tier mask: G1=1, G2=2, G3=4, G4=8
 _HEX = frozenset("0123456789abcdefABCDEF")
 
@@ -91,22 +94,24 @@ class KvledgerHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang sh
         storage_config: HiCacheStorageConfig | None = None,
         kwargs: dict[str, Any] | None = None,
     ) -> None:
-        extra = dict(storage_config.extra_config or {}) if storage_config is not None else {}
+        extra = storage_config.extra_config if storage_config is not None else None
+        # every key checked, by name, before anything is built (a bad value or an unknown key
+        # is refused, never coerced or ignored)
+        settings = SglangExtraConfig.load(extra)
         rank = storage_config.tp_rank if storage_config is not None else 0
         tp_size = storage_config.tp_size if storage_config is not None else 1
         pp_rank = storage_config.pp_rank if storage_config is not None else 0
-        self.worker_id = int(extra.get("worker_id", rank + tp_size * pp_rank))
-        self.data_dir = Path(
-            extra.get("data_dir") or os.environ.get("KVLEDGER_DATA_DIR") or "kvledger-hicache"
+        self.worker_id = (
+            settings.worker_id if settings.worker_id is not None else rank + tp_size * pp_rank
         )
-        capacity = extra.get("capacity_pages", DEFAULT_CAPACITY_PAGES)
-        if not isinstance(capacity, int) or isinstance(capacity, bool) or capacity < 1:
-            raise ValueError(
-                f"kvledger HiCache: capacity_pages must be a positive integer, got {capacity!r}"
-            )
-        self.capacity_pages = capacity
-        self.log_url = str(
-            extra.get("log_url") or self.data_dir / f"hicache-log-w{self.worker_id}.sqlite"
+        self.data_dir = Path(
+            settings.data_dir or os.environ.get("KVLEDGER_DATA_DIR") or "kvledger-hicache"
+        )
+        if self.data_dir.exists() and not self.data_dir.is_dir():  # KVLEDGER_DATA_DIR
+            raise ValueError(f"kvledger HiCache: data_dir {self.data_dir} is a file, not a folder")
+        self.capacity_pages = settings.capacity_pages
+        self.log_url = settings.log_url or str(
+            self.data_dir / f"hicache-log-w{self.worker_id}.sqlite"
         )
         self.page_bytes: int | None = None
         self._closed = False
@@ -115,13 +120,12 @@ class KvledgerHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang sh
         self._g3: DiskTier | None = None
         self._pool: BlockPool | None = None
         self._log: EventLog | None = None
-        self.redis_url: str | None = extra.get("redis_url")
-        self.redis_namespace = str(extra.get("redis_namespace", "kvledger-hicache"))
+        self.redis_url = settings.redis_url
+        self.redis_namespace = settings.redis_namespace
         self.publisher: RedisPublisher | None = None
         self._peers: dict[int, PeerG3] = {}
-        page_bytes = extra.get("page_bytes")
-        if page_bytes is not None:
-            self._open(page_bytes)
+        if settings.page_bytes is not None:
+            self._open(settings.page_bytes)
 
     # -- opening -----------------------------------------------------------------------------
 
@@ -139,8 +143,9 @@ class KvledgerHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang sh
                     f"kvledger HiCache: pages are {self.page_bytes} bytes, got one of {page_bytes}"
                 )
             return
-        self.data_dir.mkdir(parents=True, exist_ok=True)
-        event_log = EventLog(self.log_url, **Settings.load().event_log_options())
+        private_folder(self.data_dir)  # 0700: its files are prompts' KV bytes
+        settings = Settings.load()
+        event_log = EventLog(self.log_url, **settings.event_log_options())
         try:
             first_id = event_log.last_event_id(self.worker_id) + 1
             known: list[KnownBlocks] = [{}]
@@ -163,7 +168,9 @@ class KvledgerHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang sh
             event_log.close()
             raise
         if self.redis_url:  # G4: the shared registry says which rank holds which page
-            shared = SharedRegistry(connect(self.redis_url), self.redis_namespace)
+            shared = SharedRegistry(
+                connect(self.redis_url), self.redis_namespace, token_ids=settings.persist_token_ids
+            )
             # fed by the log's commits: other ranks see a page once its event is committed
             self.publisher = RedisPublisher(shared, self.worker_id, log=event_log).start()
         emitter = EventEmitter(event_log.append, worker_id=self.worker_id, first_event_id=first_id)

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -32,6 +32,9 @@ from kvledger.mocker.stats import TIERS, EventCounter
 from kvledger.mocker.traces import TraceRequest
 from kvledger.registry.emitter import EventEmitter
 from kvledger.registry.tiered import TieredRegistry
+
+PROGRESS_EVERY = 1024
+"""Records between two ``on_progress`` calls of ``rerun``."""
 
 
 class NoLookupsError(ValueError):
@@ -137,13 +140,17 @@ def load_run(
     since_ts: float | None = None,
     until_position: int | None = None,
     until_ts: float | None = None,
+    on_progress: Callable[[int], object] | None = None,
 ) -> RecordedRun:
     """A worker's lookup records up to the bound; those from ``since`` on are the ones that
-    count (the earlier ones are re-run too, so the cache is as warm as it was)."""
+    count (the earlier ones are re-run too, so the cache is as warm as it was).
+    ``on_progress`` is called with the position reached after each chunk of rows."""
     records: list[tuple[int, LookupRecord]] = []
     workers: set[int] = set()
     count_from: int | None = None
     for chunk in log.read_chunks(lookups_only=True, until_position=until_position):
+        if on_progress is not None and chunk:
+            on_progress(chunk[-1][0])
         for position, ts, payload in chunk:
             if until_ts is not None and ts > until_ts:
                 break
@@ -207,9 +214,16 @@ def ceiling(run: RecordedRun) -> Tally:
     return tally
 
 
-def rerun(run: RecordedRun, settings: CacheSettings, *, compare: bool = False) -> Rerun:
+def rerun(
+    run: RecordedRun,
+    settings: CacheSettings,
+    *,
+    compare: bool = False,
+    on_progress: Callable[[int], object] | None = None,
+) -> Rerun:
     """Re-run every lookup record of ``run`` under ``settings``; with ``compare``, note each
-    lookup whose hits differ from the recorded ones (meaningful for the recorded settings)."""
+    lookup whose hits differ from the recorded ones (meaningful for the recorded settings).
+    ``on_progress`` is called with the records re-run so far, every ``PROGRESS_EVERY``."""
     started = time.perf_counter()
     counter = EventCounter()
     cache = _cache(settings, counter)
@@ -220,7 +234,9 @@ def rerun(run: RecordedRun, settings: CacheSettings, *, compare: bool = False) -
     compared = 0
     bs, count_from = run.block_size, run.count_from
     runs_seen = 0
-    for position, record in run.records:
+    for done, (position, record) in enumerate(run.records):
+        if on_progress is not None and not done % PROGRESS_EVERY:
+            on_progress(done)
         if isinstance(record, Released):
             admission = live.pop(record.request_id, None)
             if admission is not None:
@@ -267,6 +283,8 @@ def rerun(run: RecordedRun, settings: CacheSettings, *, compare: bool = False) -
                         "rerun": list(hits),
                     }
                 )
+    if on_progress is not None:
+        on_progress(len(run.records))
     evictions = {t.name: counter.removed_blocks.get(t, 0) for t in TIERS}
     return Rerun(settings, tally, evictions, mismatches, compared, time.perf_counter() - started)
 

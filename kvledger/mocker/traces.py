@@ -42,18 +42,28 @@ def load_mooncake(path: str | Path) -> list[TraceRequest]:
     requests: list[TraceRequest] = []
     path = Path(path)
     try:
-        lines = path.read_text().splitlines()
+        lines = path.read_text(encoding="utf-8").splitlines()
     except OSError as exc:
         raise TraceError(f"cannot read trace {path}: {exc.strerror}") from None
+    except UnicodeDecodeError as exc:  # a binary file, or text in another encoding (UTF-16)
+        raise TraceError(
+            f"{path}: not a Mooncake trace: byte {exc.start} is not UTF-8 text "
+            "(a trace is JSON lines in UTF-8)"
+        ) from None
     for lineno, line in enumerate(lines, 1):
         if not line.strip():
             continue
         row = _decode_row(path, lineno, line)
+        if not isinstance(row, dict):
+            raise TraceError(
+                f"{path}:{lineno}: not a Mooncake trace row (a JSON object with timestamp, "
+                f"input_length, output_length and hash_ids), got a {type(row).__name__}"
+            )
         try:
             req = TraceRequest(
                 arrival_ms=_timestamp(row["timestamp"]),
-                input_length=int(row["input_length"]),
-                output_length=int(row["output_length"]),
+                input_length=_whole("input_length", row["input_length"]),
+                output_length=_whole("output_length", row["output_length"]),
                 block_ids=_hash_ids(row["hash_ids"]),
             )
         except (ValueError, KeyError, TypeError) as exc:
@@ -99,6 +109,13 @@ def _timestamp(value: object) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
         raise ValueError(f"timestamp must be a finite number of milliseconds, got {value!r}")
     return float(value)
+
+
+def _whole(name: str, value: object) -> int:
+    # int() would turn 1024.5 into 1024 and true into 1: refused, not guessed at
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be a whole number, got {value!r}")
+    return value
 
 
 def _hash_ids(values: object) -> tuple[int, ...]:

@@ -44,6 +44,7 @@ NAMES_TESTS = "tests/kvledger/test_kvledger_manager_names.py"
 MACHINE_TESTS = "tests/kvledger/test_kvledger_manager_g3_machine.py"
 WORKER_TESTS = "tests/kvledger/test_kvledger_worker_g3.py"
 LOG_TESTS = "tests/kvledger/test_kvledger_manager_log.py"
+CONFIG_TESTS = "tests/kvledger/test_kvledger_spec_config.py"
 
 
 @dataclass
@@ -74,6 +75,7 @@ def vllm_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, FileOutcome]
     cmd = [str(PYTHON), "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={report}"]
     cmd += ["-c", "pyproject.toml", "--rootdir", ".", MANAGER_TESTS, *CONNECTOR_TESTS]
     cmd += [E2E_TESTS, G3_MANAGER_TESTS, NAMES_TESTS, MACHINE_TESTS, WORKER_TESTS, LOG_TESTS]
+    cmd += [CONFIG_TESTS]
     proc = subprocess.run(
         cmd, cwd=VLLM_TESTS, env=env, capture_output=True, text=True, timeout=1200, check=False
     )
@@ -150,6 +152,13 @@ def test_kvledger_manager_hands_its_log_batches_and_bounds_the_hold(
 ) -> None:
     outcome = check(vllm_run, LOG_TESTS)
     assert outcome.passed == 3 and not outcome.skipped
+
+
+def test_kv_connector_extra_config_mistakes_are_refused_by_name(
+    vllm_run: dict[str, FileOutcome],
+) -> None:
+    outcome = check(vllm_run, CONFIG_TESTS)
+    assert outcome.passed == 19 and not outcome.skipped
 
 
 def test_kvledger_manager_with_g3_as_a_state_machine(vllm_run: dict[str, FileOutcome]) -> None:

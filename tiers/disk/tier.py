@@ -32,6 +32,7 @@ from typing import Any, TypeVar
 import numpy as np
 import xxhash
 
+from kvledger.events.files import check_private, private_folder
 from kvledger.events.types import BlockInfo, Tier
 from kvledger.tiers.base import StorageTier
 from kvledger.tiers.disk import index, recovery
@@ -116,10 +117,10 @@ class DiskTier(StorageTier):
         self.io_threads = io_threads
         self._count_lock = threading.Lock()
 
-        directory = Path(directory)
-        directory.mkdir(parents=True, exist_ok=True)
+        directory = private_folder(directory)  # 0700: its files are prompts' KV bytes
         self.path = directory / file_name
         self.index_path = self.path.with_name(self.path.name + ".idx")
+        check_private(self.path, self.index_path)  # made by hand, or by an older kvledger
         self._lock = SlotFileLock(self.path)
         self._fds: list[int] = []
         try:
@@ -216,8 +217,8 @@ class DiskTier(StorageTier):
             finally:
                 os.close(fd)
             fd = os.open(self.index_path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
-            try:
-                os.ftruncate(fd, self.num_slots * ENTRY.itemsize)
+            try:  # reserved too: a sparse index would run out of room at its first writes
+                os.posix_fallocate(fd, 0, self.num_slots * ENTRY.itemsize)
             finally:
                 os.close(fd)
         except OSError as exc:
@@ -241,8 +242,9 @@ class DiskTier(StorageTier):
         fine = dict(zip(in_file_order, self._verify(in_file_order, old["checksum"]), strict=True))
         good = [fine[slot] for slot in slots]
         plan = recovery.place(old, slots, good, report, self.num_slots)
-        if os.fstat(self._data_fd).st_size < self.file_bytes:  # growing, or cut short
-            self._reserve(self.file_bytes)
+        # growing, cut short, or sparse (copied, or made before its space was reserved): the
+        # room every later write needs is reserved now, or refused now, by name
+        self._reserve(self.file_bytes)
         self.table = np.zeros(self.num_slots, dtype=ENTRY)
         for src, dst in plan.moves:
             self._move(src, dst)

@@ -22,7 +22,8 @@ import os
 import secrets
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,6 +53,39 @@ class ReadOutcome:
     """Set on a timeout: the id of the read, which may still write into its destination."""
 
 
+_ENV_LOCK = threading.Lock()
+
+
+def net_devices(devices: str | None) -> str | None:
+    """The devices an agent's UCX uses: ``devices`` as UCX names them (``lo``, ``eth0``,
+    ``mlx5_0:1``, comma-separated), ``all`` for every one, or None for the operator's
+    ``UCX_NET_DEVICES`` when set and loopback otherwise: nothing listens beyond this machine
+    unless asked to."""
+    if devices is None:
+        return os.environ.get("UCX_NET_DEVICES") or "lo"
+    return None if devices == "all" else devices
+
+
+@contextmanager
+def _ucx_devices(devices: str | None) -> Iterator[None]:
+    """``UCX_NET_DEVICES`` as ``devices`` while an agent is made (UCX reads its environment
+    when the agent's context is created), then as it was. The lock keeps two agents made at
+    once in this process from seeing each other's."""
+    with _ENV_LOCK:
+        saved = os.environ.get("UCX_NET_DEVICES")
+        if devices is None:
+            os.environ.pop("UCX_NET_DEVICES", None)
+        else:
+            os.environ["UCX_NET_DEVICES"] = devices
+        try:
+            yield
+        finally:
+            if saved is None:
+                os.environ.pop("UCX_NET_DEVICES", None)
+            else:
+                os.environ["UCX_NET_DEVICES"] = saved
+
+
 class RemoteAgent:
     """A NIXL agent with the UCX backend, holding this worker's registered tier memory.
 
@@ -59,11 +93,16 @@ class RemoteAgent:
     without internal locking here).
     """
 
-    def __init__(self, worker_id: int, *, name: str | None = None) -> None:
+    def __init__(
+        self, worker_id: int, *, name: str | None = None, devices: str | None = None
+    ) -> None:
         api = nixl_api()
         self.worker_id = worker_id
         self.name = name or f"kvl-w{worker_id}-{os.getpid()}-{secrets.token_hex(4)}"
-        self._agent: Any = api.nixl_agent(self.name, api.nixl_agent_config(backends=["UCX"]))
+        self.devices = net_devices(devices)
+        """The network devices UCX listens and reads on (None: every one, UCX's default)."""
+        with _ucx_devices(self.devices):
+            self._agent: Any = api.nixl_agent(self.name, api.nixl_agent_config(backends=["UCX"]))
         if "UCX" not in self._agent.backends:
             raise RuntimeError("NIXL loaded but its UCX backend could not be created")
         self._lock = threading.Lock()

@@ -15,13 +15,16 @@ Settings, in ``kv_connector_extra_config``:
   ``-r<rank>`` when there are several ranks, each holding its share of every block; default
   ``$KVLEDGER_DATA_DIR`` or ``kvledger-data``);
 - ``worker_id``: kvledger's worker id in the log (default: vLLM's rank).
+
+Every key is checked by ``kvledger.integrations.extra_config.VllmExtraConfig``: a bad value or a
+key kvledger does not read (``eviction_policy`` other than ``lru``, ``offload_filter`` without
+``g3_blocks``, a misspelling) stops start-up with a message naming it.
 """
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
 
 from vllm.v1.kv_offload.base import (
     CanonicalKVCaches,
@@ -31,7 +34,8 @@ from vllm.v1.kv_offload.base import (
 )
 from vllm.v1.kv_offload.config import OffloadingConfig
 
-from kvledger.integrations.vllm.manager import OFFLOAD_FILTERS, KvledgerOffloadingManager
+from kvledger.integrations.extra_config import VllmExtraConfig
+from kvledger.integrations.vllm.manager import KvledgerOffloadingManager
 
 __all__ = ["KvledgerOffloadingSpec"]
 
@@ -39,12 +43,9 @@ __all__ = ["KvledgerOffloadingSpec"]
 class KvledgerOffloadingSpec(OffloadingSpec):  # type: ignore[misc]  # vLLM is untyped here
     def __init__(self, config: OffloadingConfig) -> None:
         super().__init__(config)
-        cpu_bytes = self.extra_config.get("cpu_bytes_to_use")
-        if not cpu_bytes or int(cpu_bytes) <= 0:
-            raise ValueError(
-                "KvledgerOffloadingSpec needs a positive cpu_bytes_to_use in"
-                f" kv_connector_extra_config, got {cpu_bytes!r}"
-            )
+        # every key checked, by name, before anything is built (kvledger.integrations
+        # .extra_config: a bad value or an unknown key is refused, never coerced or ignored)
+        self.settings = settings = VllmExtraConfig.load(self.extra_config)
         if self.blocks_per_chunk != 1:
             raise ValueError(
                 "KvledgerOffloadingSpec offloads one vLLM block per chunk; leave"
@@ -53,22 +54,14 @@ class KvledgerOffloadingSpec(OffloadingSpec):  # type: ignore[misc]  # vLLM is u
             )
         world = max(config.parallel.world_size, 1)
         bytes_per_chunk = config.worker_kv_bytes_per_block * world * self.blocks_per_chunk
-        self.num_chunks = int(cpu_bytes) // bytes_per_chunk if bytes_per_chunk > 0 else 0
-        self.log_url: str | None = self.extra_config.get("log_url")
-        self.worker_id = _non_negative(
-            "worker_id", self.extra_config.get("worker_id", config.parallel.rank)
-        )
-        self.g3_blocks = _non_negative("g3_blocks", self.extra_config.get("g3_blocks", 0))
-        self.offload_filter = str(self.extra_config.get("offload_filter", "seen_twice"))
-        if self.offload_filter not in OFFLOAD_FILTERS:
-            raise ValueError(
-                "KvledgerOffloadingSpec: offload_filter must be one of"
-                f" {', '.join(OFFLOAD_FILTERS)}, got {self.offload_filter!r}"
-            )
+        self.num_chunks = settings.chunks(bytes_per_chunk)
+        self.log_url: str | None = settings.log_url
+        rank = config.parallel.rank
+        self.worker_id = settings.worker_id if settings.worker_id is not None else rank
+        self.g3_blocks = settings.g3_blocks
+        self.offload_filter: str = settings.offload_filter or "seen_twice"
         self.data_dir = Path(
-            self.extra_config.get("data_dir")
-            or os.environ.get("KVLEDGER_DATA_DIR")
-            or "kvledger-data"
+            settings.data_dir or os.environ.get("KVLEDGER_DATA_DIR") or "kvledger-data"
         )
         self._manager: KvledgerOffloadingManager | None = None
         self._worker: OffloadingWorker | None = None
@@ -78,8 +71,8 @@ class KvledgerOffloadingSpec(OffloadingSpec):  # type: ignore[misc]  # vLLM is u
             self._manager = KvledgerOffloadingManager(
                 num_chunks=self.num_chunks,
                 enable_events=self.kv_events_config.enable_kv_cache_events,
-                store_threshold=int(self.extra_config.get("store_threshold", 0)),
-                max_tracker_size=int(self.extra_config.get("max_tracker_size", 64_000)),
+                store_threshold=self.settings.store_threshold,
+                max_tracker_size=self.settings.max_tracker_size,
                 log_url=self.log_url,
                 worker_id=self.worker_id,
                 g3_blocks=self.g3_blocks,
@@ -103,12 +96,3 @@ class KvledgerOffloadingSpec(OffloadingSpec):  # type: ignore[misc]  # vLLM is u
                 kv_caches, self.num_chunks, g3_blocks=self.g3_blocks, g3_file=g3_file
             )
         return self._worker
-
-
-def _non_negative(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(
-            f"KvledgerOffloadingSpec: {name} in kv_connector_extra_config must be a non-negative"
-            f" integer, got {value!r}"
-        )
-    return value

@@ -11,6 +11,8 @@ layered over the project's venv), which ``make test`` builds and from which
 from __future__ import annotations
 
 import hashlib
+import os
+import stat
 import subprocess
 import sys
 import threading
@@ -248,10 +250,44 @@ def test_bad_input_is_refused_with_what_is_wrong(backend: KvledgerHiCacheStorage
     assert not backend.exists(key)
 
 
-@pytest.mark.parametrize("capacity", [0, -1, "8"])
-def test_bad_capacity_is_refused(tmp_path: Path, capacity: object) -> None:
-    with pytest.raises(ValueError, match="capacity_pages must be a positive integer"):
-        open_backend(tmp_path, capacity_pages=capacity)
+@pytest.mark.parametrize(
+    ("extra", "named"),
+    [
+        ({"worker_id": "abc"}, "worker_id: must be a whole number (a JSON integer), got 'abc'"),
+        ({"worker_id": -3}, "worker_id: Input should be greater than or equal to 0, got -3"),
+        ({"worker_id": 1.7}, "worker_id: must be a whole number (a JSON integer), got 1.7"),
+        ({"capacity_pages": 0}, "capacity_pages: Input should be greater than 0, got 0"),
+        ({"capacity_pages": "8"}, "capacity_pages: must be a whole number"),
+        ({"page_bytes": 1.5}, "page_bytes: must be a whole number (a JSON integer), got 1.5"),
+        ({"page_bytes": True}, "page_bytes: must be a whole number (a JSON integer), got True"),
+        ({"capcity_pages": 8}, "'capcity_pages' is not a key kvledger reads; did you mean"),
+        ({"log_url": "mysql://u:pw@127.0.0.1/x"}, "log_url: mysql://u:***@127.0.0.1/x: the mysql"),
+        ({"redis_namespace": "a b"}, "redis_namespace: namespace 'a b' must be"),
+    ],
+)
+def test_a_bad_extra_config_key_is_one_line_naming_it(
+    tmp_path: Path, extra: dict[str, object], named: str
+) -> None:
+    """Refused, never coerced (1.7 is not worker 1) or ignored (a misspelt key), before
+    anything is created."""
+    folder = tmp_path / "data"
+    folder.mkdir()
+    with pytest.raises(SettingsError) as caught:
+        open_backend(folder, **extra)
+    message = str(caught.value)
+    assert len(message.splitlines()) == 1, message
+    assert message.startswith("hicache storage backend extra config"), message
+    assert named in message, message
+    assert "pw" not in message
+    assert list(folder.iterdir()) == []
+
+
+def test_a_data_dir_that_is_a_file_is_refused_by_name(tmp_path: Path) -> None:
+    taken = tmp_path / "taken"
+    taken.write_text("not a folder")
+    with pytest.raises(SettingsError, match=f"data_dir: {taken} is a file, not a folder"):
+        open_backend(taken, page_bytes=PAGE_BYTES)
+    assert taken.read_text() == "not a folder"
 
 
 def test_pages_sized_by_the_first_page_without_page_bytes(tmp_path: Path) -> None:
@@ -378,7 +414,7 @@ def test_host_pool_of_another_page_size_is_refused(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("page_bytes", [0, 1.5, True])
 def test_bad_page_bytes_is_refused(tmp_path: Path, page_bytes: object) -> None:
-    with pytest.raises(ValueError, match="page_bytes must be a positive integer"):
+    with pytest.raises(ValueError, match="page_bytes"):
         open_backend(tmp_path, page_bytes=page_bytes)
 
 
@@ -477,3 +513,20 @@ def test_the_backends_log_takes_the_event_log_settings(
     monkeypatch.setenv("KVLEDGER_EVENT_LOG_DURABILITY", "sometimes")
     with pytest.raises(SettingsError, match="KVLEDGER_EVENT_LOG_DURABILITY"):
         open_backend(tmp_path / "bad", page_bytes=PAGE_BYTES)
+
+
+def test_its_folder_log_and_g3_file_are_the_owners_alone_under_umask_022(tmp_path: Path) -> None:
+    data = tmp_path / "made" / "hicache"  # neither folder exists yet
+    old = os.umask(0o022)
+    try:
+        with open_backend(data, page_bytes=PAGE_BYTES) as b:
+            assert b.batch_set(chain(2), pages(2))
+            assert b.event_log is not None
+            b.event_log.flush()
+            made = {p.name: stat.S_IMODE(p.stat().st_mode) for p in data.iterdir()}
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE((tmp_path / "made").stat().st_mode) == 0o700
+    assert stat.S_IMODE(data.stat().st_mode) == 0o700
+    assert {"hicache-log-w0.sqlite", "hicache-g3-w0.bin"} <= set(made)
+    assert all(mode == 0o600 for mode in made.values()), made

@@ -278,5 +278,5 @@ def test_prompt_evicted_from_g1_and_g2_loads_back_from_g3(tmp_path: Path) -> Non
 
 
 def test_a_bad_g3_setting_is_refused_naming_it(tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match="g3_blocks in kv_connector_extra_config"):
+    with pytest.raises(ValueError, match="kv_connector_extra_config g3_blocks: Input should be"):
         Engine(f"sqlite:///{tmp_path / 'bad.db'}", g3_blocks=-5)

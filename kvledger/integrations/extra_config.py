@@ -1,0 +1,143 @@
+"""The extra config each engine hands kvledger, checked as ``Settings`` are (``ExtraConfig``).
+
+An engine passes its integration a dict from its command line (vLLM's
+``kv_connector_extra_config``, SGLang's ``--hicache-storage-backend-extra-config``). Each key
+has one rule here; a key kvledger does not read is refused with the closest one it does (a
+misspelt key used to fall back to a default in silence), and a bad value is refused rather
+than coerced (``"8e9"``, ``true``, ``1.7``). The engine's own keys in the same dict pass through.
+No engine is imported here, so these models are checked without one.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import ClassVar, Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from kvledger.config import ExtraConfig, SettingsError
+from kvledger.events.shared.keys import KeySpace
+
+__all__ = ["SglangExtraConfig", "VllmExtraConfig"]
+
+MAX_WORKER_ID = (1 << 32) - 1
+OffloadFilter = Literal["always", "seen_twice", "never"]
+
+
+def _log_url(url: str | None) -> str | None:
+    """A SQLAlchemy URL or a SQLite file's path, whose database kvledger can open here."""
+    if url is None:
+        return url
+    # SQLAlchemy only when a log is named
+    from kvledger.events.log.schema import check_log_url, database_url
+
+    check_log_url(database_url(url))
+    return url
+
+
+def _folder(path: str | None) -> str | None:
+    if path is not None and Path(path).exists() and not Path(path).is_dir():
+        raise ValueError(f"{path} is a file, not a folder")
+    return path
+
+
+class VllmExtraConfig(ExtraConfig):
+    """``kv_connector_extra_config`` of ``KvledgerOffloadingSpec`` (docs/vllm.md)."""
+
+    where: ClassVar[str] = "kv_connector_extra_config"
+    engine_keys: ClassVar[frozenset[str]] = frozenset(
+        {
+            # the OffloadingConnector's and OffloadingSpec's own
+            "spec_name",
+            "spec_module_path",
+            "block_size",
+            "blocks_per_chunk",
+            "canonical_layout",
+            "sync_load_budget_bytes",
+            "self_describing_kv_events",
+            "offload_prompt_only",
+        }
+    )
+
+    cpu_bytes_to_use: int = Field(gt=0, description="G2 size in bytes")
+    log_url: str | None = Field(None, description="the durable event log: a URL or a path")
+    store_threshold: int = Field(
+        0, ge=0, description="store a block in G2 once offered this many times (< 2: always)"
+    )
+    max_tracker_size: int = Field(64_000, gt=0, description="offers the store filter tracks")
+    g3_blocks: int = Field(0, ge=0, description="G3 slots below G2 (0: no G3)")
+    offload_filter: OffloadFilter | None = Field(
+        None, description="which G2 evictions go down to G3 (default seen_twice)"
+    )
+    data_dir: str | None = Field(None, description="where each worker keeps its G3 file")
+    worker_id: int | None = Field(
+        None, ge=0, le=MAX_WORKER_ID, description="kvledger's worker id (default: vLLM's rank)"
+    )
+    eviction_policy: str = Field(
+        "lru", description="G2's order: kvledger keeps it request-ranked LRU, nothing else"
+    )
+
+    _url = field_validator("log_url")(_log_url)
+    _dir = field_validator("data_dir")(_folder)
+
+    @field_validator("eviction_policy")
+    @classmethod
+    def _policy(cls, policy: str) -> str:
+        if policy != "lru":
+            raise ValueError(
+                f"kvledger keeps G2 in LRU order and has no {policy!r} policy; leave "
+                "eviction_policy out (or use vLLM's own CPUOffloadingSpec for it)"
+            )
+        return policy
+
+    @model_validator(mode="after")
+    def _g3_keys(self) -> VllmExtraConfig:
+        if not self.g3_blocks:
+            given = [k for k in ("offload_filter", "data_dir") if getattr(self, k) is not None]
+            if given:
+                raise ValueError(
+                    f"{' and '.join(given)} only {'apply' if len(given) > 1 else 'applies'} to "
+                    "a G3: set g3_blocks too, or leave it out"
+                )
+        return self
+
+    def chunks(self, bytes_per_chunk: int) -> int:
+        """G2's chunk count for chunks of ``bytes_per_chunk``; none is refused by name."""
+        if bytes_per_chunk <= 0:
+            return 0
+        chunks = self.cpu_bytes_to_use // bytes_per_chunk
+        if not chunks:
+            raise SettingsError(
+                f"{self.where} cpu_bytes_to_use {self.cpu_bytes_to_use} holds no chunk: one "
+                f"chunk is {bytes_per_chunk} bytes"
+            )
+        return chunks
+
+
+class SglangExtraConfig(ExtraConfig):
+    """``--hicache-storage-backend-extra-config`` of ``KvledgerHiCacheStorage``
+    (docs/sglang.md)."""
+
+    where: ClassVar[str] = "hicache storage backend extra config"
+    engine_keys: ClassVar[frozenset[str]] = frozenset(
+        {"backend_name", "module_path", "class_name", "interface_v1", "tp_lcm_size"}
+    )
+
+    data_dir: str | None = Field(None, description="G3 files and default logs (a folder)")
+    capacity_pages: int = Field(4096, gt=0, description="G3 slots")
+    page_bytes: int | None = Field(None, gt=0, description="default: the host pool's page")
+    log_url: str | None = Field(None, description="default: one SQLite file per rank")
+    worker_id: int | None = Field(
+        None, ge=0, le=MAX_WORKER_ID, description="default tp_rank + tp_size * pp_rank"
+    )
+    redis_url: str | None = Field(None, description="find other ranks' pages (G4)")
+    redis_namespace: str = Field("kvledger-hicache", description="key namespace in Redis")
+
+    _url = field_validator("log_url")(_log_url)
+    _dir = field_validator("data_dir")(_folder)
+
+    @field_validator("redis_namespace")
+    @classmethod
+    def _namespace(cls, namespace: str) -> str:
+        KeySpace(namespace)  # raises ValueError naming what a namespace may hold
+        return namespace
