@@ -270,14 +270,12 @@ def run_one(
             log.close()
     out = cluster_summary(run, settings.block_size)
     replay_ok = True
-    if urls:
-        from kvledger.events.log.schema import shown_url
-
-        for w, url in zip(workers, urls, strict=True):
-            ok = replay_matches(url, w.worker_id, w.cache.registry.state(), note)
-            replay_ok = replay_ok and ok
-            out["per_worker"][workers.index(w)]["log"] = shown_url(url)
-            out["per_worker"][workers.index(w)]["replay_matches"] = ok
+    for mine, w, url in zip(out["per_worker"], workers, urls, strict=False):
+        ok = replay_matches(url, w.worker_id, w.cache.registry.state(), note)
+        replay_ok = replay_ok and ok
+        assert log_dir is not None
+        mine["log"] = str(log_dir / f"worker-{w.worker_id}.db")  # as `kvledger replay` takes it
+        mine["replay_matches"] = ok
     if log_dir is not None:
         recorded = opts.manifest(settings)
         recorded["outcome"] = {key: out["cluster"].get(key) for key in OUTCOME}
