@@ -32,6 +32,7 @@ import resource
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -51,19 +52,49 @@ def engine_args(g1_blocks: int, *, explicit: bool = True) -> dict[str, Any]:
     return {"engine": engine}
 
 
-def dynamo_child(trace: str, g1_blocks: int, explicit: bool, requests: int | None) -> None:
+@dataclass(frozen=True)
+class Cluster:
+    """A multi-worker replay: Dynamo's ``num_workers``, ``router_mode`` (``round_robin`` or
+    ``kv_router``) and ``arrival_speedup_ratio``; kvledger's ``--workers``, ``--router``
+    (``round_robin`` or ``kv``), ``--arrival-speedup`` and ``--seed`` (its tie-breaks)."""
+
+    workers: int
+    router: str  # kvledger's name
+    arrival_speedup: float = 1.0
+    seed: int = 0
+
+    @property
+    def router_mode(self) -> str:
+        return "kv_router" if self.router == "kv" else self.router
+
+
+def dynamo_child(
+    trace: str,
+    g1_blocks: int,
+    explicit: bool,
+    requests: int | None,
+    cluster: Cluster | None = None,
+) -> None:
     """Run Dynamo's replay in this process and print its figures as one JSON line."""
     from dynamo._core import run_mocker_trace_replay
 
     path = trace
     if requests is not None:
         path = _head(trace, requests)
+    extra: dict[str, Any] = {}
+    if cluster is not None:
+        extra = {
+            "num_workers": cluster.workers,
+            "router_mode": cluster.router_mode,
+            "arrival_speedup_ratio": cluster.arrival_speedup,
+        }
     start = time.perf_counter()
     result = run_mocker_trace_replay(
         [path],
         extra_engine_args=engine_args(g1_blocks, explicit=explicit),
         capture_telemetry=True,
         telemetry_sample_interval_ms=1e12,  # a baseline and a final sample: the totals
+        **extra,
     )
     call_s = time.perf_counter() - start
     s = result.summary
@@ -107,11 +138,13 @@ def child_env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
 
 
-def timed(cmd: list[str]) -> tuple[float, dict[str, Any]]:
+def timed(cmd: list[str], env: dict[str, str] | None = None) -> tuple[float, dict[str, Any]]:
     """Run ``cmd``; its wall time, and its last output line as JSON with ``cpu_s`` added."""
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True, check=False, env=child_env())
+    proc = subprocess.run(
+        cmd, capture_output=True, text=True, check=False, env={**child_env(), **(env or {})}
+    )
     wall = time.perf_counter() - start
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     if proc.returncode:
@@ -122,23 +155,39 @@ def timed(cmd: list[str]) -> tuple[float, dict[str, Any]]:
 
 
 def run_dynamo(
-    trace: Path, g1: int, requests: int | None, *, explicit: bool = True
+    trace: Path,
+    g1: int,
+    requests: int | None,
+    *,
+    explicit: bool = True,
+    cluster: Cluster | None = None,
 ) -> tuple[float, dict[str, Any]]:
     """Dynamo's replay as a fresh process: its wall time and figures (``call_s``: the replay
-    call alone, after the import)."""
+    call alone, after the import). A cluster replay runs with ``DYN_LOG=warn``: its KV router
+    logs every routing decision at INFO, and writing those is not what is being timed."""
     cmd = [sys.executable, __file__, str(trace), str(g1)]
     if not explicit:
         cmd.append("--defaults")
     if requests is not None:
         cmd += ["--requests", str(requests)]
-    return timed(cmd)
+    env = None
+    if cluster is not None:
+        cmd += ["--workers", str(cluster.workers), "--router", cluster.router]
+        cmd += ["--arrival-speedup", repr(cluster.arrival_speedup)]
+        env = {"DYN_LOG": "warn"}
+    return timed(cmd, env)
 
 
-def kvledger_command(trace: Path, g1: int, requests: int | None) -> list[str]:
+def kvledger_command(
+    trace: Path, g1: int, requests: int | None, cluster: Cluster | None = None
+) -> list[str]:
     cmd = [sys.executable, "-m", "kvledger.cli", "simulate", "--trace", str(trace)]
     cmd += ["--g1-blocks", str(g1), "--dynamo", "--no-log", "--json"]
     if requests is not None:
         cmd += ["--requests", str(requests)]
+    if cluster is not None:
+        cmd += ["--workers", str(cluster.workers), "--router", cluster.router]
+        cmd += ["--arrival-speedup", repr(cluster.arrival_speedup), "--seed", str(cluster.seed)]
     return cmd
 
 
@@ -147,10 +196,17 @@ def warm_up(trace: Path) -> None:
     timed(kvledger_command(trace, 4096, 1))
 
 
-def run_kvledger(trace: Path, g1: int, requests: int | None) -> tuple[float, dict[str, Any]]:
+def run_kvledger(
+    trace: Path, g1: int, requests: int | None, cluster: Cluster | None = None
+) -> tuple[float, dict[str, Any]]:
     """``kvledger simulate --dynamo --no-log`` as a fresh process: its wall time and figures,
     under the names ``dynamo_child`` gives Dynamo's (``loop_s``: its engine loop alone)."""
-    wall, s = timed(kvledger_command(trace, g1, requests))
+    wall, out = timed(kvledger_command(trace, g1, requests, cluster))
+    if cluster is not None:  # the cluster's figures, beside the process's CPU time
+        s = {**out["cluster"], "cpu_s": out["cpu_s"]}
+        s.setdefault("preemptions", 0)
+    else:
+        s = out
     return wall, {
         "ttft_p50": s["ttft_ms_p50"],
         "ttft_p99": s["ttft_ms_p99"],
@@ -170,8 +226,14 @@ def main() -> None:
     parser.add_argument("blocks", type=int)
     parser.add_argument("--defaults", action="store_true", help="only block size and count")
     parser.add_argument("--requests", type=int)
+    parser.add_argument("--workers", type=int, help="a multi-worker replay of N workers")
+    parser.add_argument("--router", default="round_robin", help="round_robin or kv")
+    parser.add_argument("--arrival-speedup", type=float, default=1.0)
     args = parser.parse_args()
-    dynamo_child(args.trace, args.blocks, not args.defaults, args.requests)
+    cluster = None
+    if args.workers is not None:
+        cluster = Cluster(args.workers, args.router, args.arrival_speedup)
+    dynamo_child(args.trace, args.blocks, not args.defaults, args.requests, cluster)
 
 
 if __name__ == "__main__":

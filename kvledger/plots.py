@@ -441,3 +441,129 @@ def report_figure(out: dict[str, Any]) -> Any:
     )
     fig.tight_layout(rect=(0, 0, 1, 0.94))
     return fig
+
+
+def _series_label(run: dict[str, Any]) -> str:
+    """A cluster run's line: its router, and its tiers and G4 when they are not G1 alone."""
+    c = run["cluster"]
+    label = str(c["router"])
+    tiers = [f"{t} {n}" for t, n in run.get("capacity", {}).items() if n and t != "G1"]
+    if tiers:
+        label += " + " + " ".join(tiers)
+    if c.get("g4"):
+        label += " + G4"
+    if c.get("feed") and c.get("feed") != "memory":
+        label += f", {c['feed']} feed"
+    if c.get("feed_delay_ms"):
+        label += f" +{c['feed_delay_ms']:g} ms"
+    return label
+
+
+def _seconds(value: float) -> str:
+    if value >= 10:
+        return f"{value:.0f} s"
+    return f"{value:.1f} s" if value >= 1 else f"{value:.2f} s"
+
+
+def plot_cluster(runs: list[dict[str, Any]], path: str | Path, *, title: str) -> Path:
+    """``simulate --workers ... --plot`` and ``whatif FOLDER --plot``: TTFT (p50 solid, p99
+    dashed) and prefix hit rate against the number of workers, one colour per router (and
+    tier set); with a single run, requests and hit rate per worker instead of lines."""
+    path = _check_png(path)
+    plt = _pyplot()
+    first = runs[0]
+    tiers = " ".join(f"{t} {n}" for t, n in first.get("capacity", {}).items() if n)
+    if first["cluster"].get("g4"):
+        tiers += " + G4 (peers' G2)"
+    subtitle = (
+        f"{first.get('workload', '')}; per worker {tiers} blocks of {first['block_size']} "
+        f"tokens; {first.get('engine_model', '')}"
+    ).strip("; ")
+    if len(runs) == 1:
+        return _plot_one_cluster(plt, first, path, title=title, subtitle=subtitle)
+    series: dict[str, list[dict[str, Any]]] = {}
+    for run in runs:
+        series.setdefault(_series_label(run), []).append(run["cluster"])
+    fig, (ax_ttft, ax_hit) = plt.subplots(1, 2, figsize=(12, 5.2))
+    workers = sorted({c["workers"] for points in series.values() for c in points})
+    for i, (name, points) in enumerate(series.items()):
+        color = f"C{i}"
+        points.sort(key=lambda c: c["workers"])
+        xs = [c["workers"] for c in points]
+        p50 = [c.get("ttft_ms_p50", float("nan")) / 1e3 for c in points]
+        p99 = [c.get("ttft_ms_p99", float("nan")) / 1e3 for c in points]
+        ax_ttft.plot(xs, p50, marker="o", color=color, label=f"{name}: p50")
+        ax_ttft.plot(xs, p99, marker="^", ls="--", color=color, alpha=0.7, label=f"{name}: p99")
+        below = -11 if i % 2 == 0 else 5  # alternate sides: lines that meet stay readable
+        for x, y in zip(xs, p50, strict=True):
+            ax_ttft.annotate(_seconds(y), (x, y), textcoords="offset points", xytext=(6, below),
+                             ha="left", fontsize=8, color=color, weight="bold")  # fmt: skip
+        hits = [100 * c["hit_rate"] for c in points]
+        ax_hit.plot(xs, hits, marker="o", color=color, label=name)
+        _label_points(ax_hit, xs, hits, color)
+    ax_ttft.set_yscale("log")
+    ax_ttft.set_ylabel("time to first token (s, log scale)")
+    ax_hit.set_ylabel("prefix hit rate (% of prompt blocks, all tiers)")
+    ax_hit.set_ylim(*fitted_range([100 * c["hit_rate"] for p in series.values() for c in p]))
+    for ax in (ax_ttft, ax_hit):
+        ax.set_xticks(workers, [str(w) for w in workers])
+        ax.set_xlabel("workers")
+        ax.grid(alpha=0.3, which="both")
+        ax.legend(fontsize=8, loc="best")
+    _title(fig, title, subtitle)
+    fig.tight_layout(rect=(0, 0, 1, 0.93))
+    _save(fig, path)
+    plt.close(fig)
+    return path
+
+
+def _plot_one_cluster(
+    plt: Any, run: dict[str, Any], path: Path, *, title: str, subtitle: str
+) -> Path:
+    """One cluster run: requests and TTFT per worker, and each worker's hit rate by tier."""
+    c = run["cluster"]
+    workers = run["per_worker"]
+    names = [str(w["worker_id"]) for w in workers]
+    fig, (ax_load, ax_hit) = plt.subplots(1, 2, figsize=(12, 5.2))
+    xs = list(range(len(workers)))
+    ax_load.bar(xs, [w["requests"] for w in workers], color="C0", alpha=0.75, label="requests")
+    ax_load.set_ylabel("requests routed", color="C0")
+    ax_ttft = ax_load.twinx()
+    ax_ttft.plot(xs, [w.get("ttft_ms_p50", 0) / 1e3 for w in workers], "o-", color="C3",
+                 label="TTFT p50")  # fmt: skip
+    ax_ttft.plot(xs, [w.get("ttft_ms_p99", 0) / 1e3 for w in workers], "^--", color="C3",
+                 alpha=0.7, label="TTFT p99")  # fmt: skip
+    ax_ttft.set_ylabel("time to first token (s)", color="C3")
+    ax_ttft.legend(fontsize=8, loc="upper right")
+    ax_load.set_title(
+        f"{c['router']} router: load imbalance {c['load_imbalance']:.2f} (busiest / mean)",
+        fontsize=10,
+    )
+    bottom = [0.0] * len(workers)
+    for i, tier in enumerate(("G1", "G2", "G3", "G4")):
+        shares = [
+            100 * w["hits_by_tier"].get(tier, 0) / max(w["blocks_requested"], 1) for w in workers
+        ]
+        if any(shares):
+            ax_hit.bar(xs, shares, bottom=bottom, color=f"C{i}", label=f"{tier} hits")
+            bottom = [b + s for b, s in zip(bottom, shares, strict=True)]
+    for x, total in zip(xs, bottom, strict=True):
+        ax_hit.annotate(f"{total:.1f}%", (x, total), textcoords="offset points", xytext=(0, 3),
+                        ha="center", fontsize=8, weight="bold")  # fmt: skip
+    ax_hit.set_ylabel("prefix hit rate (% of the worker's prompt blocks)")
+    ax_hit.set_title(
+        f"cluster: TTFT p50 {c.get('ttft_ms_p50', 0) / 1e3:.2f} s, p99 "
+        f"{c.get('ttft_ms_p99', 0) / 1e3:.2f} s, hit rate {100 * c['hit_rate']:.1f}%",
+        fontsize=10,
+    )
+    ax_hit.legend(fontsize=8, loc="lower right")
+    ax_hit.set_ylim(0, max([*bottom, 1.0]) * 1.15)
+    for ax in (ax_load, ax_hit):
+        ax.set_xticks(xs, names)
+        ax.set_xlabel("worker")
+        ax.grid(alpha=0.3, axis="y")
+    _title(fig, title, subtitle)
+    fig.tight_layout(rect=(0, 0, 1, 0.93))
+    _save(fig, path)
+    plt.close(fig)
+    return path

@@ -734,6 +734,65 @@ class RouterIndex:
             self._record(depths, alive, depth)
         return depths
 
+    def tier_reach(self, sequence_hashes: Sequence[int]) -> dict[WorkerKey, list[int]]:
+        """For each holder, how far the prompt's leading blocks reach on its faster tiers:
+        ``[G1, G1 or G2, G1 to G3, G1 to G4]``, each the number of leading blocks held, without
+        a hole, on one of those tiers.
+
+        A router that weighs hits by tier wants this rather than ``find_matches``: a prefix
+        whose first blocks are on G1 and the rest on G2 (G1 evicted them, write-through had
+        copied them) is reused whole, the G1 part at GPU speed and the rest as host hits, while
+        each tier alone holds only a piece of it.
+        """
+        hashes = sequence_hashes if isinstance(sequence_hashes, list) else list(sequence_hashes)
+        node_of = self._node_of
+        owners = self._owners
+        slots = (len(owners) + _TIERS - 1) // _TIERS
+        lowest = sum(1 << (slot * _TIERS) for slot in range(slots))  # each slot's G1 bit
+        reach: dict[WorkerKey, list[int]] = {}
+        alive = [0] * _TIERS  # per level, the slots (their lowest bit) still reaching
+        depth, n = 0, len(hashes)
+        while depth < n:
+            seq = hashes[depth]
+            node = node_of.get(seq)
+            bits, step = 0, 1
+            if node is not None:
+                bits, run = node.bits, node.seqs
+                at = 0 if run[0] == seq else run.index(seq)
+                step = min(len(run) - at, n - depth)
+                if step > 1 and run[at : at + step] != hashes[depth : depth + step]:
+                    step = _common(run, at, hashes, depth, step)
+            held = 0
+            any_alive = False
+            for level in range(_TIERS):
+                held |= (bits >> level) & lowest
+                still = held if not depth else alive[level] & held
+                if depth and still != alive[level]:
+                    self._reached(reach, alive[level] ^ still, level, depth)
+                alive[level] = still
+                any_alive = any_alive or bool(still)
+            if not any_alive:
+                return reach
+            depth += step
+        for level in range(_TIERS):
+            if alive[level]:
+                self._reached(reach, alive[level], level, depth)
+        return reach
+
+    def _reached(
+        self, reach: dict[WorkerKey, list[int]], ended: int, level: int, depth: int
+    ) -> None:
+        """``depth`` at ``level`` for every slot whose lowest bit is set in ``ended``."""
+        owners = self._owners
+        while ended:
+            low = ended & -ended
+            key = owners[low.bit_length() - 1][0]
+            levels = reach.get(key)
+            if levels is None:
+                levels = reach[key] = [0] * _TIERS
+            levels[level] = depth
+            ended ^= low
+
     def _record(self, depths: Depths, ended: int, depth: int) -> None:
         """``depth`` for every slot whose bit is set in ``ended``."""
         owners = self._owners

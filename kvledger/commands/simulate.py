@@ -30,6 +30,8 @@ from kvledger.commands.args import (
     positive_float,
     positive_int,
 )
+from kvledger.commands.cluster_args import add_cluster_args
+from kvledger.commands.runlog import lookup_recorder, open_log, replay_matches
 from kvledger.config import Settings
 from kvledger.events.types import AnyEvent, lookup_stream
 from kvledger.mocker.cache import SimulatedCache
@@ -45,14 +47,11 @@ from kvledger.mocker.traces import (
 )
 from kvledger.progress import Progress
 from kvledger.registry.emitter import EventEmitter
-from kvledger.registry.lookups import LookupRecorder
 from kvledger.registry.policies import POLICY_NAMES
-from kvledger.registry.state import RegistryState
 from kvledger.registry.tiered import OFFLOAD_FILTERS, TieredRegistry
 
 if TYPE_CHECKING:  # the log and metrics modules load SQLAlchemy, numpy, prometheus: only
     # a run that uses them pays for importing them (a --no-log run starts twice as fast)
-    from kvledger.events.log import EventLog
     from kvledger.events.shared.zmq_publish import ZmqPublisher
     from kvledger.metrics import Metrics
 
@@ -164,7 +163,16 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     )
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     p.add_argument(
-        "--plot", metavar="FILE.png", type=output_file, help="chart hit rate and tier occupancy"
+        "--plot",
+        metavar="FILE.png",
+        type=output_file,
+        help="chart hit rate and tier occupancy (a cluster: TTFT and hit rate per run)",
+    )
+    p.add_argument(
+        "--arrival-speedup",
+        type=positive_float,
+        metavar="X",
+        help="requests arrive X times faster than the trace says (Dynamo's arrival_speedup_ratio)",
     )
     p.add_argument("--metrics-port", type=port, metavar="N", help="serve kvbm_* metrics on N")
     p.add_argument(
@@ -181,6 +189,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         type=output_file,
         help="write the final live state for `kvledger replay LOG --verify FILE`",
     )
+    add_cluster_args(p)
     p.set_defaults(func=run)
 
 
@@ -238,9 +247,16 @@ def load_workload(args: argparse.Namespace, settings: Settings) -> tuple[list[Tr
             requests = load_mooncake(args.trace)
         if args.requests is not None:
             requests = sorted(requests, key=lambda r: r.arrival_ms)[: args.requests]
-        return requests, Path(args.trace).name
-    count = args.requests if args.requests is not None else SYNTHETIC_REQUESTS
-    return synthetic(count, block_size=settings.block_size), "built-in synthetic workload"
+        name = Path(args.trace).name
+    else:
+        count = args.requests if args.requests is not None else SYNTHETIC_REQUESTS
+        requests = synthetic(count, block_size=settings.block_size)
+        name = "built-in synthetic workload"
+    speedup = getattr(args, "arrival_speedup", None)
+    if speedup is not None and speedup != 1:
+        requests = [r._replace(arrival_ms=r.arrival_ms / speedup) for r in requests]
+        name += f" (arrivals x{speedup:g})"
+    return requests, name
 
 
 def build_cache(
@@ -259,30 +275,6 @@ def build_cache(
     from kvledger.mocker.metered import MeteredCache
 
     return MeteredCache(registry, metrics)
-
-
-def lookup_recorder(
-    log: EventLog, settings: Settings, clock: Callable[[], float]
-) -> LookupRecorder:
-    """Lookup records to ``log``, numbered on from the worker's earlier ones, starting with
-    the run's settings."""
-    worker = settings.worker_id
-    recorder = LookupRecorder(
-        log.append,
-        worker_id=worker,
-        dp_rank=settings.dp_rank,
-        first_id=log.last_event_id(lookup_stream(worker)) + 1,
-        clock=clock,
-    )
-    recorder.run(
-        g1_blocks=settings.g1_blocks,
-        g2_blocks=settings.g2_capacity,
-        g3_blocks=settings.g3_capacity,
-        block_size=settings.block_size,
-        policy=settings.eviction_policy,
-        offload_filter=settings.offload_filter,
-    )
-    return recorder
 
 
 def engine_clock(args: argparse.Namespace) -> SimClock | None:
@@ -330,36 +322,6 @@ def _bound(publisher: ZmqPublisher) -> str:
     return f"{publisher.endpoint} (replay: {publisher.replay_endpoint})"
 
 
-def _open_log(url: str, settings: Settings, default: bool) -> EventLog:
-    """The run's log; the data folder is made for the default one (``default``), while a
-    log given by ``--log`` needs its folder to exist."""
-    import sqlalchemy as sa
-
-    from kvledger.events.log import EventLog
-
-    try:
-        if default:
-            settings.prepare_log_folder()
-        return EventLog(url, **settings.event_log_options())
-    except sa.exc.ArgumentError as exc:  # unparsable URL, unknown driver
-        raise ValueError(f"cannot open the event log {url!r}: {exc}") from None
-
-
-def _replay_matches(
-    url: str, worker: int, live: RegistryState, note: Callable[[str], None]
-) -> bool:
-    """Replay the log and compare this worker's part of it with the live state."""
-    from kvledger.events.log.replay import replay
-
-    replayed = replay(url)
-    mine = RegistryState.from_mapping({k: v for k, v in replayed.tiers.items() if k[0] == worker})
-    if mine == live:
-        return True
-    for line in mine.diff(live)[:10]:
-        note(f"replay differs: {line}")
-    return False
-
-
 def simulate(args: argparse.Namespace, note: Callable[[str], None]) -> Outcome:
     settings = settings_from_args(args)
     requests, workload = load_workload(args, settings)
@@ -377,7 +339,7 @@ def simulate(args: argparse.Namespace, note: Callable[[str], None]) -> Outcome:
 
         url = database_url(args.log) if args.log else settings.log_url
         shown = shown_url(url)
-        log = _open_log(url, settings, default=not args.log)
+        log = open_log(url, settings, default=not args.log)
     zmq_publisher: ZmqPublisher | None = None
     try:
         sinks: list[Callable[[AnyEvent], None]] = [] if log is None else [log.append]
@@ -455,7 +417,7 @@ def simulate(args: argparse.Namespace, note: Callable[[str], None]) -> Outcome:
                 zmq_publisher.close()
 
     live = cache.registry.state()
-    replay_ok = log is None or _replay_matches(url, worker, live, note)
+    replay_ok = log is None or replay_matches(url, worker, live, note)
     if args.dump_state:
         from kvledger.events.log.replay import save_state
 
@@ -588,6 +550,13 @@ def print_table(s: dict[str, Any], out: TextIO | None = None) -> None:
 def run(args: argparse.Namespace) -> int:
     def note(message: str) -> None:
         print(f"kvledger simulate: {message}", file=sys.stderr)
+
+    if args.workers:
+        from kvledger.commands.cluster import run_command  # only a cluster run pays for it
+
+        settings = settings_from_args(args)
+        requests, workload = load_workload(args, settings)
+        return run_command(args, settings, requests, workload, note)
 
     outcome = simulate(args, note)
     if args.json:

@@ -26,10 +26,12 @@ from kvledger.commands.args import (
     output_file,
     positive_ints,
 )
+from kvledger.commands.cluster_args import is_cluster_folder
 from kvledger.commands.simulate import POLICIES
 from kvledger.events.log import EventLog
 from kvledger.events.log.schema import database_url, shown_url
 from kvledger.mocker.rerun import CacheSettings, alternatives, ceiling, load_run, recorded, rerun
+from kvledger.mocker.router import ROUTERS
 from kvledger.progress import Progress
 from kvledger.registry.tiered import OFFLOAD_FILTERS
 
@@ -41,8 +43,25 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("log", metavar="LOG", type=log_location, help="event log: SQLite file or URL")
+    p.add_argument(
+        "log",
+        metavar="LOG",
+        type=log_or_cluster,
+        help="event log (SQLite file or URL), or a cluster run's log folder",
+    )
     p.add_argument("--worker", type=non_negative_int, metavar="N", help="whose lookups")
+    p.add_argument(
+        "--workers",
+        type=positive_ints,
+        metavar="N[,N...]",
+        help="a cluster folder: re-run the cluster with N workers",
+    )
+    p.add_argument(
+        "--router",
+        type=choices(ROUTERS),
+        metavar="|".join(ROUTERS),
+        help="a cluster folder: re-run the cluster with this router",
+    )
     p.add_argument("--g1-blocks", type=positive_ints, metavar="N[,N...]")
     p.add_argument("--g2-blocks", type=non_negative_ints, metavar="N[,N...]", help="0: no G2")
     p.add_argument("--g3-blocks", type=non_negative_ints, metavar="N[,N...]", help="0: no G3")
@@ -55,6 +74,13 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     p.add_argument("--plot", metavar="FILE.png", type=output_file, help="chart the hit rates")
     p.set_defaults(func=run)
+
+
+def log_or_cluster(text: str) -> str:
+    """An event log, or a cluster run's log folder (one log per worker and its manifest)."""
+    if is_cluster_folder(text):
+        return text
+    return log_location(text)
 
 
 def whatif(args: argparse.Namespace) -> dict[str, Any]:
@@ -187,6 +213,28 @@ def print_table(out: dict[str, Any], file: TextIO | None = None) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if is_cluster_folder(args.log):
+        if args.policy or args.offload_filter or args.since or args.until or args.worker:
+            raise ValueError(
+                "a cluster folder is re-run whole: --workers, --router and the tier sizes "
+                "apply to it; --worker, --policy, --offload-filter, --since and --until "
+                "apply to one worker's log (give LOG/worker-N.db)"
+            )
+        from kvledger.commands.cluster import print_whatif_cluster, whatif_cluster
+
+        cluster = whatif_cluster(args)
+        if args.plot:
+            from kvledger.plots import plot_cluster
+
+            plot_cluster(cluster["runs"], args.plot, title=f"kvledger whatif: {args.log}")
+            cluster["plot"] = args.plot
+        if args.json:
+            print(json.dumps(cluster, sort_keys=True))
+        else:
+            print_whatif_cluster(cluster)
+        return 0 if cluster["baseline_reproduces"] or cluster["feed_recorded"] != "memory" else 1
+    if args.workers or args.router:
+        raise ValueError("--workers and --router re-run a cluster: give its log folder")
     out = whatif(args)
     if args.json:
         print(json.dumps(out, sort_keys=True))

@@ -212,6 +212,12 @@ class MockEngine:
         self.tpot_ms: list[float] = []
         #: called after every step with what it did (tests, traces)
         self.on_step: Callable[[StepRecord], None] | None = None
+        #: called with a sequence when its first token is out (a cluster's router hears it)
+        self.on_first_token: Callable[[_Sequence], None] | None = None
+        #: where blocks a peer worker holds come from (G4): given a prompt's sequence hashes
+        #: and how many leading ones are cached here, how many of the next ones a peer can
+        #: send, and what copying them costs in ms (None: no peers)
+        self.peers: Callable[[list[int], int], tuple[int, float]] | None = None
         #: advance quietly decoding sequences in aggregate and take runs of pure-decode steps
         #: at once (False: the step-by-step reference, touching every sequence every step)
         self.decode_ahead = True
@@ -404,6 +410,8 @@ class MockEngine:
             if s.first_token_ms is None:
                 s.first_token_ms = self.clock.now_ms
                 stats.ttft_ms.append(self.clock.now_ms - s.req.arrival_ms)
+                if self.on_first_token is not None:
+                    self.on_first_token(s)
             if s.generated >= s.output_length:
                 done.append(s)
         if done:
@@ -417,18 +425,27 @@ class MockEngine:
 
     def _dynamo_step_ms(self, batch: list[tuple[_Sequence, int]], context: int = 0) -> float:
         """Dynamo's pass cost: prefill on the uncached prompt tokens computed, plus decode over
-        the context of the sequences that sample a token in this pass (``context``: that of
-        the parked ones, which are not in ``batch``)."""
+        the context of the sequences that decode in this pass (``context``: that of the
+        parked ones, which are not in ``batch``). A sequence whose prompt ends in this pass
+        samples its first token but counts as prefill, not decode, as in Dynamo's mocker."""
         timing = self.config.timing
         assert timing is not None
-        prompt_tokens = 0
+        prefilling = ends = starts = 0
         for s, n in batch:
             before = s.computed
             prompt = s.req.input_length
             if before < prompt:
-                prompt_tokens += min(before + n, prompt) - before
-            if before + n >= s.tokens:
+                prefilling += 1
+                starts += before
+                ends += min(before + n, prompt)
+            elif before + n >= s.tokens:
                 context += s.tokens
+        if prefilling > 1:
+            # Dynamo charges a batch of prompt chunks as that many chunks from the mean start
+            # to the mean end, each mean in whole tokens
+            prompt_tokens = prefilling * (ends // prefilling - starts // prefilling)
+        else:
+            prompt_tokens = ends - starts
         step_ms = timing.prefill_ms(prompt_tokens)
         if context:
             step_ms += timing.decode_ms(context, self._capacity_tokens)
@@ -508,10 +525,6 @@ class MockEngine:
             self._grow_hashes(s, prompt_blocks)
         hashes, local = s.seq[:prompt_blocks], s.local[:prompt_blocks]
         probe = cache.registry.match(hashes)
-        cached = min(probe.total * bs, s.tokens - 1)
-        upto = cached + min(budget, s.tokens - cached)
-        need = -(-upto // bs)
-        limit = max(need, probe.total)
         if whole_prompt:
             # Dynamo: the whole uncached prompt must fit in free or evictable blocks now;
             # cached blocks nobody holds are not evictable for it (it is about to use them)
@@ -521,7 +534,14 @@ class MockEngine:
                 after = hashes[probe.g1] if probe.g1 < prompt_blocks else None
                 self._refused = (s.index, room, after)
                 return None
-        elif others_run:
+        remote, remote_ms = 0, 0.0
+        if self.peers is not None and probe.total < prompt_blocks:
+            remote, remote_ms = self.peers(hashes, probe.total)
+        cached = min((probe.total + remote) * bs, s.tokens - 1)
+        upto = cached + min(budget, s.tokens - cached)
+        need = -(-upto // bs)
+        limit = max(need, probe.total)
+        if others_run and not whole_prompt:
             # keep a fraction of G1 free for the running sequences' next blocks
             spare = g1.num_free + g1.num_inactive - (limit - probe.g1)
             if spare < self.config.watermark * g1.capacity:
@@ -533,7 +553,11 @@ class MockEngine:
         copy_ms = 0.0
         for src, n in admission.onboarded.items():
             copy_ms += self.config.bandwidth.copy_ms(src, Tier.G1, n)
-        s.computed = min(admission.hit_blocks * bs, s.tokens - 1)
+        if remote:
+            # a peer's blocks, registered here as they land: copied, not computed
+            remote = max(0, min(remote, admission.placed - admission.hit_blocks))
+            copy_ms += remote_ms
+        s.computed = min((admission.hit_blocks + remote) * bs, s.tokens - 1)
         n = min(budget, s.tokens - s.computed)
         if admission.placed < -(-(s.computed + n) // bs):
             cache.finish(admission)  # G1 is full of running sequences' blocks: wait
@@ -544,7 +568,7 @@ class MockEngine:
         self.reused_tokens += min(s.computed, s.req.input_length)
         if not s.recorded:
             s.recorded = True
-            stats.record(s.req, admission, bs, prompt_blocks)
+            stats.record(s.req, admission, bs, prompt_blocks, remote=remote)
             # the engine places the rest of the prompt chunk by chunk, never leaves it out
             stats.blocks_unplaced -= prompt_blocks - admission.placed
         return s, n, copy_ms

@@ -142,15 +142,25 @@ class SimStats:
     extra: dict[str, Any] = field(default_factory=dict)
 
     def record(
-        self, req: TraceRequest, admission: Admission, block_size: int, n_blocks: int
+        self,
+        req: TraceRequest,
+        admission: Admission,
+        block_size: int,
+        n_blocks: int,
+        *,
+        remote: int = 0,
     ) -> None:
+        """Count a request's first admission; ``remote``: blocks a peer sent after the
+        cached prefix (G4 hits)."""
         self.requests += 1
         self.blocks_requested += n_blocks
-        hit = admission.hit_blocks
+        hit = admission.hit_blocks + remote
         self.blocks_hit += hit
         self.hits_by_tier[Tier.G1] += admission.match.g1
         for tier, n in admission.onboarded.items():
             self.hits_by_tier[tier] += n
+        if remote:
+            self.hits_by_tier[Tier.G4] += remote
         self.tokens_requested += req.input_length
         self.tokens_hit += min(hit * block_size, req.input_length)
         self.blocks_unplaced += n_blocks - admission.placed
