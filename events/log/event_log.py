@@ -145,6 +145,7 @@ class EventLog(LogCore):
                     f"{shown_url(self.url)} holds no event log; run "
                     f"`kvledger db upgrade --url '{shown_url(self.url)}'` or open it for writing"
                 )
+            # Alembic's command machinery: only a blank database needs it
             from kvledger.migrations.runner import upgrade
 
             upgrade(self.url, connection=conn)

@@ -20,7 +20,7 @@ from kvledger.migrations import runner
 
 
 def default_url() -> str:
-    from kvledger.config import Settings
+    from kvledger.config import Settings  # pydantic-settings: only when --url is left out
 
     return Settings.load().log_url
 
