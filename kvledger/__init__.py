@@ -14,7 +14,7 @@ __path__ = __import__("pkgutil").extend_path(__path__, __name__)
 
 from typing import TYPE_CHECKING
 
-from kvledger.extras import missing_extra
+from kvledger.extras import missing_extra as _missing_extra
 
 __version__ = "0.1.0"
 
@@ -88,7 +88,7 @@ def __getattr__(name: str) -> object:
     try:
         value = getattr(import_module(home), name)
     except ModuleNotFoundError as exc:
-        message = missing_extra(exc, needed_by=f"kvledger.{name}")
+        message = _missing_extra(exc, needed_by=f"kvledger.{name}")
         if message is None:
             raise
         raise ModuleNotFoundError(message, name=exc.name) from None

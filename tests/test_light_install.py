@@ -94,8 +94,6 @@ def _free_port() -> int:
 def test_the_light_install_has_no_torch(light: Path, tmp_path: Path) -> None:
     missing = _run(light, "python", "-c", "import torch", cwd=tmp_path, check=False)
     assert missing.returncode == 1 and "No module named 'torch'" in missing.stderr
-    listed = _run(light, "python", "-m", "pip", "--version", cwd=tmp_path, check=False)
-    assert listed.returncode != 0  # no pip either: only what kvledger's install brought
     imported = _run(
         light,
         "python",
