@@ -42,6 +42,12 @@ from kvledger.events.types import (
     Stored,
     Tier,
 )
+from kvledger.registry.hashing import (
+    block_seed,
+    local_hashes,
+    names_plain_block,
+    token_bytes,
+)
 
 VLLM_MEDIA: Mapping[Tier, str] = {Tier.G1: "GPU", Tier.G2: "CPU", Tier.G3: "STORAGE"}
 """vLLM's medium names (``MEDIUM_GPU``, ``MEDIUM_CPU``, ``MEDIUM_STORAGE``); Dynamo's indexer
@@ -59,8 +65,6 @@ _CLEARED = _pack({"type": "AllBlocksCleared"})
 
 def _plain(blocks: Sequence[tuple[int, int]], tokens: Sequence[Sequence[int]]) -> bool:
     """Whether every block's tokens hash to its local hash with no LoRA name or salt."""
-    from kvledger.registry.hashing import names_plain_block, token_bytes
-
     return all(
         names_plain_block(token_bytes(ids), local)
         for (_, local), ids in zip(blocks, tokens, strict=True)
@@ -315,8 +319,6 @@ def _hash(value: object) -> int:
 def local_hashes_of(event: Mapping[str, Any]) -> list[int]:
     """The local hash of each block of a ``BlockStored``, recomputed from its token ids and
     LoRA name as Dynamo does (the engine's block hashes name prefixes, not tokens)."""
-    from kvledger.registry.hashing import block_seed, local_hashes
-
     hashes = event.get("block_hashes") or []
     tokens = event.get("token_ids") or []
     size = event.get("block_size")

@@ -2,7 +2,8 @@
 
 The public API is what ``__all__`` lists: ``from kvledger import BlockManager, Settings, ...``.
 Each name is imported on first use, so importing kvledger for its CLI or settings does not
-pay for torch.
+pay for torch; in an install without torch (``pip install kvledger``, no ``torch`` extra) the
+names that hold KV bytes (``BlockManager``, the layouts) say which extra to install.
 """
 
 # The subpackages registry/, tiers/, events/ and migrations/ live in top-level folders of the
@@ -12,6 +13,8 @@ pay for torch.
 __path__ = __import__("pkgutil").extend_path(__path__, __name__)
 
 from typing import TYPE_CHECKING
+
+from kvledger.extras import missing_extra as _missing_extra
 
 __version__ = "0.1.0"
 
@@ -26,6 +29,8 @@ _HOMES = {
     "PoolExhausted": "kvledger.registry.errors",
     "PoolBusy": "kvledger.registry.errors",
     "G3InUse": "kvledger.tiers.disk.lock",
+    "BlockShape": "kvledger.tiers.layout",
+    "LayerSeparate": "kvledger.tiers.layout",
     "Tier": "kvledger.events.types",
     "AnyEvent": "kvledger.events.types",
     "MatchResult": "kvledger.registry.tiered",
@@ -38,10 +43,12 @@ _HOMES = {
 __all__ = [
     "AnyEvent",
     "BlockManager",
+    "BlockShape",
     "EventLog",
     "G3InUse",
     "G3Recovery",
     "G4Link",
+    "LayerSeparate",
     "MatchResult",
     "Metrics",
     "PoolBusy",
@@ -66,6 +73,7 @@ if TYPE_CHECKING:
     from kvledger.registry.state import RegistryState
     from kvledger.registry.tiered import MatchResult
     from kvledger.tiers.disk.lock import G3InUse
+    from kvledger.tiers.layout import BlockShape, LayerSeparate
 
 
 assert set(__all__) == set(_HOMES)
@@ -77,7 +85,13 @@ def __getattr__(name: str) -> object:
         raise AttributeError(f"module 'kvledger' has no attribute {name!r}")
     from importlib import import_module
 
-    value = getattr(import_module(home), name)
+    try:
+        value = getattr(import_module(home), name)
+    except ModuleNotFoundError as exc:
+        message = _missing_extra(exc, needed_by=f"kvledger.{name}")
+        if message is None:
+            raise
+        raise ModuleNotFoundError(message, name=exc.name) from None
     globals()[name] = value  # later look-ups skip this function
     return value
 

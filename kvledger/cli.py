@@ -15,6 +15,8 @@ import sys
 import warnings
 from collections.abc import Callable, Sequence
 
+from kvledger.extras import missing_extra
+
 COMMAND_MODULES = (
     "kvledger.commands.demo",
     "kvledger.commands.worker",
@@ -77,11 +79,16 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def operator_error(exc: Exception, where: str | None = None) -> str | None:
     """The message for an error an operator can fix (bad settings, flags or input files, a
-    database or Redis that is missing or down, a full disk); None for anything else.
+    database or Redis that is missing or down, a full disk, an optional dependency this install
+    lacks); None for anything else.
 
     ``where`` names the log or database the command was given, for messages from the database
     driver that do not say which database they mean.
     """
+    missing = missing_extra(exc)  # an optional dependency this install lacks
+    if missing is not None:
+        return missing
+    # here, not at start-up: only an error needs them (`kvledger --help` loads none)
     import redis
     import sqlalchemy as sa
     from alembic.util import CommandError
@@ -117,7 +124,8 @@ def operator_error(exc: Exception, where: str | None = None) -> str | None:
 
 
 def _database_message(exc: Exception, where: str | None) -> str:
-    import sqlite3  # here, not at start-up: only a database error needs it
+    # here, not at start-up: only a database error needs them
+    import sqlite3
 
     import sqlalchemy as sa
 

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from kvledger.events.files import open_private
+from kvledger.mocker.rerun import CacheSettings
 from kvledger.mocker.stats import SimStats
 from kvledger.report import percent
 
@@ -235,8 +236,6 @@ def plot_hit_rate_lines(
 
 def plot_whatif(out: dict[str, Any], path: str | Path) -> Path:
     """``kvledger whatif --plot``: what the run had against each re-run."""
-    from kvledger.mocker.rerun import CacheSettings
-
     rec = out["recorded"]
     base = CacheSettings(**rec["settings"])
     subtitle = (

@@ -1,4 +1,7 @@
-"""Run the event-log migrations programmatically (what ``kvledger db`` and a fresh log use)."""
+"""Run the event-log migrations programmatically (what ``kvledger db`` and a fresh log use).
+
+Every ``url`` is a SQLAlchemy URL (callers turn a SQLite path into one first).
+"""
 
 from __future__ import annotations
 
@@ -8,9 +11,9 @@ import sqlalchemy as sa
 from alembic import command
 from alembic.config import Config
 from alembic.script import ScriptDirectory
+from alembic.util import CommandError
 
-from kvledger.events.log.engine import prepare_sqlite_file
-from kvledger.events.log.schema import database_url, schema_revision
+from kvledger.migrations import revisions
 
 SCRIPT_LOCATION = str(Path(__file__).resolve().parent)
 
@@ -19,15 +22,15 @@ def alembic_config(url: str, connection: sa.Connection | None = None) -> Config:
     cfg = Config()
     cfg.set_main_option("script_location", SCRIPT_LOCATION)
     # ConfigParser treats % as interpolation; URLs may contain escaped characters.
-    cfg.set_main_option("sqlalchemy.url", database_url(url).replace("%", "%%"))
+    cfg.set_main_option("sqlalchemy.url", url.replace("%", "%%"))
     if connection is not None:
         cfg.attributes["connection"] = connection
     return cfg
 
 
 def upgrade(url: str, revision: str = "head", connection: sa.Connection | None = None) -> None:
-    if connection is None:  # a new SQLite file is made readable by its owner only
-        prepare_sqlite_file(database_url(url))
+    """Migrate the database at ``url`` (a new SQLite file is the caller's to create: the log
+    and ``kvledger db upgrade`` make it readable by its owner only, in a folder that exists)."""
     command.upgrade(alembic_config(url, connection), revision)
 
 
@@ -36,12 +39,17 @@ def downgrade(url: str, revision: str) -> None:
 
 
 def current(url: str) -> str | None:
-    engine = sa.create_engine(database_url(url), poolclass=sa.NullPool)
+    """The database's revision; None for a blank database."""
+    engine = sa.create_engine(url, poolclass=sa.NullPool)
     try:
         with engine.connect() as conn:
-            return schema_revision(conn)
+            heads = revisions(conn)
     finally:
         engine.dispose()
+    if len(heads) > 1:
+        shown = sa.make_url(url).render_as_string(hide_password=True)
+        raise CommandError(f"{shown} has several schema heads {heads}; it was migrated by hand")
+    return heads[0] if heads else None
 
 
 def history() -> list[tuple[str, str | None, str]]:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import TypeAlias, TypeVar
+from typing import TYPE_CHECKING, TypeAlias, TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -24,7 +24,9 @@ from kvledger.events.types import (
     Removed,
     Stored,
 )
-from kvledger.registry.state import TierBlocks, TierKey
+
+if TYPE_CHECKING:  # names for annotations only: the state imports this module, not back
+    from kvledger.registry.state import TierBlocks, TierKey
 
 U64: TypeAlias = npt.NDArray[np.uint64]
 Flags: TypeAlias = npt.NDArray[np.bool_]

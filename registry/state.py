@@ -99,6 +99,7 @@ class RegistryState:
         a good part of the tier (or someone reads the state): each merge then costs about
         what its batch does, however large the tier has grown.
         """
+        # numpy only when arrays are used (the module docstring)
         from kvledger.registry.columns import BlockColumns
 
         if key in self._dicts:
@@ -110,6 +111,7 @@ class RegistryState:
             self._merge(key)
 
     def _merge(self, key: TierKey) -> None:
+        # numpy only when arrays are used (the module docstring)
         from kvledger.registry.columns import BlockColumns, concat, fold
 
         batch = concat(self._pending.pop(key))
@@ -126,6 +128,7 @@ class RegistryState:
 
     def iter_columns(self) -> Iterator[tuple[TierKey, BlockColumns]]:
         """Every non-empty tier as arrays, sorted by key; tiers held as dicts stay dicts."""
+        # numpy only when arrays are used (the module docstring)
         from kvledger.registry.columns import BlockColumns
 
         self._settle()

@@ -22,8 +22,8 @@ from services import PG_SERVER_URL, skip_without_postgres
 from kvledger.cli import main
 from kvledger.config import Settings, SettingsError, unknown_variables
 from kvledger.events.log import EventLog
-from kvledger.events.log.schema import VERSION_TABLE
 from kvledger.events.types import Tier
+from kvledger.migrations import VERSION_TABLE
 from kvledger.registry.emitter import EventEmitter
 from kvledger.registry.hashing import TokenBlockSequence
 

@@ -211,6 +211,7 @@ class AsyncEventLog(LogCore):
 
 
 def _upgrade(conn: sa.Connection, url: str) -> None:
+    # Alembic's command machinery: only a blank database needs it
     from kvledger.migrations.runner import upgrade
 
     upgrade(url, connection=conn)

@@ -153,6 +153,7 @@ class EventLog(LogCore):
                     f"`kvledger db upgrade --url '{shown_url(self.url)}'`{paste_note(self.url)} "
                     "or open it for writing"
                 )
+            # Alembic's command machinery: only a blank database needs it
             from kvledger.migrations.runner import upgrade
 
             upgrade(self.url, connection=conn)

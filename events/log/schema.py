@@ -1,19 +1,19 @@
 """The event-log tables, as SQLAlchemy Core metadata.
 
-The log and the migrations both import these definitions; the migrations are the authority on
-what a database holds (``kvledger db upgrade``), and ``SCHEMA_HEAD`` names the revision this
-code reads and writes, so a log opened with a different revision is refused.
+The migrations (``kvledger.migrations``, below the log) are the authority on what a database
+holds (``kvledger db upgrade``); these definitions are what the log's code reads and writes, and
+the tests check that the migrations build them. ``SCHEMA_HEAD`` names the revision this code
+reads and writes, so a log opened with a different revision is refused.
 """
 
 from __future__ import annotations
 
 import sqlalchemy as sa
 
+from kvledger.migrations import revisions
+
 SCHEMA_HEAD = "0002"
 """The Alembic revision these tables correspond to."""
-
-VERSION_TABLE = "kvledger_schema_version"
-"""Alembic's version table, named so that it cannot clash with another application's."""
 
 # SQLite only makes INTEGER PRIMARY KEY an alias of the rowid (cheap appends, ids that grow by
 # one); BIGINT elsewhere so PostgreSQL logs can outgrow 2**31 rows.
@@ -106,6 +106,11 @@ def check_log_url(url: str) -> str:
     try:
         dialect.import_dbapi()
     except ImportError as exc:
+        if parsed.get_backend_name() == "postgresql":
+            raise ValueError(
+                f"{shown}: the {parsed.drivername} driver is not installed ({exc}): pip install "
+                "'kvledger[postgres]'"
+            ) from None
         raise ValueError(
             f"{shown}: the {parsed.drivername} driver is not installed ({exc}); install it, or "
             "use SQLite (sqlite:///path/events.db) or PostgreSQL (postgresql+psycopg://...)"
@@ -115,14 +120,10 @@ def check_log_url(url: str) -> str:
 
 def schema_revision(conn: sa.Connection) -> str | None:
     """The database's Alembic revision; None when it has no version table (or an empty one)."""
-    from alembic.runtime.migration import MigrationContext
-
-    heads = MigrationContext.configure(
-        conn, opts={"version_table": VERSION_TABLE}
-    ).get_current_heads()
+    heads = revisions(conn)
     if len(heads) > 1:
         raise SchemaError(
-            f"the event log has several schema heads {heads}; it was migrated by hand"
+            f"the event log has several schema heads {list(heads)}; it was migrated by hand"
         )
     return heads[0] if heads else None
 

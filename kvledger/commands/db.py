@@ -9,6 +9,7 @@ from pathlib import Path
 import sqlalchemy as sa
 
 from kvledger.commands.args import log_location
+from kvledger.events.log.engine import prepare_sqlite_file
 from kvledger.events.log.schema import (
     KNOWN_REVISIONS,
     SCHEMA_HEAD,
@@ -21,7 +22,7 @@ from kvledger.migrations import runner
 
 
 def default_url() -> str:
-    from kvledger.config import Settings
+    from kvledger.config import Settings  # pydantic-settings: only when --url is left out
 
     return Settings.load().log_url
 
@@ -91,6 +92,7 @@ def upgrade(args: argparse.Namespace) -> int:
         Settings.load().prepare_log_folder()
     if _exists(url):
         _refuse_newer(url)
+    prepare_sqlite_file(url)  # a new SQLite file: the owner's alone, in a folder that exists
     runner.upgrade(url, args.revision)
     print(f"{shown_url(url)}: schema at {runner.current(url)}")
     return 0

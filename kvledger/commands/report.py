@@ -69,7 +69,7 @@ def report(args: argparse.Namespace) -> dict[str, Any]:
             progress.close()
     out["log"] = shown_url(url)
     if args.plot:
-        from kvledger.plots import plot_report
+        from kvledger.plots import plot_report  # matplotlib: only --plot loads it
 
         plot_report(out, args.plot)
         out["plot"] = args.plot

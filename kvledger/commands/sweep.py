@@ -122,7 +122,7 @@ def run(args: argparse.Namespace) -> int:
         },
     }
     if args.plot:
-        from kvledger.plots import plot_hit_rate_lines
+        from kvledger.plots import plot_hit_rate_lines  # matplotlib: only --plot loads it
 
         series: dict[str, list[tuple[int, float, float | None]]] = {}
         for p in points:

@@ -104,6 +104,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _tail_zmq(args: argparse.Namespace) -> int:
     """Follow a ZMQ stream; events are numbered as read (a vLLM batch has no event ids)."""
+    # pyzmq and msgspec: only --zmq loads them
     from kvledger.events.shared.zmq_subscribe import ZmqSubscriber
     from kvledger.events.vllm_events import to_events
 

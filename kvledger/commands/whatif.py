@@ -142,7 +142,7 @@ def whatif(args: argparse.Namespace) -> dict[str, Any]:
         "records_per_s": round(lookups / elapsed) if elapsed else None,
     }
     if args.plot:
-        from kvledger.plots import plot_whatif
+        from kvledger.plots import plot_whatif  # matplotlib: only --plot loads it
 
         plot_whatif(out, args.plot)
         out["plot"] = args.plot

@@ -22,7 +22,7 @@ from kvledger.events.types import (
     Tier,
 )
 from kvledger.mocker.cache import Admission, SimulatedCache
-from kvledger.mocker.traces import TraceRequest
+from kvledger.mocker.traces import TraceRequest, iter_arrivals, request_hashes
 from kvledger.registry.emitter import BlockTokens, EventEmitter, EventSink
 
 TIERS = (Tier.G1, Tier.G2, Tier.G3)
@@ -204,8 +204,6 @@ def occupancy(cache: SimulatedCache) -> dict[str, int]:
 def infinite_cache(requests: list[TraceRequest], block_size: int) -> tuple[float, float]:
     """(block, token) prefix-hit rates of a cache that never evicts: the ceiling any capacity
     or policy can reach on this workload."""
-    from kvledger.mocker.traces import iter_arrivals, request_hashes
-
     seen: set[int] = set()
     blocks = hit = tokens = tokens_hit = 0
     for req in iter_arrivals(requests):
