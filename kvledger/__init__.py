@@ -21,7 +21,7 @@ __version__ = "0.1.0"
 #: public name -> the module that defines it
 _HOMES = {
     "BlockManager": "kvledger.manager",
-    "G3Recovery": "kvledger.manager",
+    "G3Recovery": "kvledger.recovery",
     "G4Link": "kvledger.manager",
     "Settings": "kvledger.config",
     "SettingsError": "kvledger.config",
@@ -66,8 +66,9 @@ if TYPE_CHECKING:
     from kvledger.events.log import EventLog
     from kvledger.events.log.replay import replay
     from kvledger.events.types import AnyEvent, Tier
-    from kvledger.manager import BlockManager, G3Recovery, G4Link
+    from kvledger.manager import BlockManager, G4Link
     from kvledger.metrics import Metrics
+    from kvledger.recovery import G3Recovery
     from kvledger.registry.errors import PoolBusy, PoolExhausted
     from kvledger.registry.hashing import TokenBlockSequence
     from kvledger.registry.state import RegistryState

@@ -172,6 +172,21 @@ class Settings(BaseSettings):
         description="how long a batch of events may wait to fill before it is published to the "
         "shared registry, seconds (each batch costs every shard a script call)",
     )
+    redis_lease_s: float = Field(
+        10.0,
+        gt=0,
+        le=3600,
+        allow_inf_nan=False,
+        description="a worker's lease (and claim of its id) in the shared registry: its entries "
+        "are purged, and its id free again, this long after its last heartbeat",
+    )
+    redis_shards: int | None = Field(
+        None,
+        ge=1,
+        le=1024,
+        description="split a new namespace's index over this many shards (Redis Cluster); "
+        "default: as the namespace recorded, else 1",
+    )
     g4: bool = Field(
         False,
         description="share G2 with the workers of redis_namespace and read theirs over NIXL "

@@ -35,13 +35,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 from xxhash import xxh3_64_intdigest
 
+from kvledger.builder import open_worker
 from kvledger.config import Settings
 from kvledger.events.log import EventLog
-from kvledger.events.log.replay import replay
 from kvledger.events.shared.client import connect
 from kvledger.events.shared.publish import RedisPublisher
-from kvledger.events.shared.registry import SharedRegistry
-from kvledger.events.shared.zmq_publish import ZmqPublisher, open_publisher
+from kvledger.events.shared.zmq_publish import ZmqPublisher
 from kvledger.events.types import (
     AnyEvent,
     BlockInfo,
@@ -50,22 +49,18 @@ from kvledger.events.types import (
     LookupRecord,
     Released,
     RunInfo,
-    Stored,
     Tier,
     lookup_stream,
 )
 from kvledger.metrics import Metrics
-from kvledger.registry.emitter import EventEmitter
+from kvledger.recovery import G3Recovery, OpenedG3, open_g3
 from kvledger.registry.errors import PoolExhausted
-from kvledger.registry.hashing import TokenBlockSequence, names_plain_block
+from kvledger.registry.hashing import TokenBlockSequence
 from kvledger.registry.lookups import LookupRecorder
-from kvledger.registry.pool import token_bytes
 from kvledger.registry.state import RegistryState
 from kvledger.registry.tiered import CopyPlan, MatchResult, TieredRegistry
 from kvledger.tiers.base import StorageTier
 from kvledger.tiers.device.tier import DeviceTier
-from kvledger.tiers.disk.recovery import KnownBlocks
-from kvledger.tiers.disk.tier import DiskTier
 from kvledger.tiers.host.tier import HostTier
 from kvledger.tiers.layout import BlockShape, KVLayout
 from kvledger.tiers.transfer import TransferEngine, TransferHandle, TransferResult
@@ -82,27 +77,6 @@ TORCH_DTYPES = {
     "float8_e4m3fn": torch.float8_e4m3fn,
     "uint8": torch.uint8,
 }
-
-
-@dataclass(frozen=True)
-class G3Recovery:
-    """What a restarted manager kept of its disk cache (``BlockManager.recovery``).
-
-    ``listed`` blocks were on G3 according to the event log; each was either ``recovered``
-    (its slot names it and passes its checksum: it is served again) or dropped, with a
-    ``Removed`` event, as ``corrupt`` (its bytes fail their checksum), ``no_room`` (G3 shrank
-    below it) or ``missing`` (no intact slot holds it: written or overwritten when the worker
-    stopped). ``freed`` slots held blocks the log does not list (evicted, or written in the
-    last moments before a crash) and are free again.
-    """
-
-    listed: int = 0
-    recovered: int = 0
-    corrupt: int = 0
-    no_room: int = 0
-    missing: int = 0
-    freed: int = 0
-    seconds: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -138,27 +112,21 @@ class BlockManager:
         self.shape = BlockShape(
             s.num_layers, s.outer_dim, s.block_size, s.inner_dim, TORCH_DTYPES[s.dtype]
         )
-        self._own_log = event_log is None and log_events
-        if self._own_log:
-            s.prepare_log_folder()  # a first run in an empty folder makes kvledger-data/
-        self._event_log = (
-            EventLog(s.log_url, **s.event_log_options()) if self._own_log else event_log
-        )
-        self._publisher: RedisPublisher | None = None
-        self._zmq: ZmqPublisher | None = None
+        # the log, its buffer, the publishers, the metrics' watch: one builder for every
+        # entry point (kvledger.builder)
+        self._worker = open_worker(s, event_log=event_log, log_events=log_events, metrics=metrics)
+        self._event_log = self._worker.event_log
         self._tiers: dict[Tier, StorageTier] = {}
+        self._g4: G4Link | None = None
         try:
             self._build(s, g1_layout, device, sinks, observers, metrics)
         except BaseException:
-            # nothing half-built stays open: the log writer thread, the publisher, the G3 file
+            # nothing half-built stays open: the G3 file, the NIXL agent, the log's writer
+            if self._g4 is not None:
+                self._g4.close()
             for tier in self._tiers.values():
                 tier.close()
-            if self._publisher is not None:
-                self._publisher.stop(drain_timeout=0)
-            if self._zmq is not None:
-                self._zmq.close()
-            if self._own_log and self._event_log is not None:
-                self._event_log.close()
+            self._worker.close(drain_timeout=0)
             raise
         self._deliver()  # a restart's Cleared and Removed events
 
@@ -171,30 +139,22 @@ class BlockManager:
         observers: Sequence[Callable[[AnyEvent], None]],
         metrics: Metrics | None,
     ) -> None:
-        first_id = 0
-        if self._event_log is not None:
-            first_id = self._event_log.last_event_id(s.worker_id) + 1
+        worker = self._worker
         self.metrics = metrics
         # The publishers take their events from the log's commits (other processes see only
-        # what is committed), so they are not sinks here.
-        self._publisher = self._redis_publisher(s) if s.redis_url else None
-        all_sinks = ([self._event_log.append] if self._event_log is not None else []) + list(sinks)
-        if s.zmq_endpoint is not None:
-            self._zmq = self._zmq_publisher(s, metrics)
+        # what is committed), so they are not sinks here; the log is fed through the worker's
+        # buffer (a batch per call of the engine's, not a locked append per event).
+        all_sinks: list[Callable[[AnyEvent], None]] = [worker.sink] if self._event_log else []
+        all_sinks += sinks
         if metrics is not None:
             all_sinks.append(metrics.observe_event)
-            if self._event_log is not None:
-                log = self._event_log
-                metrics.watch_log(log)
         self._sinks = all_sinks
         self._observers = list(observers)
         self._lock = threading.RLock()
         self._idle = threading.Condition(self._lock)
         self._queue: deque[LogRecord] = deque()
         self._deliver_lock = threading.Lock()
-        self._emitter = EventEmitter(
-            self._emit, worker_id=s.worker_id, dp_rank=s.dp_rank, first_event_id=first_id
-        )
+        self._emitter = worker.emitter(self._emit)
         g1_blocks = g1_layout.num_blocks if g1_layout is not None else s.g1_blocks
         self._registry = TieredRegistry(
             g1_blocks,
@@ -218,31 +178,29 @@ class BlockManager:
             self._tiers[Tier.G2] = HostTier(self.shape, s.g2_capacity)
         #: what a restart kept of the disk cache; None without G3
         self.recovery: G3Recovery | None = None
-        dropped: list[int] = []
-        g3_cleared = True  # unless the log's G3 blocks are checked against an existing file
+        g3: OpenedG3 | None = None
         if s.g3_capacity:
-            folded: list[KnownBlocks | None] = [None]
-
-            def listed() -> KnownBlocks:  # the tier calls it once it holds the file's lock
-                folded[0] = self._logged_g3() if first_id else {}
-                return folded[0] or {}
-
-            g3 = DiskTier(s.data_dir, self.shape, s.g3_capacity, known=listed)
-            self._tiers[Tier.G3] = g3
-            g3_cleared = folded[0] is None  # a new file, or a log that cannot be folded
-            self.recovery, dropped = self._adopt_g3(g3, folded[0] or {})
+            g3 = open_g3(worker, self.shape, s.g3_capacity, s.data_dir)
+            self._tiers[Tier.G3] = g3.disk
+            tokens = worker.logged_tokens(b.sequence_hash for _, b in g3.kept)
+            self._registry.adopt(
+                Tier.G3,
+                [slot for slot, _ in g3.kept],
+                [b for _, b in g3.kept],
+                [tokens.get(b.sequence_hash) for _, b in g3.kept],
+            )
+            self.recovery = g3.report
         self._transfers = TransferEngine()
         self._in_flight: dict[TransferHandle, CopyPlan] = {}
         self._failed_copies = 0
         self._copy_thread_errors = 0
-        self._g4: G4Link | None = None
         if s.g4:
             self._g4 = self._link_g4(s, metrics)
         # A restarted worker's G1 and G2 start empty (and any tier it lacks now), and G3
         # holds what was recovered: say so, so that replay agrees with it.
-        self._registry.resume(first_id - 1, keep=() if g3_cleared else (Tier.G3,))
-        if first_id and not g3_cleared:
-            self._emitter.removed(Tier.G3, dropped)
+        self._registry.resume(worker.last_event_id, keep=() if g3 is None else g3.recovered)
+        if g3 is not None:
+            g3.announce(worker, self._emitter)
         self._requests: dict[int, _LiveRequest] = {}
         self._next_request = 0
         self._lookups: LookupRecorder | None = None
@@ -262,83 +220,12 @@ class BlockManager:
                 offload_filter=s.offload_filter,
             )
 
-    def _logged_g3(self) -> KnownBlocks | None:
-        """This worker's G3 blocks by the event log's fold; None when the log cannot be folded
-        (the disk cache then starts empty rather than trusting slots the log cannot vouch for)."""
-        assert self._event_log is not None
-        key = (self.settings.worker_id, Tier.G3)
-        try:
-            state = replay(self._event_log)
-        except Exception as exc:
-            log.warning("G3 not recovered: the event log cannot be folded (%s)", exc)
-            return None
-        for tier_key, columns in state.iter_columns():
-            if tier_key == key:
-                return columns.to_dict()
-        return {}
-
-    def _logged_tokens(self, wanted: set[int]) -> dict[int, bytes]:
-        """Token ids of ``wanted`` blocks, from the ``Stored`` events the log kept of them
-        (a recovered G3 block is named to routers with its tokens, as before the restart)."""
-        if self._event_log is None:
-            return {}
-        found: dict[int, bytes] = {}
-        for event in self._event_log.read(worker_id=self.settings.worker_id):
-            if isinstance(event, Stored) and event.token_ids is not None:
-                for (seq, local), ids in zip(event.blocks, event.token_ids, strict=True):
-                    if seq in wanted:
-                        packed = token_bytes(ids)
-                        # a LoRA or salted block's tokens would name another block to routers
-                        if names_plain_block(packed, local):
-                            found[seq] = packed
-        return found
-
-    def _adopt_g3(self, g3: DiskTier, known: KnownBlocks) -> tuple[G3Recovery, list[int]]:
-        """Serve the slots the tier verified again; returns the report and the listed blocks
-        that are gone (the caller emits their ``Removed``)."""
-        kept = g3.recovered_blocks()
-        tokens = self._logged_tokens({b.sequence_hash for _, b in kept}) if kept else {}
-        self._registry.adopt(
-            Tier.G3,
-            [slot for slot, _ in kept],
-            [b for _, b in kept],
-            [tokens.get(b.sequence_hash) for _, b in kept],
-        )
-        held = {b.sequence_hash for _, b in kept}
-        dropped = [seq for seq in known if seq not in held]
-        found = g3.recovery
-        gone = set(dropped)
-        corrupt = {b.sequence_hash for b in found.corrupt if b is not None} & gone
-        no_room = {b.sequence_hash for b in found.no_room if b is not None} & gone - corrupt
-        report = G3Recovery(
-            listed=len(known),
-            recovered=len(kept),
-            corrupt=len(corrupt),
-            no_room=len(no_room),
-            missing=len(gone - corrupt - no_room),
-            freed=found.ignored + found.duplicates + found.damaged,
-            seconds=found.seconds,
-        )
-        if known or report.freed:
-            log.info(
-                "G3 %s: recovered %d of %d blocks the log lists in %.2f s; dropped %d corrupt, "
-                "%d missing, %d that no longer fit; freed %d slots the log does not list",
-                g3.path,
-                report.recovered,
-                report.listed,
-                report.seconds,
-                report.corrupt,
-                report.missing,
-                report.no_room,
-                report.freed,
-            )
-        return report, dropped
-
     def _link_g4(self, s: Settings, metrics: Metrics | None) -> G4Link:
         """Export G2 to the remote directory and read other workers' G2 (``g4`` setting)."""
         from kvledger.tiers.remote import BlockExporter, RemoteAgent, RemoteDirectory, RemoteFetcher
 
-        assert s.redis_url is not None and self._publisher is not None  # checked by Settings
+        shared = self._worker.shared
+        assert s.redis_url is not None and shared is not None  # checked by Settings
         g2 = self._tiers[Tier.G2]
         agent = RemoteAgent(s.worker_id, devices=s.g4_interface)
         try:
@@ -348,7 +235,7 @@ class BlockManager:
             fetcher = RemoteFetcher(
                 agent,
                 directory,
-                self._publisher.registry,
+                shared,
                 g2,  # type: ignore[arg-type]
                 worker_id=s.worker_id,
                 timeout_s=s.g4_timeout_s,
@@ -373,39 +260,10 @@ class BlockManager:
         """The remote link the ``g4`` setting built (None without it)."""
         return self._g4
 
-    def _zmq_publisher(self, s: Settings, metrics: Metrics | None) -> ZmqPublisher:
-        """Publish to vLLM-compatible routers on ``zmq_endpoint``; replay reads the log."""
-        if self._event_log is None:
-            raise ValueError("zmq_endpoint needs the event log: replay and restarts read it")
-        assert s.zmq_endpoint is not None
-        return open_publisher(
-            s.zmq_endpoint,
-            log=self._event_log,
-            worker_id=s.worker_id,
-            metrics_registry=metrics.registry if metrics is not None else None,
-            **s.zmq_options(),
-        )
-
     @property
     def zmq_publisher(self) -> ZmqPublisher | None:
         """The ZMQ publisher the ``zmq_endpoint`` setting built (None without it)."""
-        return self._zmq
-
-    def _redis_publisher(self, s: Settings) -> RedisPublisher:
-        """Publish to the shared registry at ``redis_url``, catching up from the event log."""
-        if self._event_log is None or s.redis_url is None:
-            raise ValueError("redis_url needs the event log: the publisher catches up from it")
-        if "worker_id" not in s.model_fields_set:
-            log.warning(
-                "redis_url is set but worker_id is not (KVLEDGER_WORKER_ID): this worker "
-                "publishes as worker 0, and a second one that also forgets it is refused"
-            )
-        shared = SharedRegistry(
-            connect(s.redis_url), s.redis_namespace, token_ids=s.persist_token_ids
-        )
-        return RedisPublisher(
-            shared, s.worker_id, log=self._event_log, dp_rank=s.dp_rank, linger_s=s.redis_linger_s
-        ).start()
+        return self._worker.zmq
 
     # -- events ----------------------------------------------------------------------------
 
@@ -456,8 +314,7 @@ class BlockManager:
                     sink(event)
 
     def _log_lookup(self, record: LookupRecord) -> None:
-        assert self._event_log is not None  # no recorder without a log
-        self._event_log.append(record)
+        self._worker.sink(record)
 
     # -- read-only views ---------------------------------------------------------------------
 
@@ -469,7 +326,7 @@ class BlockManager:
     @property
     def publisher(self) -> RedisPublisher | None:
         """The publisher to the shared registry (with the ``redis_url`` setting)."""
-        return self._publisher
+        return self._worker.publisher
 
     @property
     def failed_copies(self) -> int:
@@ -895,14 +752,7 @@ class BlockManager:
         self._transfers.close()
         for tier in self._tiers.values():
             tier.close()
-        if self._event_log is not None:
-            self._event_log.flush()
-        if self._publisher is not None:
-            self._publisher.stop(drain_timeout=10.0)
-        if self._zmq is not None:
-            self._zmq.close()
-        if self._event_log is not None and self._own_log:
-            self._event_log.close()
+        self._worker.close()
 
     def __enter__(self) -> BlockManager:
         return self

@@ -41,6 +41,10 @@ def token_tuple(tokens: BlockTokens | None) -> tuple[int, ...]:
     return tuple(tokens)
 
 
+LOCAL_TIERS = (Tier.G1, Tier.G2, Tier.G3)
+"""A worker's own tiers: what a restart says start empty (``resume``), less any it recovered."""
+
+
 class EventEmitter:
     """Turns state changes into numbered events and hands them to ``sink``.
 

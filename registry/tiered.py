@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from kvledger.events.types import BlockInfo, HashKey, Tier
-from kvledger.registry.emitter import EventEmitter
+from kvledger.registry.emitter import LOCAL_TIERS, EventEmitter
 from kvledger.registry.policies import FrequencySketch
 from kvledger.registry.pool import BlockPool
 from kvledger.registry.state import RegistryState
@@ -102,7 +102,7 @@ class TieredRegistry:
             held = [tier.name for tier, pool in pools if pool.num_registered]
             if held:
                 raise ValueError(f"resume on a registry that holds blocks ({held})")
-        cleared = [tier for tier in (Tier.G1, Tier.G2, Tier.G3) if tier not in keep]
+        cleared = [tier for tier in LOCAL_TIERS if tier not in keep]
         self.emitter.resume(last_event_id, clear=cleared)
 
     def state(self) -> RegistryState:

@@ -27,8 +27,9 @@ MAY_IMPORT = {
     "tiers": {"types", "registry", "events"},
 }
 # Modules that may import torch: the tiers hold KV bytes in torch tensors, and the manager and
-# the engine integrations hand them over. Everything else runs in the light install.
-TORCH_USERS = ("kvledger.tiers", "kvledger.manager", "kvledger.integrations")
+# the engine integrations hand them over, the G3 recovery opens a slot file. Everything else
+# runs in the light install.
+TORCH_USERS = ("kvledger.tiers", "kvledger.manager", "kvledger.recovery", "kvledger.integrations")
 
 
 @dataclass

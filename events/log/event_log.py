@@ -67,6 +67,13 @@ class Feed(Protocol):
     def hand_over_from_writer(self) -> None:
         """Hand what waits to the log now, without waiting for room (the writer makes it)."""
 
+    def flush(self) -> None:
+        """Hand what waits to the log now (a caller's ``EventLog.flush``)."""
+
+    @property
+    def waiting(self) -> int:
+        """Events handed to the buffer and not yet to the log."""
+
 
 class EventLog(LogCore):
     """An append-only event log in a SQL database (SQLite file by default).
@@ -245,9 +252,14 @@ class EventLog(LogCore):
         return -1 if value is None else int(value)
 
     def flush(self) -> None:
-        """Return once everything appended so far is committed."""
+        """Return once everything appended so far is committed, what waits in the append
+        buffers in front of this log included."""
         if self._writer is None:
             return
+        with self._lock:
+            feeds = list(self._feeds)
+        for feed in feeds:  # outside the lock: a buffer's hand-over takes it
+            feed.flush()
         with self._lock:
             backlog = self._backlog
             target = backlog.appended
@@ -387,6 +399,12 @@ class EventLog(LogCore):
             shown_url(self.url),
             monotonic() - down_since,
         )
+
+    @property
+    def queue_depth(self) -> int:
+        """Events appended and not yet committed, those waiting in the append buffers in
+        front of this log included (what a crash now would lose)."""
+        return super().queue_depth + sum(feed.waiting for feed in list(self._feeds))
 
     # -- commit sinks: what other processes see -------------------------------------------------
 

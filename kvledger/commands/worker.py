@@ -20,14 +20,11 @@ import threading
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
+from kvledger.builder import open_worker
 from kvledger.commands.args import linger_seconds, log_location, non_negative_int, positive_int
 from kvledger.config import Settings
-from kvledger.events.log import EventLog
-from kvledger.events.shared.client import connect
+from kvledger.events.log.schema import database_url
 from kvledger.events.shared.publish import RedisPublisher
-from kvledger.events.shared.registry import SharedRegistry
-from kvledger.events.shared.zmq_publish import open_publisher
-from kvledger.events.types import Tier
 from kvledger.mocker.kv_manager import Deref, FullBlock, KvManager, Use
 from kvledger.registry.hashing import TokenBlockSequence
 
@@ -94,51 +91,29 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
 def run(args: argparse.Namespace) -> int:
     _report_publisher_warnings()
-    settings = _fill_from_settings(args)
-    client = connect(args.redis_url)  # a cluster client when the server is a cluster node
-    registry = SharedRegistry(
-        client,
-        args.namespace,
-        shards=args.shards,
-        lease_ttl_s=args.lease_ttl,
-        token_ids=settings.persist_token_ids,
-    )
+    settings = _settings(args)
     if args.zmq_replay_endpoint is not None and args.zmq_endpoint is None:
         raise ValueError("--zmq-replay-endpoint needs --zmq-endpoint")
-    log = EventLog(args.log, token_ids=settings.persist_token_ids)
-    publisher = RedisPublisher(
-        registry, args.worker_id, log=log, dp_rank=args.dp_rank, linger_s=args.publish_linger
-    )
-    zmq_publisher = None
+    # the log, the views (claiming the worker id and bringing the shared registry in step with
+    # the log before any event; a reset is said in one line on stderr), as every entry point
+    worker = open_worker(settings)
+    publisher = worker.publisher
+    assert publisher is not None  # a worker always has a Redis URL here
+    if worker.zmq is not None:
+        replay = worker.zmq.replay_endpoint
+        # the ports the system picked for tcp://127.0.0.1:*, where subscribers must connect
+        _note(
+            f"publishing KV events on {worker.zmq.endpoint}"
+            + (f" (replay: {replay})" if replay else "")
+        )
     drained = False
     drain_timeout = 10.0
     try:
-        # Claim the id and bring the registry in step with the log before any event: the
-        # publishers take what the log commits from now on.
-        publisher.start()  # a reset of the registry is said in one line on stderr
-        if args.zmq_endpoint is not None:
-            zmq_publisher = open_publisher(
-                args.zmq_endpoint,
-                log=log,
-                worker_id=args.worker_id,
-                block_size=args.block_size,
-                replay_endpoint=args.zmq_replay_endpoint,
-                dp_rank=args.dp_rank,
-                token_ids=settings.token_ids,
-                curve_secret_key=settings.zmq_curve_secret_key,
-                curve_client_keys=settings.zmq_curve_client_keys,
-            )
-            replay = zmq_publisher.replay_endpoint
-            # the ports the system picked for tcp://127.0.0.1:*, where subscribers must connect
-            _note(
-                f"publishing KV events on {zmq_publisher.endpoint}"
-                + (f" (replay: {replay})" if replay else "")
-            )
         mgr = KvManager(
             args.blocks,
             args.block_size,
             eviction="lru",
-            sink=log.append,
+            sink=worker.sink,
             worker_id=args.worker_id,
             dp_rank=args.dp_rank,
         )
@@ -146,14 +121,14 @@ def run(args: argparse.Namespace) -> int:
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: stop.set())
         # A restarted worker continues its own event ids and says its old cache is gone.
-        mgr.emitter.resume(log.last_event_id(args.worker_id), clear=(Tier.G1,))
+        worker.resume(mgr.emitter)
         _workload(mgr, args, stop, publisher)
-        log.flush()
+        worker.flush()
         drained = publisher.wait_applied(timeout=args.publish_timeout)
         if not drained and publisher.error is None:
             drain_timeout = 0.0  # waited already
             _note(
-                f"Redis at {_shown(args.redis_url)} has events up to "
+                f"Redis at {_shown(settings.redis_url or '')} has events up to "
                 f"{publisher.applied_id} of {mgr.emitter.next_event_id - 1} after waiting "
                 f"{args.publish_timeout:g} s (--publish-timeout); the rest are in {args.log} "
                 "only, and a worker restarted with this log re-sends them"
@@ -175,14 +150,9 @@ def run(args: argparse.Namespace) -> int:
                 while not stop.wait(0.2) and publisher.error is None:
                     pass
     finally:
-        publisher.stop(drain_timeout=0.0 if publisher.error is not None else drain_timeout)
+        worker.close(drain_timeout=0.0 if publisher.error is not None else drain_timeout)
         if args.release_on_exit and publisher.error is None:
-            registry.release(args.worker_id, publisher.token)
-        try:
-            log.close()  # commits the rest, which reaches the ZMQ publisher
-        finally:
-            if zmq_publisher is not None:
-                zmq_publisher.close()
+            publisher.registry.release(args.worker_id, publisher.token)
     if publisher.error is not None:
         _note(f"stopped: {publisher.error}")
         return 1
@@ -223,16 +193,30 @@ def _note(message: str) -> None:
     print(f"kvledger worker: {message}", file=sys.stderr, flush=True)
 
 
-def _fill_from_settings(args: argparse.Namespace) -> Settings:
-    """The Redis URL and namespace the flags leave unset come from the settings, as they do for
-    the library: an operator who exports ``KVLEDGER_REDIS_NAMESPACE`` once gets the same
-    namespace in every worker and in ``BlockManager``. The settings also say where token ids
-    may go (``token_ids``) and the ZMQ sockets' CurveZMQ keys."""
-    settings = Settings.load()
-    if args.redis_url is None:
-        args.redis_url = settings.redis_url or "redis://127.0.0.1:6379/0"
-    if args.namespace is None:
-        args.namespace = settings.redis_namespace
+def _settings(args: argparse.Namespace) -> Settings:
+    """The worker's settings: its flags over the ``KVLEDGER_*`` variables, as ``BlockManager``
+    reads them (an operator who exports ``KVLEDGER_REDIS_NAMESPACE`` once gets the same
+    namespace in every worker; ``token_ids`` and the ZMQ sockets' CurveZMQ keys come from
+    there too). Redis defaults to the local server."""
+    flags = {
+        "worker_id": args.worker_id,
+        "dp_rank": args.dp_rank,
+        "block_size": args.block_size,
+        "event_log_url": database_url(args.log),
+        "redis_url": args.redis_url,
+        "redis_namespace": args.namespace,
+        "redis_shards": args.shards,
+        "redis_lease_s": args.lease_ttl,
+        "redis_linger_s": args.publish_linger,
+        "zmq_endpoint": args.zmq_endpoint,
+        "zmq_replay_endpoint": args.zmq_replay_endpoint,
+    }
+    settings = Settings.load(**{k: v for k, v in flags.items() if v is not None})
+    if settings.redis_url is None:
+        settings = Settings.load(
+            **{k: v for k, v in flags.items() if v is not None},
+            redis_url="redis://127.0.0.1:6379/0",
+        )
     return settings
 
 
