@@ -195,11 +195,13 @@ def open_worker(
     event_log: EventLog | None = None,
     log_events: bool = True,
     metrics: Metrics | None = None,
-    publish: bool = True,
+    redis: bool = True,
+    zmq: bool = True,
 ) -> Worker:
     """Assemble worker ``settings.worker_id``: its log (``event_log`` when the caller has one,
     else the settings' own, unless ``log_events`` is False), the views other processes read
-    (``redis_url``, ``zmq_endpoint``; ``publish`` False leaves them out), and ``metrics``.
+    (``redis_url``, ``zmq_endpoint``; ``redis`` or ``zmq`` False leaves one out, for an entry
+    point whose views are its own business), and ``metrics``.
 
     Raises what stops a worker from starting, having closed what it opened: a bad setting, a
     worker id another live process holds (``WorkerIdTaken``), a socket it cannot bind.
@@ -214,9 +216,9 @@ def open_worker(
             worker.buffer = AppendBuffer(event_log)
             if metrics is not None:
                 metrics.watch_log(event_log)
-        if publish and settings.redis_url is not None:
+        if redis and settings.redis_url is not None:
             worker.publisher = _redis_publisher(settings, event_log)
-        if publish and settings.zmq_endpoint is not None:
+        if zmq and settings.zmq_endpoint is not None:
             worker.zmq = _zmq_publisher(settings, event_log, metrics)
     except BaseException:
         worker.close(drain_timeout=0)

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
 from kvledger.commands.cluster_args import MANIFEST
-from kvledger.commands.runlog import lookup_recorder, open_log, replay_matches
+from kvledger.commands.runlog import lookup_recorder, replay_matches
 from kvledger.config import Settings
 from kvledger.events.files import open_private, private_folder, write_private
 from kvledger.events.types import Tier
@@ -34,7 +34,7 @@ from kvledger.registry.index import RouterIndex
 from kvledger.registry.tiered import TieredRegistry
 
 if TYPE_CHECKING:
-    from kvledger.events.log import EventLog
+    from kvledger.builder import Worker
 
 
 RECORDED_SETTINGS = (
@@ -191,7 +191,7 @@ def run_one(
             epoch=lambda: clocks[0].epoch,
             redis_url=opts.redis_url,
         )
-    logs: list[EventLog] = []
+    logs: list[Worker] = []  # each worker's log and its buffer (kvledger.builder)
     urls: list[str] = []
     workers: list[ClusterWorker] = []
     config = EngineConfig.from_settings(settings)
@@ -201,15 +201,26 @@ def run_one(
             write_requests(log_dir / REQUESTS, requests)
         for wid, clock in zip(worker_ids, clocks, strict=True):
             mine = settings.model_copy(update={"worker_id": wid})
+            logged: Worker | None = None
             log = None
             if log_dir is not None:
+                # the one builder; SQLAlchemy and the rest load only for a run that logs
+                from kvledger.builder import open_worker
+
                 url = f"sqlite:///{log_dir / f'worker-{wid}.db'}"
-                log = open_log(url, mine, default=False)
-                logs.append(log)
+                # the feed's publishers are the simulated router's transport: built by the feed
+                logged = open_worker(
+                    mine.model_copy(update={"event_log_url": url}), redis=False, zmq=False
+                )
+                log = logged.event_log
+                logs.append(logged)
                 urls.append(url)
             feed_sink = feed.publisher(wid, log) if feed is not None else None
             emitter = CountingEmitter(
-                worker_sink(log, feed_sink), worker_id=wid, dp_rank=0, clock=clock
+                worker_sink(None if logged is None else logged.sink, feed_sink),
+                worker_id=wid,
+                dp_rank=0,
+                clock=clock,
             )
             registry = TieredRegistry(
                 settings.g1_blocks,
@@ -220,8 +231,8 @@ def run_one(
                 emitter=emitter,
             )
             cache = SimulatedCache(registry)
-            if log is not None:
-                previous = log.last_event_id(wid)
+            if logged is not None:
+                previous = logged.last_event_id
                 if previous >= 0:
                     note(
                         f"{log_dir} already holds a run of worker {wid}; this run continues "
@@ -229,7 +240,7 @@ def run_one(
                     )
                 registry.resume(previous)
                 if settings.log_lookups:
-                    cache.lookups = lookup_recorder(log, mine, clock)
+                    cache.lookups = lookup_recorder(logged, mine, clock)
             engine = ClusterEngine(cache, config, clock=clock)
             if opts.g4:
                 engine.peers = _peers(wid, index, feed, config.bandwidth, opts.g4_gbps)
@@ -266,8 +277,8 @@ def run_one(
     finally:
         if feed is not None:
             feed.close()
-        for log in logs:
-            log.close()
+        for logged_worker in logs:
+            logged_worker.close()
     out = cluster_summary(run, settings.block_size)
     replay_ok = True
     for mine, w, url in zip(out["per_worker"], workers, urls, strict=False):

@@ -1,4 +1,5 @@
-"""The event log of a simulated worker: opening it, its lookup records, checking its replay.
+"""The event log of a simulated worker: its lookup records, checking its replay (the log itself
+comes from ``kvledger.builder.open_worker``, as every entry point's does).
 
 Shared by ``kvledger simulate`` for one worker and for a cluster (one log per worker).
 """
@@ -13,21 +14,21 @@ from kvledger.events.types import lookup_stream
 from kvledger.registry.lookups import LookupRecorder
 from kvledger.registry.state import RegistryState
 
-if TYPE_CHECKING:  # SQLAlchemy loads only for a run that writes a log
-    from kvledger.events.log import EventLog
+if TYPE_CHECKING:
+    from kvledger.builder import Worker
 
 
 def lookup_recorder(
-    log: EventLog, settings: Settings, clock: Callable[[], float]
+    worker: Worker, settings: Settings, clock: Callable[[], float]
 ) -> LookupRecorder:
-    """Lookup records to ``log``, numbered on from the worker's earlier ones, starting with
+    """Lookup records to ``worker``'s log, numbered on from its earlier ones, starting with
     the run's settings."""
-    worker = settings.worker_id
+    assert worker.event_log is not None  # no lookup records without a log
     recorder = LookupRecorder(
-        log.append,
-        worker_id=worker,
+        worker.sink,
+        worker_id=worker.worker_id,
         dp_rank=settings.dp_rank,
-        first_id=log.last_event_id(lookup_stream(worker)) + 1,
+        first_id=worker.event_log.last_event_id(lookup_stream(worker.worker_id)) + 1,
         clock=clock,
     )
     recorder.run(
@@ -39,22 +40,6 @@ def lookup_recorder(
         offload_filter=settings.offload_filter,
     )
     return recorder
-
-
-def open_log(url: str, settings: Settings, *, default: bool) -> EventLog:
-    """The run's log; the data folder is made for the default one (``default``), while a
-    log given by ``--log`` needs its folder to exist. The log makes a new SQLite file
-    readable by its owner only."""
-    import sqlalchemy as sa
-
-    from kvledger.events.log import EventLog
-
-    try:
-        if default:
-            settings.prepare_log_folder()
-        return EventLog(url, **settings.event_log_options())
-    except sa.exc.ArgumentError as exc:  # unparsable URL, unknown driver
-        raise ValueError(f"cannot open the event log {url!r}: {exc}") from None
 
 
 def replay_matches(url: str, worker: int, live: RegistryState, note: Callable[[str], None]) -> bool:

@@ -31,7 +31,7 @@ from kvledger.commands.args import (
     positive_int,
 )
 from kvledger.commands.cluster_args import add_cluster_args
-from kvledger.commands.runlog import lookup_recorder, open_log, replay_matches
+from kvledger.commands.runlog import lookup_recorder, replay_matches
 from kvledger.config import Settings
 from kvledger.events.types import AnyEvent, lookup_stream
 from kvledger.mocker.cache import SimulatedCache
@@ -52,6 +52,7 @@ from kvledger.registry.tiered import OFFLOAD_FILTERS, TieredRegistry
 
 if TYPE_CHECKING:  # the log and metrics modules load SQLAlchemy, numpy, prometheus: only
     # a run that uses them pays for importing them (a --no-log run starts twice as fast)
+    from kvledger.builder import Worker
     from kvledger.events.shared.zmq_publish import ZmqPublisher
     from kvledger.metrics import Metrics
 
@@ -325,7 +326,7 @@ def _bound(publisher: ZmqPublisher) -> str:
 def simulate(args: argparse.Namespace, note: Callable[[str], None]) -> Outcome:
     settings = settings_from_args(args)
     requests, workload = load_workload(args, settings)
-    worker = settings.worker_id
+    worker_id = settings.worker_id
     metrics = None
     if args.metrics_port:
         from kvledger.metrics import Metrics
@@ -333,52 +334,49 @@ def simulate(args: argparse.Namespace, note: Callable[[str], None]) -> Outcome:
         metrics = Metrics(bytes_per_block=settings.bytes_per_block)
     url = ""
     shown: str | None = None  # the log's URL as printed; None: no log
-    log = None
+    worker: Worker | None = None
     if not args.no_log:
+        # the log, its buffer and the ZMQ publisher come from the one builder; SQLAlchemy,
+        # pyzmq and the rest load only for a run that writes a log
+        from kvledger.builder import open_worker
         from kvledger.events.log.schema import database_url, shown_url
 
         url = database_url(args.log) if args.log else settings.log_url
         shown = shown_url(url)
-        log = open_log(url, settings, default=not args.log)
-    zmq_publisher: ZmqPublisher | None = None
+        if args.log:
+            settings = settings.model_copy(update={"event_log_url": url})
+        worker = open_worker(settings, metrics=metrics, redis=False)
+        if worker.zmq is not None:
+            note(f"publishing KV events on {_bound(worker.zmq)}")
+    elif settings.zmq_endpoint is not None:
+        raise ValueError("--zmq-endpoint needs the event log (replay serves from it)")
+    log = None if worker is None else worker.event_log
     try:
-        sinks: list[Callable[[AnyEvent], None]] = [] if log is None else [log.append]
-        if settings.zmq_endpoint is not None:
-            if log is None:
-                raise ValueError("--zmq-endpoint needs the event log (replay serves from it)")
-            from kvledger.events.shared.zmq_publish import open_publisher
-
-            # fed by the log's commits, not a sink: routers see only what is committed
-            zmq_publisher = open_publisher(
-                settings.zmq_endpoint, log=log, worker_id=worker, **settings.zmq_options()
-            )
-            note(f"publishing KV events on {_bound(zmq_publisher)}")
+        sinks: list[Callable[[AnyEvent], None]] = [] if worker is None else [worker.sink]
         if metrics is not None:
             sinks.append(metrics.observe_event)
             metrics.serve(args.metrics_port)
-            if log is not None:
-                metrics.watch_log(log)
             note(f"serving kvbm_* metrics on http://127.0.0.1:{args.metrics_port}/metrics")
 
         def fan_out(event: AnyEvent) -> None:
             for sink in sinks:
                 sink(event)
 
-        previous = -1 if log is None else log.last_event_id(worker)
-        lookups_before = -1 if log is None else log.last_event_id(lookup_stream(worker))
+        previous = -1 if worker is None else worker.last_event_id
+        lookups_before = -1 if log is None else log.last_event_id(lookup_stream(worker_id))
         clock = engine_clock(args)
         emitter = counter = CountingEmitter(
             fan_out if len(sinks) > 1 else (sinks[0] if sinks else None),
-            worker_id=worker,
+            worker_id=worker_id,
             dp_rank=settings.dp_rank,
             clock=time.time if clock is None else clock,
         )
         cache = build_cache(settings, emitter, metrics)
-        if settings.log_lookups and log is not None:
-            cache.lookups = lookup_recorder(log, settings, emitter.clock)
+        if settings.log_lookups and worker is not None:
+            cache.lookups = lookup_recorder(worker, settings, emitter.clock)
         if previous >= 0:
             note(
-                f"{shown} already holds events of worker {worker} "
+                f"{shown} already holds events of worker {worker_id} "
                 f"(up to event {previous}); "
                 "this run continues it after a Cleared event per tier (a worker restart), "
                 "so replaying the log gives this run's final state. Use --log for a separate log."
@@ -405,19 +403,17 @@ def simulate(args: argparse.Namespace, note: Callable[[str], None]) -> Outcome:
         elapsed = time.perf_counter() - started
         if metrics is not None:
             metrics.refresh(cache.registry.pools)
+        if worker is not None:
+            worker.flush()
         lookup_records = (
-            0 if log is None else log.last_event_id(lookup_stream(worker)) - lookups_before
+            0 if log is None else log.last_event_id(lookup_stream(worker_id)) - lookups_before
         )
     finally:
-        try:
-            if log is not None:
-                log.close()  # commits the rest, which reaches the ZMQ publisher
-        finally:
-            if zmq_publisher is not None:
-                zmq_publisher.close()
+        if worker is not None:
+            worker.close()  # commits the rest, which reaches the ZMQ publisher
 
     live = cache.registry.state()
-    replay_ok = log is None or replay_matches(url, worker, live, note)
+    replay_ok = log is None or replay_matches(url, worker_id, live, note)
     if args.dump_state:
         from kvledger.events.log.replay import save_state
 

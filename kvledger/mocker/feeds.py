@@ -17,8 +17,8 @@ event emitted at simulated time t reaches the index at t + delay (Dynamo's
 ``kv_event_lag_ms``).
 
 ``worker_sink`` is the one place a worker's event log and its feed are wired together: with a
-log, the real publishers take what the log commits, so their lag includes the log's commit
-lag, as a deployed worker's does.
+log (a worker from ``kvledger.builder.open_worker``), the real publishers take what the log
+commits, so their lag includes the log's commit lag, as a deployed worker's does.
 """
 
 from __future__ import annotations
@@ -44,8 +44,9 @@ FEEDS = ("memory", "zmq", "redis")
 Sink = Callable[[AnyEvent], None]
 
 
-def worker_sink(log: EventLog | None, feed_sink: Sink | None) -> Sink | None:
-    """The sink a worker's emitter calls, given its log and what its feed gave it.
+def worker_sink(log_sink: Sink | None, feed_sink: Sink | None) -> Sink | None:
+    """The sink a worker's emitter calls, given its log's sink (``Worker.sink``) and what its
+    feed gave it.
 
     The one place that decides how a worker's events reach its log and its feed. A real
     publisher (ZMQ, Redis) given the worker's log takes its events from the log's commits
@@ -53,7 +54,7 @@ def worker_sink(log: EventLog | None, feed_sink: Sink | None) -> Sink | None:
     alone is the sink and ``feed_sink`` is None; without a log the publisher is the sink. The
     memory feed stands for Dynamo's in-process replay: it takes events as they are emitted.
     """
-    sinks: list[Sink] = ([log.append] if log is not None else []) + (
+    sinks: list[Sink] = ([log_sink] if log_sink is not None else []) + (
         [feed_sink] if feed_sink is not None else []
     )
     if not sinks:
