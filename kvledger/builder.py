@@ -18,7 +18,9 @@ engine's pool, vLLM's CPU tier) the same plumbing everywhere:
 - the views other processes read, fed by the log's commits: the shared registry's publisher
   (which claims the worker id and reconciles the registry with the log at start) and the ZMQ
   publisher;
-- Prometheus metrics watching the log.
+- Prometheus metrics (``kvbm_*``): every event the worker hands its log is counted, and the
+  log's backlog, commit lag and back-pressure are read at each scrape; served on
+  ``metrics_addr:metrics_port`` when that is set.
 
 Each setting is read here and nowhere else. Nothing here holds KV bytes, so importing it loads
 no torch: the G3 recovery that opens a slot file lives in ``kvledger.recovery``.
@@ -28,6 +30,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Collection, Iterable, Sequence
+from wsgiref.simple_server import WSGIServer
 
 from kvledger.config import Settings
 from kvledger.events.log import AppendBuffer, EventLog
@@ -36,7 +39,7 @@ from kvledger.events.shared.client import connect
 from kvledger.events.shared.publish import RedisPublisher
 from kvledger.events.shared.registry import SharedRegistry
 from kvledger.events.shared.zmq_publish import ZmqPublisher, open_publisher
-from kvledger.events.types import LogRecord, Stored, Tier
+from kvledger.events.types import LogRecord, Lookup, Released, RunInfo, Stored, Tier
 from kvledger.metrics import Metrics
 from kvledger.registry.emitter import LOCAL_TIERS, EventEmitter
 from kvledger.registry.hashing import names_plain_block
@@ -46,6 +49,8 @@ from kvledger.registry.state import RegistryState
 __all__ = ["LOCAL_TIERS", "KnownBlocks", "Worker", "open_worker"]
 
 log = logging.getLogger(__name__)
+
+_LOOKUP_TYPES = (Lookup, Released, RunInfo)
 
 KnownBlocks = dict[int, tuple[int, int | None]]
 """A tier's blocks by the log's fold: sequence hash -> (local hash, parent hash)."""
@@ -73,6 +78,8 @@ class Worker:
         self.last_event_id = -1 if event_log is None else event_log.last_event_id(self.worker_id)
         """This worker's last event in the log before this run (-1: a first run)."""
         self.buffer: AppendBuffer | None = None
+        self._observe = None if metrics is None else metrics.observe_event
+        self._server: WSGIServer | None = None
         self.publisher: RedisPublisher | None = None
         self.zmq: ZmqPublisher | None = None
         self._folded: RegistryState | None = None
@@ -92,14 +99,21 @@ class Worker:
     # -- events ------------------------------------------------------------------------------
 
     def sink(self, event: LogRecord) -> None:
-        """Hand one event (or lookup record) to the log, in order: what an emitter calls."""
+        """Hand one event (or lookup record) to the log, in order, and count it in the
+        metrics: what an emitter calls."""
         if self.buffer is not None:
             self.buffer.extend((event,))
+        if self._observe is not None and not isinstance(event, _LOOKUP_TYPES):
+            self._observe(event)
 
     def extend(self, events: Sequence[LogRecord]) -> None:
-        """Hand several events to the log, in order (a scheduler step's)."""
+        """``sink`` for several events (a scheduler step's)."""
         if self.buffer is not None and events:
             self.buffer.extend(events)
+        if self._observe is not None:
+            for event in events:
+                if not isinstance(event, _LOOKUP_TYPES):
+                    self._observe(event)
 
     def emitter(self, sink: object = None) -> EventEmitter:
         """An emitter that numbers this worker's events on from its log; events go to
@@ -187,6 +201,9 @@ class Worker:
             finally:
                 if self.zmq is not None:
                     self.zmq.close()
+                if self._server is not None:
+                    self._server.shutdown()
+                    self._server.server_close()
 
 
 def open_worker(
@@ -210,12 +227,24 @@ def open_worker(
     if own_log:
         settings.prepare_log_folder()  # a first run in an empty folder makes kvledger-data/
         event_log = EventLog(settings.log_url, **settings.event_log_options())
+    served = metrics is None and settings.metrics_port is not None
+    if served:
+        metrics = Metrics(bytes_per_block=settings.bytes_per_block)
     worker = Worker(settings, event_log=event_log, own_log=own_log, metrics=metrics)
     try:
         if event_log is not None:
             worker.buffer = AppendBuffer(event_log)
             if metrics is not None:
                 metrics.watch_log(event_log)
+        if served:
+            assert metrics is not None and settings.metrics_port is not None
+            worker._server, _thread = metrics.serve(settings.metrics_port, settings.metrics_addr)
+            log.info(
+                "worker %d serves kvbm_* metrics on http://%s:%d/metrics",
+                settings.worker_id,
+                settings.metrics_addr,
+                worker._server.server_port,
+            )
         if redis and settings.redis_url is not None:
             worker.publisher = _redis_publisher(settings, event_log)
         if zmq and settings.zmq_endpoint is not None:

@@ -221,6 +221,18 @@ class Settings(BaseSettings):
         description="a folder of the public certificates (NAME.key) of the subscribers "
         "allowed in; without it any subscriber that knows the publisher's public key is",
     )
+    metrics_port: int | None = Field(
+        None,
+        ge=0,
+        le=65535,
+        description="serve this worker's kvbm_* Prometheus metrics on metrics_addr:PORT "
+        "(0: a free port, which start-up logs); unset: not served",
+    )
+    metrics_addr: str = Field(
+        "127.0.0.1",
+        min_length=1,
+        description="the address the metrics port binds: loopback unless the operator says",
+    )
     worker_id: int = Field(0, ge=0)
     dp_rank: int = Field(0, ge=0)
     chain_seed: int = Field(1337, ge=0, lt=1 << 64, description="seed of the sequence-hash chain")

@@ -116,6 +116,7 @@ class BlockManager:
         # entry point (kvledger.builder)
         self._worker = open_worker(s, event_log=event_log, log_events=log_events, metrics=metrics)
         self._event_log = self._worker.event_log
+        metrics = self._worker.metrics  # the given one, or the settings' served one
         self._tiers: dict[Tier, StorageTier] = {}
         self._g4: G4Link | None = None
         try:
@@ -144,11 +145,7 @@ class BlockManager:
         # The publishers take their events from the log's commits (other processes see only
         # what is committed), so they are not sinks here; the log is fed through the worker's
         # buffer (a batch per call of the engine's, not a locked append per event).
-        all_sinks: list[Callable[[AnyEvent], None]] = [worker.sink] if self._event_log else []
-        all_sinks += sinks
-        if metrics is not None:
-            all_sinks.append(metrics.observe_event)
-        self._sinks = all_sinks
+        self._sinks: list[Callable[[AnyEvent], None]] = [worker.sink, *sinks]
         self._observers = list(observers)
         self._lock = threading.RLock()
         self._idle = threading.Condition(self._lock)

@@ -352,9 +352,11 @@ def simulate(args: argparse.Namespace, note: Callable[[str], None]) -> Outcome:
         raise ValueError("--zmq-endpoint needs the event log (replay serves from it)")
     log = None if worker is None else worker.event_log
     try:
+        # the worker's sink counts events in its metrics; without a log, the metrics do
         sinks: list[Callable[[AnyEvent], None]] = [] if worker is None else [worker.sink]
         if metrics is not None:
-            sinks.append(metrics.observe_event)
+            if worker is None:
+                sinks.append(metrics.observe_event)
             metrics.serve(args.metrics_port)
             note(f"serving kvbm_* metrics on http://127.0.0.1:{args.metrics_port}/metrics")
 
