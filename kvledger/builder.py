@@ -189,7 +189,8 @@ class Worker:
         self._closed = True
         try:
             if self.buffer is not None:
-                self.buffer.close()
+                buffer, self.buffer = self.buffer, None  # events after this go nowhere
+                buffer.close()
             if self.event_log is not None:
                 self.event_log.flush()
         finally:

@@ -76,7 +76,18 @@ class VllmExtraConfig(ExtraConfig):
         "(leaves first), multi_lru (TinyLFU-gated)",
     )
 
+    redis_url: str | None = Field(
+        None, description="the shared registry G2's blocks are published to (needs log_url)"
+    )
+    redis_namespace: str | None = Field(None, description="its namespace (default: settings')")
+
     _url = field_validator("log_url")(_log_url)
+
+    @model_validator(mode="after")
+    def _redis_needs_log(self) -> VllmExtraConfig:
+        if self.redis_url is not None and self.log_url is None:
+            raise ValueError("redis_url needs log_url: the publisher catches up from the log")
+        return self
 
     @model_validator(mode="before")
     @classmethod

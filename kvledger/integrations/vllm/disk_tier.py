@@ -63,6 +63,7 @@ from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, Tra
 from kvledger.events.types import AnyEvent, BlockInfo, Cleared, Offloaded, Removed, Tier
 from kvledger.integrations.vllm.keys import RequestChunks, key_hash
 from kvledger.integrations.vllm.tier_worker import TierWorker, open_tier_worker, release
+from kvledger.recovery import open_g3
 from kvledger.registry.policies import POLICY_NAMES, make_policy
 from kvledger.registry.pool import BlockPool
 from kvledger.tiers.disk import DiskTier
@@ -111,33 +112,29 @@ def build_disk_parts(
     eviction_policy: str = "lru",
     io_threads: int = 4,
 ) -> DiskTierParts:
-    """Open (or create) the slot file and recover it against ``worker``'s log: slots naming
-    a block the log lists on this worker's G3, with the same hashes and an intact checksum,
-    are served again; listed blocks that did not survive get a ``Removed``. A new file, or
-    a log that cannot be folded, starts G3 empty (``Cleared`` after an earlier run)."""
-    folded: list[dict[int, tuple[int, int | None]] | None] = [None]
-
-    def listed() -> dict[int, tuple[int, int | None]]:  # called once the file is locked
-        known = worker.logged(Tier.G3)
-        folded[0] = dict(known) if known is not None else None
-        return folded[0] or {}
-
-    disk = DiskTier(
-        directory, shape, num_blocks, file_name=file_name, known=listed, io_threads=io_threads
+    """Open (or create) the slot file and recover it against ``worker``'s log (the one G3
+    recovery, ``kvledger.recovery.open_g3``): slots naming a block the log lists on this
+    worker's G3, with the same hashes and an intact checksum, are served again; listed blocks
+    that did not survive get a ``Removed``. A new file, or a log that cannot be folded, starts
+    G3 empty (``Cleared`` after an earlier run)."""
+    opened = open_g3(
+        worker.builder_worker,
+        shape,
+        num_blocks,
+        directory,
+        file_name=file_name,
+        io_threads=io_threads,
     )
+    disk = opened.disk
     try:
         pool = BlockPool(
             num_blocks, tier=Tier.G3, policy=make_policy(eviction_policy), emitter=worker.emitter
         )
-        known = folded[0]
-        if known is None:  # a new file (nothing recovered) or a log that cannot vouch
-            if worker.restarted:
-                worker.emitter.cleared(Tier.G3)
-        else:
-            kept = disk.recovered_blocks()
-            pool.adopt([slot for slot, _ in kept], [block for _, block in kept])
-            held = {block.sequence_hash for _, block in kept}
-            worker.emitter.removed(Tier.G3, [seq for seq in known if seq not in held])
+        if opened.vouched:
+            pool.adopt([slot for slot, _ in opened.kept], [block for _, block in opened.kept])
+            opened.announce(worker.builder_worker, worker.emitter)
+        elif worker.restarted:
+            worker.emitter.cleared(Tier.G3)
     except BaseException:
         disk.close()
         raise

@@ -68,11 +68,11 @@ from vllm.v1.kv_offload.base import (
 from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec, CPUOffloadingMetrics
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
+from kvledger.builder import open_worker
 from kvledger.config import Settings
-from kvledger.events.log import AppendBuffer, EventLog
+from kvledger.events.log import EventLog
 from kvledger.events.types import AnyEvent, Removed, Stored, Tier
 from kvledger.integrations.vllm.keys import key_hash
-from kvledger.registry.emitter import EventEmitter
 from kvledger.registry.errors import PoolExhausted
 from kvledger.registry.policies import (
     POLICY_NAMES,
@@ -160,6 +160,8 @@ class KvledgerOffloadingManager(OffloadingManager):  # type: ignore[misc]  # vLL
         event_log: EventLog | None = None,
         worker_id: int = 0,
         tokens_per_chunk: Mapping[int, int] | None = None,
+        redis_url: str | None = None,
+        redis_namespace: str | None = None,
     ) -> None:
         if cache_policy not in CACHE_POLICIES or cache_policy_module_path is not None:
             raise ValueError(
@@ -177,26 +179,35 @@ class KvledgerOffloadingManager(OffloadingManager):  # type: ignore[misc]  # vLL
         self.num_chunks = num_chunks
         self._config_info: ConfigInfoMapping = info.as_config_info() if info is not None else {}
         self._lock = threading.Lock()
-        self._own_log = event_log is None and log_url is not None
-        # a log of its own takes the KVLEDGER_EVENT_LOG_* settings (durability, max delay,
-        # queue size), as every kvledger log does
-        self.event_log = (
-            EventLog(log_url, **Settings.load().event_log_options())
-            if self._own_log and log_url
-            else event_log
+        # the log (with the KVLEDGER_EVENT_LOG_* settings), its buffer, the shared registry's
+        # publisher and the metrics, as for every entry point (vLLM publishes its own ZMQ
+        # events: they come from take_events, below)
+        overrides: dict[str, Any] = {"worker_id": worker_id}
+        if log_url is not None:
+            overrides["event_log_url"] = log_url
+        if redis_url is not None:
+            overrides["redis_url"] = redis_url
+        if redis_namespace is not None:
+            overrides["redis_namespace"] = redis_namespace
+        self._worker = open_worker(
+            Settings.load(**overrides),
+            event_log=event_log,
+            log_events=log_url is not None,
+            zmq=False,
         )
+        self.event_log = self._worker.event_log
         self.events: list[OffloadingEvent] | None = [] if enable_events else None
-        self._emitter = EventEmitter(_Sink(self), worker_id=worker_id)
+        self._emitter = self._worker.emitter(_Sink(self))
         # keys evicted by the allocation under way, for PrepareStoreOutput.evicted_keys
         self._evicted: list[OffloadKey] = []
         self._keys: dict[int, OffloadKey] = {}  # hash -> vLLM key, for every slot in use
         # vLLM key -> slot, stored or in flight: the pool answers by hash, this saves hashing
         # every key of every call (the pool stays the authority; both change together)
         self._slot_of: dict[OffloadKey, int] = {}
-        # events for the log, handed over once per scheduler step to a buffer that appends
-        # them in batches (the log costs a third as much that way; see events/log/buffer.py)
+        # events for the log, handed over once per scheduler step to the worker's buffer, which
+        # appends them in batches (the log costs a third as much that way; see
+        # events/log/buffer.py)
         self._unlogged: list[AnyEvent] = []
-        self._log_buffer = AppendBuffer(self.event_log) if self.event_log is not None else None
         # stores in flight: key -> (slot, its hash), the hash to name the block on completion
         self._pending: dict[OffloadKey, tuple[int, int]] = {}
         self._generation = 0
@@ -212,11 +223,10 @@ class KvledgerOffloadingManager(OffloadingManager):  # type: ignore[misc]  # vLL
         )
         self.stores_skipped_in_current_batch = 0
         self.allocation_sizes_in_current_batch: list[int] = []
-        if self.event_log is not None:
-            # a log an earlier run of this worker wrote: go on from its last id, and say that
-            # G2 starts empty (and G3, which earlier versions kept here), so the log replays
-            # to this run
-            self._emitter.resume(self.event_log.last_event_id(worker_id), [Tier.G2, Tier.G3])
+        # a log an earlier run of this worker wrote: go on from its last id, and say that its
+        # tiers start empty (G2 here; G3, which earlier versions kept here), so the log
+        # replays to this run
+        self._worker.resume(self._emitter)
 
     def _new_pool(self) -> None:
         capacity = max(self.num_chunks, 1)  # a zero-chunk cache still answers lookups
@@ -233,8 +243,7 @@ class KvledgerOffloadingManager(OffloadingManager):  # type: ignore[misc]  # vLL
 
     def _on_event(self, event: AnyEvent) -> None:
         """Every pool change: to the durable log, and as vLLM's event for take_events."""
-        if self._log_buffer is not None:
-            self._unlogged.append(event)
+        self._unlogged.append(event)
         if isinstance(event, Removed):
             keys, slot_of = self._keys, self._slot_of
             gone = [keys.pop(h) for h in event.sequence_hashes]
@@ -252,9 +261,9 @@ class KvledgerOffloadingManager(OffloadingManager):  # type: ignore[misc]  # vLL
             )
 
     def _hand_to_log(self) -> None:
-        if self._unlogged and self._log_buffer is not None:
+        if self._unlogged:
             batch, self._unlogged = self._unlogged, []
-            self._log_buffer.extend(batch)
+            self._worker.extend(batch)
 
     def on_schedule_end(self, context: ScheduleEndContext) -> None:
         self._hand_to_log()
@@ -387,10 +396,7 @@ class KvledgerOffloadingManager(OffloadingManager):  # type: ignore[misc]  # vLL
     def flush_log(self) -> None:
         """Wait until every event so far is durable in the log."""
         self._hand_to_log()
-        if self._log_buffer is not None:
-            self._log_buffer.flush()
-        if self.event_log is not None:
-            self.event_log.flush()
+        self._worker.flush()
 
     # -- OffloadingManager -----------------------------------------------------------
 
@@ -706,9 +712,4 @@ class KvledgerOffloadingManager(OffloadingManager):  # type: ignore[misc]  # vLL
 
     def shutdown(self) -> None:
         self._hand_to_log()
-        if self._log_buffer is not None:
-            self._log_buffer.close()
-            self._log_buffer = None  # nothing more goes to the log
-        if self._own_log and self.event_log is not None:
-            self.event_log.close()
-            self.event_log = None
+        self._worker.close()  # nothing more goes to the log; closed when it is the manager's

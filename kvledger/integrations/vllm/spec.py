@@ -71,6 +71,8 @@ class KvledgerOffloadingSpec(OffloadingSpec):  # type: ignore[misc]  # vLLM is u
                 max_tracker_size=self.settings.max_tracker_size,
                 log_url=self.log_url,
                 worker_id=self.worker_id,
+                redis_url=self.settings.redis_url,
+                redis_namespace=self.settings.redis_namespace,
                 tokens_per_chunk={
                     group.group_id: group.tokens_per_block * self.blocks_per_chunk
                     for group in self.config.groups

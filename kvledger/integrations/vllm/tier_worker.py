@@ -22,17 +22,13 @@ import logging
 import threading
 from collections.abc import Callable, Sequence
 
+from kvledger.builder import KnownBlocks, Worker, open_worker
 from kvledger.config import Settings
-from kvledger.events.log import AppendBuffer, EventLog
-from kvledger.events.log.replay import replay
-from kvledger.events.shared.client import connect
 from kvledger.events.shared.publish import RedisPublisher
 from kvledger.events.shared.registry import SharedRegistry
 from kvledger.events.types import AnyEvent, Tier
-from kvledger.registry.emitter import EventEmitter
 from kvledger.registry.pool import BlockPool
 from kvledger.registry.state import RegistryState
-from kvledger.tiers.disk.recovery import KnownBlocks
 
 __all__ = ["TierWorker", "open_tier_worker", "register_runs", "release"]
 
@@ -42,43 +38,38 @@ Observer = Callable[[AnyEvent], None]
 
 
 class TierWorker:
-    """The emitter, log and shared-registry publisher of worker ``worker_id``.
+    """The emitter, log and shared-registry publisher of one kvledger worker under vLLM's
+    tiering layer: the builder's ``Worker`` (``kvledger.builder``), which every entry point
+    uses, plus what vLLM's tiers share (their pools, their observers, a step's events).
 
-    ``event_log`` and ``shared`` are built by the caller (``open_tier_worker`` builds them
-    from URLs); with ``own=True`` ``close`` closes them too. A worker with a log continues
-    it: event ids go on from this worker's last one (``restarted`` tells a tier that it
-    must say how its tier starts: ``Cleared``, or a recovered G3's ``Removed``).
+    A worker with a log continues it: event ids go on from this worker's last one
+    (``restarted`` tells a tier that it must say how its tier starts: ``Cleared``, or a
+    recovered G3's ``Removed``).
     """
 
-    def __init__(
-        self,
-        worker_id: int,
-        *,
-        event_log: EventLog | None = None,
-        shared: SharedRegistry | None = None,
-        own: bool = False,
-    ) -> None:
-        if shared is not None and event_log is None:
-            raise ValueError(
-                "a shared registry (redis_url) needs the event log (log_url): the publisher"
-                " catches up from it"
-            )
-        self.worker_id = worker_id
-        self.event_log = event_log
-        self.shared = shared
-        self._own = own
-        last = event_log.last_event_id(worker_id) if event_log is not None else -1
-        self.restarted = last >= 0
-        self.emitter = EventEmitter(self._on_event, worker_id=worker_id, first_event_id=last + 1)
-        self.publisher = (
-            RedisPublisher(shared, worker_id, log=event_log).start() if shared is not None else None
-        )
-        self._buffer = AppendBuffer(event_log) if event_log is not None else None
+    def __init__(self, worker: Worker) -> None:
+        self.worker_id = worker.worker_id
+        self._worker = worker
+        self.event_log = worker.event_log
+        self.restarted = worker.restarted
+        self.emitter = worker.emitter(self._on_event)
         self._unlogged: list[AnyEvent] = []
         self._observers: list[Observer] = []
         self._pools: dict[Tier, BlockPool] = {}
-        self._folded: RegistryState | None = None
         self._lock = threading.Lock()
+
+    @property
+    def builder_worker(self) -> Worker:
+        """The builder's worker under it: its log, publisher, recovery."""
+        return self._worker
+
+    @property
+    def publisher(self) -> RedisPublisher | None:
+        return self._worker.publisher
+
+    @property
+    def shared(self) -> SharedRegistry | None:
+        return self._worker.shared
 
     # -- the tiers ---------------------------------------------------------------------------
 
@@ -100,21 +91,8 @@ class TierWorker:
             self._observers.remove(observer)
 
     def logged(self, tier: Tier) -> KnownBlocks | None:
-        """This worker's blocks on ``tier`` by the log's fold (read once); None when there is
-        no log or it cannot be folded (a tier then starts empty rather than trusting what
-        the log cannot vouch for)."""
-        if self.event_log is None:
-            return None
-        if self._folded is None:
-            try:
-                self._folded = replay(self.event_log)
-            except Exception as exc:
-                log.warning("worker %d: the event log cannot be folded (%s)", self.worker_id, exc)
-                return None
-        for key, columns in self._folded.iter_columns():
-            if key == (self.worker_id, tier):
-                return columns.to_dict()
-        return {}
+        """This worker's blocks on ``tier`` by the log's fold (``Worker.logged``)."""
+        return self._worker.logged(tier)
 
     def state(self) -> RegistryState:
         """The attached tiers as they stand: what this worker's log replays to."""
@@ -127,39 +105,24 @@ class TierWorker:
     def _on_event(self, event: AnyEvent) -> None:
         for observer in self._observers:
             observer(event)
-        if self._buffer is not None:
-            self._unlogged.append(event)
+        self._unlogged.append(event)
 
     def step(self) -> None:
         """Hand the events made since the last step to the log (the publisher follows its
         commits)."""
         with self._lock:
             batch, self._unlogged = self._unlogged, []
-        if batch and self._buffer is not None:
-            self._buffer.extend(batch)
+        self._worker.extend(batch)
 
     def flush(self) -> None:
         """Wait until every event so far is durable in the log."""
         self.step()
-        if self._buffer is not None:
-            self._buffer.flush()
-        if self.event_log is not None:
-            self.event_log.flush()
+        self._worker.flush()
 
     def close(self) -> None:
-        """Hand over what waits and stop; closes the log and registry client when owned."""
+        """Hand over what waits and stop (the log closes when the worker opened it)."""
         self.step()
-        if self._buffer is not None:
-            self._buffer.close()
-            self._buffer = None
-        if self.publisher is not None:
-            self.publisher.stop(drain_timeout=5.0)
-            self.publisher = None
-        if self._own:
-            if self.event_log is not None:
-                self.event_log.close()
-            if self.shared is not None:
-                self.shared.client.close()
+        self._worker.close(drain_timeout=5.0)
 
 
 _open: dict[tuple[str | None, int], tuple[TierWorker, int, tuple[str | None, str]]] = {}
@@ -174,16 +137,21 @@ def open_tier_worker(
     redis_namespace: str = "kvledger",
 ) -> TierWorker:
     """The ``TierWorker`` of this process for ``(log_url, worker_id)``, built on first use
-    (the log with the ``KVLEDGER_EVENT_LOG_*`` settings, as every kvledger log); every call
-    is matched by one ``release``. Two tiers of one worker must name the same shared
-    registry."""
+    by the builder (the log with the ``KVLEDGER_EVENT_LOG_*`` settings, as every kvledger
+    log); every call is matched by one ``release``. Two tiers of one worker must name the
+    same shared registry."""
+    if redis_url is not None and log_url is None:
+        raise ValueError(
+            "a shared registry (redis_url) needs the event log (log_url): the publisher"
+            " catches up from it"
+        )
+    overrides: dict[str, object] = {"worker_id": worker_id, "redis_namespace": redis_namespace}
+    overrides["redis_url"] = redis_url
+    if log_url is not None:
+        overrides["event_log_url"] = log_url
     if log_url is None:  # nothing durable to share: a worker of its own
-        if redis_url is not None:
-            raise ValueError(
-                "a shared registry (redis_url) needs the event log (log_url): the publisher"
-                " catches up from it"
-            )
-        return TierWorker(worker_id)
+        settings = Settings.load(**overrides)
+        return TierWorker(open_worker(settings, log_events=False, redis=False, zmq=False))
     key = (log_url, worker_id)
     with _open_lock:
         found = _open.get(key)
@@ -197,18 +165,7 @@ def open_tier_worker(
                 )
             _open[key] = (worker, users + 1, shared_at)
             return worker
-        shared: SharedRegistry | None = None
-        settings = Settings.load()
-        event_log = EventLog(log_url, **settings.event_log_options())
-        try:
-            if redis_url is not None:
-                shared = SharedRegistry(
-                    connect(redis_url), redis_namespace, token_ids=settings.persist_token_ids
-                )
-            worker = TierWorker(worker_id, event_log=event_log, shared=shared, own=True)
-        except BaseException:
-            event_log.close()
-            raise
+        worker = TierWorker(open_worker(Settings.load(**overrides), zmq=False))
         _open[key] = (worker, 1, (redis_url, redis_namespace))
         return worker
 

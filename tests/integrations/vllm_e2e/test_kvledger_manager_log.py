@@ -80,7 +80,8 @@ def test_the_managers_own_log_takes_the_event_log_settings(
     m = KvledgerOffloadingManager(4, log_url=f"sqlite:///{tmp_path / 'settings.db'}")
     log = m.event_log
     assert log is not None and log.max_delay == 0.2
-    assert m._log_buffer is not None and m._log_buffer.max_hold == 0.05  # a quarter of it
+    buffer = m._worker.buffer  # the builder's buffer in front of the log
+    assert buffer is not None and buffer.max_hold == 0.05  # a quarter of it
     with log._engine.connect() as conn:  # fsync: SQLite's synchronous=FULL
         assert conn.exec_driver_sql("PRAGMA synchronous").scalar() == 2
     m.shutdown()
