@@ -40,18 +40,18 @@ from sglang.srt.mem_cache.hicache_storage import (
     HiCacheStorageExtraInfo,
 )
 
+from kvledger.builder import Worker, open_worker
 from kvledger.config import Settings
 from kvledger.events.files import private_folder
 from kvledger.events.log import EventLog
-from kvledger.events.log.replay import replay
-from kvledger.events.shared import RedisPublisher, SharedRegistry, connect
+from kvledger.events.log.schema import database_url
+from kvledger.events.shared import RedisPublisher
 from kvledger.events.types import BlockInfo, Tier
 from kvledger.integrations.extra_config import SglangExtraConfig
-from kvledger.registry.emitter import EventEmitter
+from kvledger.recovery import open_g3
 from kvledger.registry.pool import BlockPool
 from kvledger.tiers.disk import DiskTier
 from kvledger.tiers.disk.peer import PeerG3
-from kvledger.tiers.disk.recovery import KnownBlocks
 from kvledger.tiers.layout import BlockShape
 
 __all__ = ["KvledgerHiCacheStorage", "page_hashes"]
@@ -120,6 +120,7 @@ class KvledgerHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang sh
         self._g3: DiskTier | None = None
         self._pool: BlockPool | None = None
         self._log: EventLog | None = None
+        self._worker: Worker | None = None
         self.redis_url = settings.redis_url
         self.redis_namespace = settings.redis_namespace
         self.publisher: RedisPublisher | None = None
@@ -144,52 +145,45 @@ class KvledgerHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang sh
                 )
             return
         private_folder(self.data_dir)  # 0700: its files are prompts' KV bytes
-        settings = Settings.load()
-        event_log = EventLog(self.log_url, **settings.event_log_options())
+        overrides: dict[str, Any] = {
+            "worker_id": self.worker_id,
+            "event_log_url": database_url(self.log_url),
+            "redis_url": self.redis_url,
+            "redis_namespace": self.redis_namespace,
+        }
+        # the log (with the KVLEDGER_EVENT_LOG_* settings), its buffer, the shared registry's
+        # publisher (other ranks see a page once its event is committed), ZMQ and metrics when
+        # the settings ask for them: the one builder, as for every entry point
+        worker = open_worker(Settings.load(**overrides))
         try:
-            first_id = event_log.last_event_id(self.worker_id) + 1
-            known: list[KnownBlocks] = [{}]
-
-            def listed() -> KnownBlocks:  # called once the tier holds the file's lock
-                if first_id:
-                    for key, columns in replay(event_log).iter_columns():
-                        if key == (self.worker_id, Tier.G3):
-                            known[0] = columns.to_dict()
-                return known[0]
-
-            g3 = DiskTier(
-                self.data_dir,
+            opened = open_g3(
+                worker,
                 _page_shape(page_bytes),
                 self.capacity_pages,
+                self.data_dir,
                 file_name=f"hicache-g3-w{self.worker_id}.bin",
-                known=listed,
             )
         except BaseException:
-            event_log.close()
+            worker.close(drain_timeout=0)
             raise
-        if self.redis_url:  # G4: the shared registry says which rank holds which page
-            shared = SharedRegistry(
-                connect(self.redis_url), self.redis_namespace, token_ids=settings.persist_token_ids
-            )
-            # fed by the log's commits: other ranks see a page once its event is committed
-            self.publisher = RedisPublisher(shared, self.worker_id, log=event_log).start()
-        emitter = EventEmitter(event_log.append, worker_id=self.worker_id, first_event_id=first_id)
+        emitter = worker.emitter()
         pool = BlockPool(self.capacity_pages, tier=Tier.G3, emitter=emitter)
-        kept = g3.recovered_blocks()
-        pool.adopt([slot for slot, _ in kept], [block for _, block in kept])
-        held = {block.sequence_hash for _, block in kept}
-        dropped = [seq for seq in known[0] if seq not in held]
-        if dropped:  # listed by the log, gone from the file: the log says so
-            emitter.removed(Tier.G3, dropped)
-        if kept or dropped:
+        pool.adopt([slot for slot, _ in opened.kept], [block for _, block in opened.kept])
+        # the restart rule, and the pages the log listed that are gone from the file
+        worker.resume(emitter, recovered=opened.recovered)
+        opened.announce(worker, emitter)
+        if opened.kept or opened.dropped:
             log.info(
                 "kvledger HiCache worker %d: recovered %d pages from %s, dropped %d",
                 self.worker_id,
-                len(kept),
-                g3.path,
-                len(dropped),
+                len(opened.kept),
+                opened.disk.path,
+                len(opened.dropped),
             )
-        self._log, self._g3, self._pool, self.page_bytes = event_log, g3, pool, page_bytes
+        self.publisher = worker.publisher
+        self._worker = worker
+        self._log, self._g3, self._pool = worker.event_log, opened.disk, pool
+        self.page_bytes = page_bytes
 
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:
         """SGLang hands over its host pool: its flat page size is G3's slot size."""
@@ -207,18 +201,16 @@ class KvledgerHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang sh
 
     def close(self) -> None:
         """Flush the log and release the G3 file (a later instance recovers from both)."""
-        if self.publisher is not None:
-            self.publisher.stop()
-            self.publisher = None
         with self._lock:
             for peer in self._peers.values():
                 peer.close()
             self._peers.clear()
             if self._g3 is not None:
                 self._g3.close()
-            if self._log is not None:
-                self._log.close()
-            self._g3 = self._pool = self._log = None
+            if self._worker is not None:
+                self._worker.close()  # the log's rest, the publishers, the log
+            self._g3 = self._pool = self._log = self._worker = None
+            self.publisher = None
             self._closed = True
 
     def __enter__(self) -> KvledgerHiCacheStorage:
