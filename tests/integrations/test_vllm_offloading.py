@@ -41,6 +41,7 @@ MANAGER_TESTS = "tests/v1/kv_offload/cpu/test_manager.py"
 E2E_TESTS = "tests/kvledger/test_kvledger_offloading_e2e.py"
 NAMES_TESTS = "tests/kvledger/test_kvledger_manager_names.py"
 LOG_TESTS = "tests/kvledger/test_kvledger_manager_log.py"
+VIEWS_TESTS = "tests/kvledger/test_kvledger_manager_views.py"
 CONFIG_TESTS = "tests/kvledger/test_kvledger_spec_config.py"
 POLICY_TESTS = "tests/kvledger/test_kvledger_policies.py"
 DISK_TIER_TESTS = "tests/kvledger/test_kvledger_disk_tier.py"
@@ -88,7 +89,7 @@ def vllm_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, FileOutcome]
     }
     cmd = [str(PYTHON), "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={report}"]
     cmd += ["-c", "pyproject.toml", "--rootdir", ".", MANAGER_TESTS, *CONNECTOR_TESTS]
-    cmd += [E2E_TESTS, NAMES_TESTS, LOG_TESTS]
+    cmd += [E2E_TESTS, NAMES_TESTS, LOG_TESTS, VIEWS_TESTS]
     cmd += [POLICY_TESTS, DISK_TIER_TESTS, TIERING_E2E_TESTS, PEER_TIER_TESTS, *VLLM_TIER_TESTS]
     cmd += [CONFIG_TESTS]
     proc = subprocess.run(
@@ -218,3 +219,13 @@ def test_worker_b_reads_worker_as_blocks_over_nixl_as_g4(vllm_run: dict[str, Fil
     if outcome is not None and outcome.skipped and not outcome.passed and not outcome.failed:
         pytest.skip(f"kvledger's G4 tier test did not run: {outcome.skipped[0]}")
     assert check(vllm_run, PEER_TIER_TESTS).passed == 5
+
+
+def test_the_vllm_manager_publishes_to_the_shared_registry_and_serves_metrics(
+    vllm_run: dict[str, FileOutcome],
+) -> None:
+    # the one builder gives vLLM's manager what every entry point gets: its G2 blocks in the
+    # shared registry as its log folds (a claimed worker id), kvledger's metrics on loopback
+    # and vLLM's own KV events (it publishes its own stream) tell what the log replays to
+    outcome = check(vllm_run, VIEWS_TESTS)
+    assert outcome.passed == 3 and not outcome.skipped

@@ -530,3 +530,42 @@ def test_its_folder_log_and_g3_file_are_the_owners_alone_under_umask_022(tmp_pat
     assert stat.S_IMODE(data.stat().st_mode) == 0o700
     assert {"hicache-log-w0.sqlite", "hicache-g3-w0.bin"} <= set(made)
     assert all(mode == 0o600 for mode in made.values()), made
+
+
+def test_a_routers_zmq_index_and_the_metrics_follow_its_pages(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What every kvledger entry point gets from the one builder: the pages' events on a ZMQ
+    stream routers read (fed by the log's commits) and kvledger's metrics, both on loopback."""
+    import socket
+    import urllib.request
+
+    from kvledger.events.shared.zmq_subscribe import ZmqSubscriber
+    from kvledger.registry.index import RouterIndex, holders_from_state
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    endpoint = f"tcp://127.0.0.1:{port}"
+    monkeypatch.setenv("KVLEDGER_ZMQ_ENDPOINT", endpoint)
+    monkeypatch.setenv("KVLEDGER_METRICS_PORT", "0")
+    b = open_backend(tmp_path, page_bytes=PAGE_BYTES)
+    try:
+        with ZmqSubscriber(endpoint) as sub:
+            keys, values = chain(12), pages(12)  # 12 pages through 8 slots: evictions
+            for i in range(0, 12, 4):
+                assert b.batch_set(keys[i : i + 4], values[i : i + 4])
+            log = b.event_log
+            assert log is not None
+            log.flush()
+            index = RouterIndex.from_events(sub.events(0, timeout=2.0))
+            assert index.holders() == holders_from_state(replay(log))
+        worker = b._worker
+        assert worker is not None and worker._server is not None
+        url = f"http://127.0.0.1:{worker._server.server_port}/metrics"
+        with urllib.request.urlopen(url, timeout=5) as response:
+            text = response.read().decode()
+        assert 'kvbm_stored_blocks_total{tier="G3"} 12.0' in text
+        assert 'kvbm_evicted_blocks_total{tier="G3"} 4.0' in text
+    finally:
+        b.close()
