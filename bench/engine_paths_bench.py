@@ -4,8 +4,9 @@
   with vLLM 0.33's own spec classes the way vLLM's connector drives it: store jobs G1 -> G2 and
   load jobs G2 -> G1 against one pinned ``copy_`` of the same bytes (every repetition's ratio),
   with the KV regions in one allocation per region (as vLLM allocates them) and in one
-  allocation; then a store that demotes the G2 blocks to G3 first, and a load straight from G3
-  against an O_DIRECT read of the same bytes. Every byte is checked where it lands.
+  allocation. Every byte is checked where it lands. (kvledger's G3 for vLLM is a tiering
+  secondary tier below vLLM's CPU tier: its copies are host memory to file, which the G3 part
+  of the check measures.)
 - ``sglang``: kvledger's HiCache storage backend (``kvledger.integrations.sglang``) through
   SGLang 0.5.23's ``HiCacheStorage`` interface: pages stored from and read into device tensors
   (``batch_set``/``batch_get``), and the zero-copy path (``batch_set_v1``/``batch_get_v1``) on a
@@ -71,8 +72,6 @@ def vllm_bench(args: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
     )
     from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 
-    from kvledger.events.types import BlockInfo
-    from kvledger.integrations.vllm.specs import DiskMoves, KvledgerLoadSpec, KvledgerStoreSpec
     from kvledger.integrations.vllm.worker import KvledgerOffloadingWorker
 
     if args.imports_only:
@@ -109,7 +108,7 @@ def vllm_bench(args: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
             tensors=[CanonicalKVCacheTensor(t, page) for t in tensors],
             group_data_refs=[[CanonicalKVCacheRef(i, page) for i in range(regions)]],
         )
-        worker = KvledgerOffloadingWorker(caches, n, g3_blocks=n, g3_file=folder / "g3.bin")
+        worker = KvledgerOffloadingWorker(caches, n)
         try:
             ref_host = worker.g2.layout.block_bytes_view().reshape(-1)
             ref_dev = torch.empty(nbytes, dtype=torch.uint8, device=dev)
@@ -137,36 +136,6 @@ def vllm_bench(args: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
             check(tensors, f"G2->G1, {layout}")
             rows.append(ratio_row(f"vLLM store G1->G2, {layout}", nbytes, down, ref_name))
             rows.append(ratio_row(f"vLLM load G2->G1, {layout}", nbytes, up, ref_name))
-            if layout != "one allocation":
-                return
-            # A store that first demotes what G2 holds (the src blocks) to G3, then a load of
-            # them straight from G3 into poisoned G1 blocks.
-            names = [BlockInfo(1000 + i, 1000 + i, None) for i in range(n)]
-            moves = DiskMoves(demotions=list(zip(chunks, range(n), strict=True)), names=names)
-            demote = next(jobs)
-            spec = KvledgerStoreSpec(chunks, moves)
-            started = time.perf_counter()
-            run_job(worker, demote, lambda: worker.submit_store(demote, gpu(dst), spec))
-            demote_s = time.perf_counter() - started
-            for t in tensors:
-                t[dst] = 0
-
-            def from_g3(job: int) -> None:
-                spec = KvledgerLoadSpec([-1] * n, list(range(n)), DiskMoves())
-                run_job(worker, job, lambda: worker.submit_load(job, spec, gpu(dst)))
-
-            ref = aligned(nbytes)
-            ref_file = folder / "ref.bin"
-            direct_io(ref_file, ref, 16 << 20, write=True)
-            read = paired(
-                lambda: direct_io(ref_file, ref, 16 << 20, write=False),
-                lambda: from_g3(next(jobs)),
-                args.reps,
-                sync,
-            )
-            check(tensors, "G3->G1")
-            rows.append({"route": "vLLM store demoting G2->G3 first", "us": round(demote_s * 1e6)})
-            rows.append(ratio_row("vLLM load G3->G1", nbytes, read, "seq O_DIRECT preadv", 2))
         finally:
             worker.shutdown()
 

@@ -3,7 +3,9 @@
 The subscriber checks sequence numbers as Dynamo's indexer does: the first batch it expects is
 ``start_seq`` (0 by default: everything), and a batch after a gap makes it ask the replay
 socket for the missing ones before going on, so what it yields has no holes. Without a replay
-endpoint a gap is reported (``gaps``) and reading goes on.
+endpoint a gap is reported (``gaps``) and reading goes on. A replay that gets no answer (the
+publisher died while it answered, or is restarting) leaves the gap open: the batch that showed
+it is dropped and the next one asks again, so a restarted publisher fills it from its log.
 
 A publisher that speaks CurveZMQ is read with its public key (``curve_server_key``: the
 ``NAME.key`` certificate zmq.auth made with its secret one); ``curve_client_key`` is this
@@ -13,6 +15,7 @@ needs (otherwise a fresh key pair is made for each socket).
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Iterator
 from typing import Any
@@ -22,6 +25,8 @@ import zmq.auth
 
 from kvledger.events.types import AnyEvent
 from kvledger.events.vllm_events import decode_batch, to_events
+
+log = logging.getLogger(__name__)
 
 Batch = tuple[float, list[dict[str, Any]], int | None]
 END_SEQ_VALUE = (1 << 64) - 1
@@ -57,6 +62,8 @@ class ZmqSubscriber:
         self.next_seq = start_seq
         #: (first missing, first seen after) of each gap that could not be replayed
         self.gaps: list[tuple[int, int]] = []
+        #: replays asked for and not answered in ``replay_timeout`` (asked again later)
+        self.replay_timeouts = 0
 
     def close(self) -> None:
         self._sub.close()
@@ -89,7 +96,15 @@ class ZmqSubscriber:
             if seq < self.next_seq:
                 continue  # already had it (from a replay)
             if seq > self.next_seq:
-                yield from self._fill(self.next_seq, seq)
+                try:
+                    yield from self._fill(self.next_seq, seq)
+                except TimeoutError as exc:
+                    # the publisher died while it answered (or before), or restarts: the gap
+                    # stays open, this batch is dropped, and the next one asks again (a
+                    # restarted publisher serves it from its log)
+                    log.warning("%s; asking again at the next batch", exc)
+                    self.replay_timeouts += 1
+                    continue
                 if seq < self.next_seq:
                     continue
             self.next_seq = seq + 1
