@@ -22,6 +22,7 @@ from typing import cast
 import pytest
 import redis
 import redis_cluster
+from event_streams import prompt_pool, worker_events
 from redis.crc import key_slot
 from redis_cluster import LocalCluster
 from services import REDIS_URL
@@ -187,6 +188,49 @@ def test_connect_picks_the_client_and_the_directory_works_on_a_cluster(
     assert directory.lookup(5, [11, 12]) == (card, [BlockEntry(Tier.G2, 1, 111), None])
     reg.release(5)  # the lease goes: the card is no longer trusted
     assert directory.lookup(5, [11])[0] is None
+    reg.delete_namespace()
+
+
+def _getkeys_asked(client: redis.RedisCluster) -> int:
+    """``COMMAND GETKEYS`` calls the cluster's masters have answered so far."""
+    asked = 0
+    for node in client.get_primaries():  # type: ignore[no-untyped-call]
+        stats = cast(dict[str, dict[str, int]], client.info("commandstats", target_nodes=node))
+        asked += int(stats.get("cmdstat_command|getkeys", {}).get("calls", 0))
+    return asked
+
+
+def test_the_transport_routes_by_the_slot_map_and_asks_no_node_for_keys(
+    cluster: LocalCluster,
+) -> None:
+    """Applies, read-only ``who_has`` calls, purges and plain reads of shards that sit on
+    different masters each reach their shard's node and agree with the fold, and no node is
+    asked ``COMMAND GETKEYS`` (redis-py's cluster pipeline asks its default node that for
+    every script call: a round trip more, a permission the ACL roles lack, and a failure
+    while that node is down)."""
+    client = connect(cluster.url)
+    assert isinstance(client, redis.RedisCluster)
+    reg = SharedRegistry(client, f"route-{uuid.uuid4().hex[:8]}", shards=SHARDS)
+    nodes = {
+        client.get_node_from_key(k.index).name  # type: ignore[no-untyped-call]
+        for k in reg.shard_keys
+    }
+    assert len(nodes) > 1
+    streams = {w: worker_events(31, w, 120, prompt_pool(31)) for w in (1, 2)}
+    asked = _getkeys_asked(client)
+    for w, events in streams.items():
+        for start in range(0, len(events), 50):
+            assert reg.apply(w, events[start : start + 50]).gap_at is None
+    every = [e for events in streams.values() for e in events]
+    expected = holders_from_state(RegistryState.from_events(every))
+    assert reg.snapshot() == expected
+    hashes = sorted(expected)
+    assert reg.who_has(hashes) == [expected[h] for h in hashes]
+    assert [reg.applied_event_id(w) for w in streams] == [len(e) - 1 for e in streams.values()]
+    assert reg.workers() == set(streams) and reg.heartbeat(1)
+    assert reg.release(2) > 0 and reg.purge_expired() == {}
+    reg.sweep()
+    assert _getkeys_asked(client) == asked
     reg.delete_namespace()
 
 

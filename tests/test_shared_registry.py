@@ -117,8 +117,8 @@ def test_a_batch_split_into_calls_is_refused_from_its_gap_on() -> None:
     try:
         events = worker_events(8, 1, 30, prompt_pool(8))
         assert reg.apply(1, events[:5]).last_event_id == 4
-        result = reg.apply(1, events[2:12])  # 2-4 repeated, the first call ends at 4
-        assert (result.applied, result.repeated, result.last_event_id) == (7, 3, 11)
+        result = reg.apply(1, events[3:12])  # the first call, 3-5, repeats 3 and 4
+        assert (result.applied, result.repeated, result.last_event_id) == (7, 2, 11)
         result = reg.apply(1, events[9:14] + events[16:25])  # a gap after 13
         assert (result.applied, result.repeated, result.gap_at) == (2, 3, 16)
         assert result.last_event_id == 13 and reg.applied_event_id(1) == 13

@@ -1,6 +1,7 @@
 """The registry shared by all workers, in Redis, by job: ``keys`` (the key layout of a namespace,
 also used by the G4 directory), ``registry`` (``SharedRegistry``, atomic applies through the Lua
-scripts that ``scripts`` loads from ``lua/``), ``publish`` (sinks that carry a worker's events
+scripts that ``scripts`` loads from ``lua/``), ``transport`` (how the registry's calls reach one
+Redis server or a cluster's nodes), ``publish`` (sinks that carry a worker's events
 there, and ``FanOut``) and ``subscribe`` (routers reading its event stream).
 
 ``client.connect`` gives the right redis-py client for a URL (a cluster client for Redis

@@ -7,10 +7,12 @@ is refused at the gap and the caller fills it from the worker's durable log. The
 checks the records and reduces a run of events to what it leaves behind (each touched block
 once, with the bits it ends set or cleared, and the Cleared count per tier), so Lua only does
 the part that needs the stored values; a long batch goes out as several calls in one pipeline.
-The same script appends every applied event to one Redis stream (trimmed approximately), so
-routers reading it with a consumer group see each event exactly once, in order per worker. The
-stream's record of an event is its durable-log record (``codec.encode``, checksummed): a
-publisher fed by the log's commits sends the very bytes the log stored.
+This module says what each call holds; how calls reach one server or a cluster's nodes, and
+reloading scripts a server lost, is ``transport.py``'s job. The same script appends every
+applied event to one Redis stream (trimmed approximately), so routers reading it with a
+consumer group see each event exactly once, in order per worker. The stream's record of an
+event is its durable-log record (``codec.encode``, checksummed): a publisher fed by the log's
+commits sends the very bytes the log stored.
 
 The index may be split over N shards by sequence hash (``keys.KeySpace.shards``); every shard
 keeps all the keys below for its blocks (its own applied id per worker, generations, lease),
@@ -51,8 +53,6 @@ no-op Cleared skip the sweep.
 
 from __future__ import annotations
 
-import contextlib
-import hashlib
 import itertools
 import operator
 import struct
@@ -70,6 +70,7 @@ from kvledger.events.shared import scripts as lua
 from kvledger.events.shared.claims import ClaimLost, Holder, WorkerIdTaken
 from kvledger.events.shared.client import REFUSALS, Client
 from kvledger.events.shared.keys import MAX_SHARDS, KeySpace
+from kvledger.events.shared.transport import Arg, Transport
 from kvledger.events.types import (
     AnyEvent,
     Cleared,
@@ -101,7 +102,6 @@ class ApplyResult:
     """The first event id of the batch that did not follow ``last_event_id`` (None: no gap)."""
 
 
-_APPLY_KEYS = 11
 _FENCED = -3
 _NOT_PURGED = -4
 
@@ -160,7 +160,8 @@ class SharedRegistry:
         if client.get_connection_kwargs().get("decode_responses"):
             raise ValueError("the shared registry needs a Redis client with decode_responses=False")
         self.client = client
-        self.cluster = isinstance(client, redis.RedisCluster)
+        self.transport = Transport(client, _SCRIPTS)
+        """How the registry's script calls and commands reach Redis (``transport.py``)."""
         self.namespace = namespace
         self.keys = keys
         """Shard 0's keys: the namespace's own, as ``KeySpace(namespace)`` names them."""
@@ -172,18 +173,12 @@ class SharedRegistry:
         self.token_ids = token_ids
         """False: stream records of ``Stored`` events go without their token ids."""
         self.events_per_call = events_per_call
-        """Events per apply script call; a longer batch is several calls in one pipeline (with
-        one server the first of them an eighth of this, so Redis starts on it while the rest
-        is packed).
+        """Events per apply script call; a longer batch is several calls in one pipeline.
         Longer calls touch fewer blocks: a block stored and removed within a call costs one
         read and no write."""
         self.stream_key = keys.stream
         self.workers_key = keys.workers
         self.index_key = keys.index
-        self._sha = {src: hashlib.sha1(src.encode()).hexdigest() for src in _SCRIPTS}
-        self._read_eval = "EVALSHA_RO"
-        """How ``who_has`` calls its script: read-only (Redis >= 7), so a router whose ACL
-        user may only read the namespace's keys can ask (docs/security.md)."""
         self._wanted_shards = shards
         self._shard_keys: list[KeySpace] | None = None
         # read on first use when Redis is down: a publisher started then retries it (a
@@ -282,11 +277,7 @@ class SharedRegistry:
                 for e, r in zip(events, records, strict=True)
             ]
         parsed = [_parsed(event) for event in events]
-        try:
-            return self._apply_parsed(worker_id, records, parsed, token)
-        except redis.exceptions.NoScriptError:  # a restarted or flushed Redis: load, send again
-            self._load_scripts()
-            return self._apply_parsed(worker_id, records, parsed, token)
+        return self._apply_parsed(worker_id, records, parsed, token)
 
     def apply_records(
         self, worker_id: int, records: Sequence[bytes], *, token: int = 0
@@ -342,16 +333,11 @@ class SharedRegistry:
         )
 
     def _cuts(self, parsed: Sequence[_Parsed], start: int) -> list[tuple[int, int]]:
-        """The calls of the run of consecutive ids from ``start``: ``events_per_call`` long, the
-        first one small on a single server, so Redis starts on it early."""
+        """The calls of the run of consecutive ids from ``start``, ``events_per_call`` long."""
         end = start + 1
         while end < len(parsed) and parsed[end][0] == parsed[end - 1][0] + 1:
             end += 1
-        # With one server calls are sent as they are packed; to a cluster they go out together
-        first = self.events_per_call if self.cluster else max(1, self.events_per_call // 8)
-        cuts = [start, start + first] if end - start > first else [start]
-        cuts += range(cuts[-1] + self.events_per_call, end, self.events_per_call)
-        cuts.append(end)
+        cuts = [*range(start, end, self.events_per_call), end]
         return list(itertools.pairwise(cuts))
 
     def _send_applies(
@@ -366,178 +352,51 @@ class SharedRegistry:
         their replies in plan order."""
         wid = str(int(worker_id))
         home = self.home_shard(worker_id)
-        sha = self._sha[lua.APPLY]
         reduced: dict[tuple[int, int], list[_Changes]] = {}
 
-        def call(shard: int, a: int, b: int) -> list[bytes | str | int]:
+        def call(shard: int, a: int, b: int) -> list[Arg]:
             if (a, b) not in reduced:
                 clears, groups = _net_changes(parsed[a:b])
                 reduced[a, b] = [(clears, g) for g in _split_groups(groups, self.shard_count)]
             clears, groups = reduced[a, b][shard]
-            k = self.shard_keys[shard]
             tip = record_tip(records[b - 1]) if b > a else 0
-            args: list[bytes | str | int] = [
-                "EVALSHA", sha, _APPLY_KEYS,
-                k.applied, k.count, k.stream, k.workers, k.lease(wid), k.held, k.index,
-                k.generations, k.sweep, k.fence, k.tips,
-                k.prefix, wid, self.stream_maxlen, self.lease_ttl_ms, self.sweep_slice,
-                token, "", tip, parsed[a][0] if b > a else 0, b - a, *clears, len(groups),
-            ]  # fmt: skip
-            for set_mask, clear_mask, count, _blob in groups:
-                args += (set_mask, clear_mask, count)
-            if shard == home:
-                args += records[a:b]
-            args += [blob for _set, _clear, _count, blob in groups]
-            return args
+            first = parsed[a][0] if b > a else 0
+            carried = records[a:b] if shard == home else ()
+            return self._apply_call(
+                shard, wid, token, "", tip, first, b - a, clears, groups, carried
+            )
 
-        calls = (call(*item) for item in plan)
-        replies = self._cluster_pipeline(calls) if self.cluster else self._stream_calls(calls)
+        replies = self.transport.run([call(*item) for item in plan])
         return [(int(n), int(again), int(last), int(gap)) for n, again, last, gap in replies]
 
-    def _stream_calls(self, calls: Iterable[Sequence[bytes | str | int]]) -> list[Any]:
-        """Send commands to the one server in one pipeline; their replies.
-
-        Packed and sent here rather than through a redis-py pipeline, which packs every call
-        before sending any: the first call goes out as soon as it is packed, so Redis runs it
-        while the others are packed, and they follow in one write. ``calls`` may be a
-        generator: it is read once.
-        """
-        assert isinstance(self.client, redis.Redis)
-        packed = iter(calls)
-        pool = self.client.connection_pool
-        conn = pool.get_connection()
-        sent: list[bytes] = []  # what went out, for a retry on a fresh connection
-
-        def send_and_read() -> list[Any]:
-            if not sent:  # the first call at once, so Redis starts on it while the rest is packed
-                first = next(packed, None)
-                if first is not None:
-                    sent.append(b"*%d\r\n" % len(first) + _resp_args(first))
-                    conn.send_packed_command(sent)  # type: ignore[no-untyped-call]
-                rest = len(sent)
-            else:  # a retry on a fresh connection: all of it again
-                rest = 0
-            sent.extend(b"*%d\r\n" % len(args) + _resp_args(args) for args in packed)
-            if len(sent) > rest:
-                # the rest in one write: each system call gives the interpreter to the engine's
-                # thread, and getting it back can take a whole switch interval (5 ms)
-                conn.send_packed_command([b"".join(sent[rest:])])  # type: ignore[no-untyped-call]
-            replies, error = [], None
-            for _ in sent:  # read every reply, so the connection stays in step
-                try:
-                    replies.append(conn.read_response())
-                except redis.ResponseError as exc:
-                    error = error or exc
-            if error is not None:
-                raise error
-            return replies
-
-        try:
-            return conn.retry.call_with_retry(
-                send_and_read,
-                lambda _error: conn.disconnect(),  # type: ignore[no-untyped-call]
-            )
-        finally:
-            pool.release(conn)
-
-    def _cluster_pipeline(self, calls: Iterable[Sequence[bytes | str | int]]) -> list[Any]:
-        """Send script calls to a cluster, one pipeline per node, the nodes in parallel.
-
-        First straight to the nodes that redis-py's slot map names, each call sent as soon as
-        it is packed (redis-py's cluster pipeline packs everything first and costs ~0.3 ms of
-        Python per execute here, more than a who_has takes in Redis); on any trouble (MOVED,
-        ASK, TRYAGAIN, a node gone) all of them again through that pipeline, which follows
-        redirections and refreshes the map. Sending again is safe: applies are idempotent and
-        the other scripts read, or purge what is already purged.
-        """
-        listed: list[Sequence[bytes | str | int]] = []
-        pending = iter(calls)
-        try:
-            return self._straight_to_nodes(pending, listed)
-        except redis.exceptions.NoScriptError:
-            raise
-        except redis.RedisError as exc:
-            listed += pending  # and what was not taken yet
-            if isinstance(exc, redis.ConnectionError | redis.TimeoutError):
-                # A node is gone (a fail-over): learn the slot map anew and go straight again.
-                # redis-py's pipeline would not: it asks a script's keys of its default node
-                # (COMMAND GETKEYS) before it routes, and fails there while that node is down.
-                self._refresh_slots()
-                try:
-                    return self._straight_to_nodes(iter(listed), [])
-                except (redis.ConnectionError, redis.TimeoutError, redis.exceptions.NoScriptError):
-                    raise  # still down: the caller tries again later
-                except redis.RedisError:
-                    pass
-            pipe = self.client.pipeline()
-            for args in listed:
-                pipe.execute_command(*args)
-            return list(pipe.execute())
-
-    def _refresh_slots(self) -> None:
-        assert isinstance(self.client, redis.RedisCluster)
-        with contextlib.suppress(redis.RedisError):
-            self.client.nodes_manager.initialize()
-            self.client.replace_default_node()
-
-    def _straight_to_nodes(
-        self, calls: Iterable[Sequence[bytes | str | int]], listed: list[Sequence[Any]]
-    ) -> list[Any]:
-        """Commands (EVALSHA calls, routed by their first key, and single-key commands), each
-        written to its node as soon as it is packed, then every reply read; ``listed`` gets
-        each command as it is taken from ``calls``."""
-        assert isinstance(self.client, redis.RedisCluster)
-        opened: dict[str, tuple[Any, Any, list[int]]] = {}  # node -> pool, connection, calls
-        finished: set[str] = set()  # nodes whose replies were all read
-        try:
-            for args in calls:
-                listed.append(args)
-                key = args[3 if args[0] in ("EVALSHA", "EVALSHA_RO") else 1]
-                node = self.client.get_node_from_key(key)  # type: ignore[no-untyped-call]
-                if node.name not in opened:
-                    pool = self.client.get_redis_connection(node).connection_pool
-                    opened[node.name] = (pool, pool.get_connection(), [])
-                _pool, conn, positions = opened[node.name]
-                positions.append(len(listed) - 1)
-                packed = b"*%d\r\n" % len(args) + _resp_args(args)
-                conn.send_packed_command([packed])
-            replies: list[Any] = [None] * len(listed)
-            for name, (_pool, conn, positions) in opened.items():
-                errors = []
-                for p in positions:
-                    try:
-                        replies[p] = conn.read_response()
-                    except redis.ResponseError as exc:
-                        errors.append(exc)
-                finished.add(name)
-                if errors:
-                    raise errors[0]
-        finally:
-            for name, (pool, conn, _positions) in opened.items():
-                if name not in finished:
-                    conn.disconnect()  # replies left unread: never reuse it
-                pool.release(conn)
-        return replies
-
-    def _pipeline(self, calls: Iterable[Sequence[bytes | str | int]]) -> list[Any]:
-        if self.cluster:
-            return self._cluster_pipeline(calls)
-        pipe = self.client.pipeline(transaction=False)
-        for args in calls:
-            pipe.execute_command(*args)
-        return list(pipe.execute())
-
-    def _scripted(self, calls: Sequence[Sequence[bytes | str | int]]) -> list[Any]:
-        """``_pipeline`` for script calls: loads the scripts where a server lacks them."""
-        try:
-            return self._pipeline(calls)
-        except redis.exceptions.NoScriptError:
-            self._load_scripts()
-            return self._pipeline(calls)
-
-    def _load_scripts(self) -> None:
-        for src in _SCRIPTS:  # a cluster client sends SCRIPT LOAD to every master
-            self.client.script_load(src)
+    def _apply_call(
+        self,
+        shard: int,
+        wid: str,
+        token: int,
+        mode: str,
+        tip: int,
+        first: int,
+        n: int,
+        clears: Sequence[int],
+        groups: Sequence[_Group],
+        records: Sequence[bytes],
+    ) -> list[Arg]:
+        """The apply script's call in one shard (``lua/apply.lua`` says what each part is)."""
+        k = self.shard_keys[shard]
+        keys = [
+            k.applied, k.count, k.stream, k.workers, k.lease(wid), k.held, k.index,
+            k.generations, k.sweep, k.fence, k.tips,
+        ]  # fmt: skip
+        args: list[Arg] = [
+            k.prefix, wid, self.stream_maxlen, self.lease_ttl_ms, self.sweep_slice,
+            token, mode, tip, first, n, *clears, len(groups),
+        ]  # fmt: skip
+        for set_mask, clear_mask, count, _blob in groups:
+            args += (set_mask, clear_mask, count)
+        args += records
+        args += [blob for _set, _clear, _count, blob in groups]
+        return self.transport.script(lua.APPLY, keys, args)
 
     # -- one owner per worker id (``claims``) ---------------------------------------------
 
@@ -552,19 +411,14 @@ class SharedRegistry:
         """
         holder = holder or Holder.this_process()
         wid = str(int(worker_id))
-        fences = self._scripted([self._fence_call(k, wid, 0) for k in self.shard_keys])
+        fences = self.transport.run([self._fence_call(k, wid, 0) for k in self.shard_keys])
         floor = max(int(f) for f in fences) + 1
         k0 = self.keys
         takeover = ""
         while True:
-            token, current = self._scripted(
-                [
-                    [
-                        "EVALSHA", self._sha[lua.CLAIM], 2, k0.claim(wid), k0.tokens,
-                        wid, holder.to_json(), self.lease_ttl_ms, takeover, floor,
-                    ]
-                ]
-            )[0]  # fmt: skip
+            args: list[Arg] = [wid, holder.to_json(), self.lease_ttl_ms, takeover, floor]
+            call = self.transport.script(lua.CLAIM, [k0.claim(wid), k0.tokens], args)
+            token, current = self.transport.run([call])[0]
             if int(token):
                 break
             held_token, other = Holder.parse(current)
@@ -576,18 +430,18 @@ class SharedRegistry:
                 f"worker id {worker_id} is already taken in namespace {self.namespace!r} by "
                 f"{who}; give each worker its own id (worker_id / KVLEDGER_WORKER_ID)"
             )
-        self._scripted([self._fence_call(k, wid, int(token)) for k in self.shard_keys])
+        self.transport.run([self._fence_call(k, wid, int(token)) for k in self.shard_keys])
         return int(token)
 
-    def _fence_call(self, k: KeySpace, wid: str, token: int) -> list[bytes | str | int]:
-        return ["EVALSHA", self._sha[lua.FENCE], 1, k.fence, wid, token]
+    def _fence_call(self, k: KeySpace, wid: str, token: int) -> list[Arg]:
+        return self.transport.script(lua.FENCE, [k.fence], [wid, token])
 
     def unclaim(self, worker_id: int, token: int) -> None:
         """Give the worker id up (a clean exit), if this token still holds it, so that a
         successor need not wait for the lease to lapse. Entries stay (``release`` drops
         them)."""
-        self._scripted(
-            [["EVALSHA", self._sha[lua.UNCLAIM], 1, self.keys.claim(int(worker_id)), token]]
+        self.transport.run(
+            [self.transport.script(lua.UNCLAIM, [self.keys.claim(int(worker_id))], [token])]
         )
 
     def holder(self, worker_id: int) -> tuple[int, Holder | None] | None:
@@ -602,16 +456,16 @@ class SharedRegistry:
         id is taken again."""
         wid = str(int(worker_id))
         described = (holder or Holder.this_process()).to_json() if token else ""
-        calls: list[list[bytes | str | int]] = []
+        calls: list[list[Arg]] = []
         for shard, k in enumerate(self.shard_keys):
             keys = [k.fence, k.lease(wid), k.workers] + ([k.claim(wid)] if shard == 0 else [])
-            args: list[bytes | str | int] = [wid, token, self.lease_ttl_ms, described]
-            calls.append(["EVALSHA", self._sha[lua.BEAT], len(keys), *keys, *args])
-        return all(int(r) for r in self._scripted(calls))
+            args: list[Arg] = [wid, token, self.lease_ttl_ms, described]
+            calls.append(self.transport.script(lua.BEAT, keys, args))
+        return all(int(r) for r in self.transport.run(calls))
 
     def purge_expired(self) -> dict[int, int]:
         """Drop the entries of every worker whose lease lapsed: {worker: entries dropped}."""
-        listed = self._pipeline([("SMEMBERS", k.workers) for k in self.shard_keys])
+        listed = self.transport.run([("SMEMBERS", k.workers) for k in self.shard_keys])
         candidates = [sorted(int(w) for w in members) for members in listed]
         return self._purge_calls(candidates, force=False)
 
@@ -626,17 +480,16 @@ class SharedRegistry:
     ) -> dict[int, int]:
         """Purge each shard's candidates (all of them with ``force``, else those whose lease
         in that shard is gone); a purge reaches every shard, one atomic call each."""
-        sha = self._sha[lua.PURGE]
-        calls: list[list[bytes | str | int]] = []
+        calls: list[list[Arg]] = []
         for shard, (k, workers) in enumerate(zip(self.shard_keys, candidates, strict=True)):
             if not workers:
                 continue
             keys = [k.workers, k.generations, k.held, k.applied, k.count, k.stream, k.sweep]
             keys += [k.fence] + [k.lease(w) for w in workers]
             flags = ["1" if force else "", self.stream_maxlen, self.shard_count, shard, token]
-            calls.append(["EVALSHA", sha, len(keys), *keys, k.prefix, *flags, *workers])
+            calls.append(self.transport.script(lua.PURGE, keys, [k.prefix, *flags, *workers]))
         out: dict[int, int] = {}
-        for flat in self._scripted(calls):
+        for flat in self.transport.run(calls):
             for i in range(0, len(flat), 2):
                 worker, dropped = int(flat[i]), int(flat[i + 1])
                 if dropped < 0:
@@ -656,7 +509,7 @@ class SharedRegistry:
         calls: list[tuple[str, ...]] = []
         for k in self.shard_keys:
             calls += [("HGET", k.applied, wid), ("HGET", k.tips, wid)]
-        raw = self._pipeline(calls)
+        raw = self.transport.run(calls)
         return [
             (-1 if applied is None else int(applied), None if tip is None else int(tip))
             for applied, tip in zip(raw[::2], raw[1::2], strict=True)
@@ -702,23 +555,15 @@ class SharedRegistry:
         ]
         groups = _split_groups(_held_groups(held), self.shard_count)
         home = self.home_shard(worker_id)
-        sha = self._sha[lua.APPLY]
-        calls: list[list[bytes | str | int]] = []
-        for shard, k in enumerate(self.shard_keys):
-            args: list[bytes | str | int] = [
-                "EVALSHA", sha, _APPLY_KEYS,
-                k.applied, k.count, k.stream, k.workers, k.lease(wid), k.held, k.index,
-                k.generations, k.sweep, k.fence, k.tips,
-                k.prefix, wid, self.stream_maxlen, self.lease_ttl_ms, self.sweep_slice,
-                token, "b", tip, last_event_id, 1, 0, 0, 0, 0, len(groups[shard]),
-            ]  # fmt: skip
-            for set_mask, clear_mask, count, _blob in groups[shard]:
-                args += (set_mask, clear_mask, count)
-            if shard == home:
-                args += records
-            args += [blob for _set, _clear, _count, blob in groups[shard]]
-            calls.append(args)
-        replies = self._scripted(calls)
+        clears = [0, 0, 0, 0]
+        calls = [
+            self._apply_call(
+                shard, wid, token, "b", tip, last_event_id, 1, clears, groups[shard],
+                records if shard == home else (),
+            )
+            for shard in range(self.shard_count)
+        ]  # fmt: skip
+        replies = self.transport.run(calls)
         _check_fence(worker_id, [tuple(int(x) for x in r) for r in replies])  # type: ignore[misc]
         for _applied, _repeated, last, gap in replies:
             if int(gap) == _NOT_PURGED:
@@ -734,12 +579,13 @@ class SharedRegistry:
         slice at a time already."""
         if slice_blocks < 1:
             raise ValueError(f"slice_blocks must be at least 1, got {slice_blocks}")
-        sha = self._sha[lua.SWEEP]
-        calls: list[list[bytes | str | int]] = [
-            ["EVALSHA", sha, 3, k.index, k.generations, k.sweep, k.prefix, slice_blocks]
+        calls = [
+            self.transport.script(
+                lua.SWEEP, [k.index, k.generations, k.sweep], [k.prefix, slice_blocks]
+            )
             for k in self.shard_keys
         ]
-        return any(bool(running) for _seen, running in self._scripted(calls))
+        return any(bool(running) for _seen, running in self.transport.run(calls))
 
     # -- reading -------------------------------------------------------------------------
 
@@ -753,26 +599,22 @@ class SharedRegistry:
         """
         if not sequence_hashes:
             return []
-        sha = self._sha[lua.WHO_HAS]
+        shard_keys = self.shard_keys
+        count = len(shard_keys)  # shard_of, without a call per hash
         positions: dict[int, list[int]] = {}
-        for position, h in enumerate(sequence_hashes):
-            positions.setdefault(self.shard_of(h), []).append(position)
-        calls: list[list[bytes | str | int]] = []
+        if count == 1:
+            positions[0] = list(range(len(sequence_hashes)))
+        else:
+            for position, h in enumerate(sequence_hashes):
+                positions.setdefault(int(h) % count, []).append(position)
+        calls: list[list[Arg]] = []
         for shard, at in positions.items():
-            k = self.shard_keys[shard]
-            keys = [hash_key(sequence_hashes[i]) for i in at]
-            calls.append(
-                [self._read_eval, sha, 3, k.index, k.generations, k.sweep, k.prefix, *keys]
-            )
-        try:
-            replies = self._read_calls(calls)
-        except redis.ResponseError as exc:
-            if self._read_eval == "EVALSHA" or "unknown command" not in str(exc).lower():
-                raise
-            self._read_eval = "EVALSHA"  # a Redis before 7.0: no read-only script calls
-            for call in calls:
-                call[0] = "EVALSHA"
-            replies = self._read_calls(calls)
+            k = shard_keys[shard]
+            keys = [k.index, k.generations, k.sweep]
+            args: list[Arg] = [k.prefix]
+            args += [hash_key(sequence_hashes[i]) for i in at]
+            calls.append(self.transport.read_script(lua.WHO_HAS, keys, args))
+        replies = self.transport.run(calls)
         out: list[dict[int, int]] = [{}] * len(sequence_hashes)
         for at, values in zip(positions.values(), replies, strict=True):
             for position, value in zip(at, values, strict=True):
@@ -783,16 +625,6 @@ class SharedRegistry:
                     return out[:position]
         return out
 
-    def _read_calls(self, calls: Sequence[Sequence[bytes | str | int]]) -> list[Any]:
-        if len(calls) == 1 and not self.cluster:
-            # one server, one shard: the call itself (a pipeline costs ~30 us a call here)
-            try:
-                return [self.client.execute_command(*calls[0])]  # type: ignore[no-untyped-call]
-            except redis.exceptions.NoScriptError:
-                self._load_scripts()
-                return [self.client.execute_command(*calls[0])]  # type: ignore[no-untyped-call]
-        return self._scripted(calls)
-
     def prefix_depths(self, sequence_hashes: Sequence[int]) -> dict[int, dict[Tier, int]]:
         """Per worker and tier, how many leading blocks of the prefix it holds."""
         return prefix_depths(self.who_has(sequence_hashes, stop_at_miss=True))
@@ -801,7 +633,9 @@ class SharedRegistry:
         """``command`` with each shard's key named by its first word (an attribute of
         ``KeySpace``) run in every shard; the replies in shard order."""
         attribute, *rest = command[1:]
-        return self._pipeline([(command[0], getattr(k, attribute), *rest) for k in self.shard_keys])
+        return self.transport.run(
+            [(command[0], getattr(k, attribute), *rest) for k in self.shard_keys]
+        )
 
     def applied_event_id(self, worker_id: int) -> int:
         """The last event id applied for a worker in every shard (the shard furthest behind),
@@ -931,15 +765,6 @@ _Parsed = tuple[int, int, int, bytes]
 
 _REMOVED = KIND_CODES[Removed]
 _CLEARED = KIND_CODES[Cleared]
-
-
-def _resp_args(args: Sequence[bytes | str | int]) -> bytes:
-    """Arguments in the Redis protocol, without the array header."""
-    out = []
-    for arg in args:
-        data = arg if isinstance(arg, bytes) else str(arg).encode()
-        out.append(b"$%d\r\n%s\r\n" % (len(data), data))
-    return b"".join(out)
 
 
 def _parsed(event: AnyEvent) -> _Parsed:
