@@ -151,10 +151,17 @@ def kill_rounds(
         pause = rng.uniform(*kill_between)
         try:
             publishing = partial(lambda b: registry.applied_event_id(worker) > b + 100, before)
-            wait_for(publishing, 30, f"round {number}: the worker to publish")
+            try:
+                wait_for(publishing, 30, f"round {number}: the worker to publish")
+            except AssertionError as exc:
+                if busy.poll() is None:
+                    raise
+                said = busy.stderr.read() if busy.stderr else ""
+                raise AssertionError(f"{exc}: it exited with {busy.returncode}: {said}") from exc
             time.sleep(pause)
         finally:
-            os.kill(busy.pid, signal.SIGKILL)
+            if busy.poll() is None:
+                os.kill(busy.pid, signal.SIGKILL)
             busy.wait()
         restart = subprocess.Popen(
             command("--requests", "5", "--linger"),
