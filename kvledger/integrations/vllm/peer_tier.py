@@ -223,6 +223,11 @@ class KvledgerPeerTier(SecondaryTierManager):  # type: ignore[misc]  # vLLM is u
         self._jobs: dict[int, _Job] = {}
         self._held: list[int] = []  # pool slots an abandoned read may still write into
         self._copying: set[int] = set()  # hashes on their way into the pool
+        # hashes whose read failed -> until when lookups call them a miss: a block its owner
+        # reused before the registry heard of the eviction would otherwise be a HIT again at
+        # every lookup, and vLLM would promote (and fail) it forever instead of recomputing it
+        self._failed: dict[int, float] = {}
+        self._failed_for_s = lease_s
         try:
             self.worker.attach(self.pool, parts.exporter)
         except BaseException:
@@ -242,8 +247,14 @@ class KvledgerPeerTier(SecondaryTierManager):  # type: ignore[misc]  # vLLM is u
         find it gone: then it is a miss for this key)."""
         assert self._shared is not None
         me = self.worker.worker_id
+        block = key_hash(key)
+        until = self._failed.get(block)
+        if until is not None:
+            if time.monotonic() < until:
+                return LookupResult.MISS
+            del self._failed[block]
         try:
-            (holders,) = self._shared.who_has([key_hash(key)])
+            (holders,) = self._shared.who_has([block])
         except Exception:  # Redis out of reach: nothing to read from
             return LookupResult.MISS
         found = any(w != me and mask & _G2_BIT for w, mask in holders.items())
@@ -390,9 +401,20 @@ class KvledgerPeerTier(SecondaryTierManager):  # type: ignore[misc]  # vLLM is u
         nbytes = len(good_keys) * self.block_size_bytes
         if len(good_keys) == len(job.keys):
             return JobResult(job.job_id, True, None, seconds, nbytes)
+        arrived = {i for i, _ in landed}
+        self._remember_failed(h for i, h in enumerate(job.hashes) if i not in arrived)
         return JobResult(
             job.job_id, False, tuple(good_keys) if good_keys else None, seconds, nbytes
         )
+
+    def _remember_failed(self, hashes: Iterable[int]) -> None:
+        """Lookups call these a miss for a lease: by then the owner's eviction has reached
+        the shared registry (or the owner has stored the block again)."""
+        now = time.monotonic()
+        if len(self._failed) > 4 * self.pool.capacity:
+            self._failed = {h: t for h, t in self._failed.items() if t > now}
+        for block in hashes:
+            self._failed[block] = now + self._failed_for_s
 
     def has_pending_work(self) -> bool:
         return bool(self._jobs)

@@ -168,15 +168,20 @@ def owner_main(namespace: str, folder: Path) -> None:
 
 
 class Owner:
-    def __init__(self, namespace: str, folder: Path) -> None:
+    """Worker A in a process of its own: ``script`` run as ``script owner NAMESPACE DIR``, one
+    JSON answer (a line after ``ANSWER``) per command on its stdin."""
+
+    def __init__(self, namespace: str, folder: Path, script: str = __file__) -> None:
         self.stderr = open(folder / "owner.stderr", "w+")  # noqa: SIM115
+        root = str(Path(script).resolve().parents[2])  # vLLM's test tree: tests.* imports
+        path = os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))
         self.proc = subprocess.Popen(
-            [sys.executable, __file__, "owner", namespace, str(folder)],
+            [sys.executable, script, "owner", namespace, str(folder)],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=self.stderr,
             text=True,
-            env={**os.environ, "NIXL_LOG_LEVEL": "WARN"},
+            env={**os.environ, "NIXL_LOG_LEVEL": "WARN", "PYTHONPATH": path},
         )
         self.read(60)
 

@@ -1,5 +1,5 @@
-"""kvledger's G3 under vLLM 0.33's tiering layer, end to end through vLLM's real Scheduler and
-OffloadingConnector with vLLM's ``TieringOffloadingSpec`` (runs in the vLLM test venv).
+"""kvledger's G3 and G4 under vLLM 0.33's tiering layer, end to end through vLLM's real Scheduler
+and OffloadingConnector with vLLM's ``TieringOffloadingSpec`` (runs in the vLLM test venv).
 
 vLLM's CPU tier is the primary (G2, with kvledger's eviction policy through
 ``cache_policy_module_path``); kvledger's ``KvledgerDiskTier`` is the secondary tier named in
@@ -9,6 +9,12 @@ runs again and its blocks come back G3 -> CPU -> G1 byte-identical. kvledger's l
 the tier's state, and a second engine on the same folder and log finds A on G3 at start (warm
 restart) and serves it.
 
+G4 the same way, in two processes: worker A (this file run as a script, an engine of its own)
+runs a prompt, its blocks cascade into A's exported pool (kvledger's ``KvledgerPeerTier``, real
+NIXL agent, real Redis); worker B's engine, G1 wiped and its model writing nothing, runs the same
+prompt and loads A's blocks over NIXL byte-identical. A block A reuses between B's lookup and
+B's read is a miss for that key: B's engine recomputes it and goes on.
+
 vLLM's CPU tier worker (``CPUOffloadingWorker``) copies G1 <-> CPU with CUDA streams and
 vLLM's kernels, which a CPU-only machine has not; ``CpuCopyWorker`` stands in for that one
 copy, on the same shared region (vLLM's ``SharedOffloadRegion``, the bytes kvledger's tier
@@ -17,12 +23,18 @@ reads and writes), so everything else is vLLM's and kvledger's own code.
 
 from __future__ import annotations
 
+import json
+import os
+import sys
 import time
+import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from tests.kvledger.test_kvledger_peer_tier import ANSWER, Owner
 from tests.v1.kv_connector.unit.utils import (
     EOS_TOKEN_ID,
     create_model_runner_output,
@@ -39,6 +51,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
     OffloadingConnector,
 )
 from vllm.forward_context import ForwardContext
+from vllm.platforms import current_platform
 from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_utils import (
     get_request_block_hasher,
@@ -58,7 +71,9 @@ from vllm.v1.kv_offload.base import (
     GPULoadStoreSpec,
     LoadStoreSpec,
     OffloadingWorker,
+    OffloadKey,
     TransferResult,
+    make_offload_key,
 )
 from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
@@ -68,8 +83,13 @@ from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
 
 from kvledger import replay
-from kvledger.events.types import Tier
+from kvledger.events.log.engine import make_engine
+from kvledger.events.log.reader import decode_rows, read_chunks, select_rows
+from kvledger.events.types import Onboarded, Tier
 from kvledger.integrations.vllm.disk_tier import KvledgerDiskTier
+from kvledger.integrations.vllm.keys import key_hash
+from kvledger.integrations.vllm.peer_tier import KvledgerPeerTier
+from kvledger.tiers.remote import nixl_unavailable_reason
 
 BLOCK = 16
 GPU_BLOCKS = 9  # block 0 is vLLM's null block: 8 usable
@@ -352,3 +372,204 @@ def test_a_restarted_engine_serves_g3_from_the_file_its_log_vouches_for(tmp_path
     log_url = tiering(tmp_path, 7)["secondary_tiers"][0]["log_url"]
     assert replay(log_url) == tier.worker.state()
     second.manager.shutdown()
+
+
+# -- G4: worker B's engine loads worker A's blocks over NIXL --------------------------------
+
+REDIS_URL = os.environ.get("KVLEDGER_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
+OWNER, READER = 1, 2
+PROMPTS = {"A": PROMPT_A, "C": list(range(9000, 9000 + 3 * BLOCK + 1))}
+needs_nixl = pytest.mark.skipif(
+    nixl_unavailable_reason() is not None, reason=str(nixl_unavailable_reason())
+)
+
+
+def peer_log(folder: Path, worker_id: int) -> str:
+    return f"sqlite:///{folder / f'peer-{worker_id}.db'}"
+
+
+def peer_tiering(folder: Path, worker_id: int, namespace: str) -> dict[str, Any]:
+    return {
+        "cpu_bytes_to_use": 7 * ROW,
+        "secondary_tiers": [
+            {
+                "type": "KvledgerPeerTier",
+                "module_path": "kvledger.integrations.vllm.peer_tier",
+                "num_blocks": 16,
+                "worker_id": worker_id,
+                "log_url": peer_log(folder, worker_id),
+                "redis_url": REDIS_URL,
+                "redis_namespace": namespace,
+                "timeout_s": 5.0,
+            }
+        ],
+    }
+
+
+def peer_tier(engine: Engine) -> KvledgerPeerTier:
+    (tier,) = engine.manager.secondary_tiers
+    assert isinstance(tier, KvledgerPeerTier)
+    return tier
+
+
+def settle(engine: Engine) -> None:
+    """Until the engine is idle and what its tier did is in its log, Redis and the directory."""
+    engine.run()
+    tier = peer_tier(engine)
+    tier.flush_log()
+    publisher = tier.worker.publisher
+    assert publisher is not None and publisher.wait_applied(10)
+    assert tier.parts.exporter.flush(10)
+
+
+def blocks_of(prompt: list[int]) -> list[torch.Tensor]:
+    return [block_bytes(prompt[i * BLOCK : (i + 1) * BLOCK]) for i in range(len(prompt) // BLOCK)]
+
+
+def onboarded_from_g4(log_url: str) -> set[int]:
+    """The blocks the log says came from another worker (``Onboarded(G4 -> ...)``)."""
+    engine = make_engine(log_url)
+    try:
+        found: set[int] = set()
+        for rows in read_chunks(engine, select_rows()):
+            for _, event in decode_rows(rows):
+                if isinstance(event, Onboarded) and event.src_tier == Tier.G4:
+                    found.update(event.sequence_hashes)
+        return found
+    finally:
+        engine.dispose()
+
+
+@pytest.fixture
+def g4_pair(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[Owner, Engine]]:
+    redis = pytest.importorskip("redis")
+    try:
+        redis.Redis.from_url(REDIS_URL).ping()
+    except redis.RedisError as exc:
+        pytest.skip(f"no Redis at {REDIS_URL}: {exc}")
+    # both engines name blocks alike only with one seed for vLLM's first parent hash
+    monkeypatch.setenv("PYTHONHASHSEED", "0")
+    namespace = f"kvl-vllm-g4e2e-{uuid.uuid4().hex[:8]}"
+    owner = Owner(namespace, tmp_path, script=__file__)
+    reader = Engine(**peer_tiering(tmp_path, READER, namespace))
+    reader.write_kv = False
+    try:
+        yield owner, reader
+    finally:
+        peer_tier(reader).flush_log()
+        reader.manager.shutdown()
+        owner.close()
+        client = redis.Redis.from_url(REDIS_URL)
+        for k in client.scan_iter(match=f"kvl:{{{namespace}}}*"):
+            client.delete(k)
+
+
+@needs_nixl
+def test_engine_b_loads_engine_as_blocks_over_nixl(
+    g4_pair: tuple[Owner, Engine], tmp_path: Path
+) -> None:
+    owner, reader = g4_pair
+    log_url = peer_log(tmp_path, READER)
+    held = owner.ask("run", "A")["held"]
+    assert len(held) == 3, "A's 3 full blocks cascaded to its exported pool"
+    reader.add("a", PROMPT_A)
+    reader.run()
+    # B computed nothing: every byte of A's blocks in B's G1 came from A, over NIXL
+    check_a(reader, "a")
+    settle(reader)
+    tier = peer_tier(reader)
+    assert onboarded_from_g4(log_url) == set(held)
+    assert set(tier.pool.resident_blocks()) == set(held), "B now exports them too"
+    assert replay(log_url) == tier.worker.state()
+    assert owner.ask("state")["replays"]
+
+
+@needs_nixl
+def test_a_block_reused_between_bs_lookup_and_read_is_recomputed(
+    g4_pair: tuple[Owner, Engine], tmp_path: Path
+) -> None:
+    owner, reader = g4_pair
+    log_url = peer_log(tmp_path, READER)
+    held = owner.ask("run", "C")["held"]
+    assert len(held) == 3
+    tier = peer_tier(reader)
+    prompt = PROMPTS["C"]
+    middle = key_hash(tier_key(reader, prompt, 1))
+    assert middle in held
+    lookup = tier.lookup
+    asked: list[int] = []
+
+    def lookup_then_a_reuses_the_middle_slot(key: OffloadKey, ctx: Any) -> Any:
+        result = lookup(key, ctx)
+        if key_hash(key) == middle and not asked:
+            asked.append(middle)
+            owner.ask("overwrite", middle)  # after B's lookup found it, before B's read
+        return result
+
+    tier.lookup = lookup_then_a_reuses_the_middle_slot  # type: ignore[method-assign]
+    reader.write_kv = True  # B's model computes what it could not load
+    reader.kv.zero_()
+    reader.add("c", prompt)
+    reader.run()
+    assert asked, "B looked the middle block up on A"
+    block_ids = reader.block_ids["c"]
+    for index, expected in enumerate(blocks_of(prompt)):
+        assert torch.equal(reader.kv[block_ids[index]], expected), f"block {index} of C"
+    settle(reader)
+    loaded = onboarded_from_g4(log_url)
+    assert middle not in loaded, "the reused block was a miss, not A's overwritten bytes"
+    assert key_hash(tier_key(reader, prompt, 0)) in loaded, "the block before it came from A"
+    assert replay(log_url) == tier.worker.state()
+    assert owner.ask("state")["replays"]
+
+
+def tier_key(engine: Engine, prompt: list[int], index: int) -> OffloadKey:
+    """The offload key vLLM gives block ``index`` of ``prompt`` (its block hash, group 0)."""
+    request = Request(
+        request_id="probe",
+        prompt_token_ids=prompt,
+        sampling_params=SamplingParams(max_tokens=1),
+        pooling_params=None,
+        block_hasher=engine.hasher,
+    )
+    return make_offload_key(request.block_hashes[index], 0)
+
+
+def owner_main(namespace: str, folder: Path) -> None:
+    """Worker A: an engine whose blocks other workers read (commands: ``run A|C``,
+    ``overwrite HASH``, ``state``, ``quit``)."""
+    # what the harness conftest and the autouse fixture do for the test process
+    type(current_platform).support_hybrid_kv_cache = classmethod(lambda cls: True)  # type: ignore[method-assign,assignment]
+    TieringOffloadingSpec.get_worker = lambda spec, kv_caches: CpuCopyWorker(spec, kv_caches)  # type: ignore[method-assign,assignment]
+    engine = Engine(**peer_tiering(folder, OWNER, namespace))
+    tier = peer_tier(engine)
+
+    def answer(**fields: Any) -> None:
+        print(ANSWER + json.dumps(fields), flush=True)
+
+    answer(ready=True)
+    for line in sys.stdin:
+        words = line.split()
+        if not words:
+            continue
+        if words[0] == "run":
+            engine.add(f"r-{words[1]}", PROMPTS[words[1]])
+            settle(engine)
+            answer(held=sorted(tier.pool.resident_blocks()))
+        elif words[0] == "overwrite":  # its slot reused before the directory hears of it
+            slot = tier.pool.lookup(int(words[1]))
+            assert slot is not None
+            tier._g2_rows[slot] = 7
+            answer(ok=True)
+        elif words[0] == "state":
+            settle(engine)
+            answer(replays=replay(peer_log(folder, OWNER)) == tier.worker.state())
+        elif words[0] == "quit":
+            tier.flush_log()
+            engine.manager.shutdown()
+            answer(bye=True)
+            return
+
+
+if __name__ == "__main__" and sys.argv[1:2] == ["owner"]:
+    owner_main(sys.argv[2], Path(sys.argv[3]))
