@@ -2,7 +2,7 @@
 the GPU's address space (UVA), one indexing kernel for all blocks and random host slots, against
 a plain pinned ``copy_`` of the same bytes in the same run.
 
-The transfer engine instead gathers into device staging and issues one DMA copy per run of
+The copier instead gathers into device staging and issues one DMA copy per run of
 consecutive host slots; with random slots that is ~130 copies for 256 blocks, and the copy
 engine loses a few microseconds and a few percent of rate on each. Needs CUDA (exits otherwise).
 

@@ -51,14 +51,14 @@ from kvledger.events.shared.keys import KeySpace
 from kvledger.events.shared.publish import RedisPublisher
 from kvledger.events.shared.registry import ApplyResult, SharedRegistry
 from kvledger.events.types import AnyEvent, Stored, Tier
-from kvledger.mocker.kv_manager import Deref, FullBlock, KvManager, Use
+from kvledger.mocker.g1_pool import Deref, FullBlock, MockG1Pool, Use
 from kvledger.registry.hashing import TokenBlockSequence
 
 
 def engine_events(n_events: int, seed: int = 0, worker_id: int = 1) -> list[AnyEvent]:
     rng = random.Random(seed)
     events: list[AnyEvent] = []
-    mgr = KvManager(4096, 16, eviction="lineage", sink=events.append, worker_id=worker_id)
+    mgr = MockG1Pool(4096, 16, eviction="lineage", sink=events.append, worker_id=worker_id)
     heads = [[rng.randrange(32000) for _ in range(16 * rng.randrange(8, 64))] for _ in range(32)]
     while len(events) < n_events:
         tokens = rng.choice(heads) + [

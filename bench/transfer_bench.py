@@ -1,4 +1,4 @@
-"""Transfer engine throughput against plain copies of the same bytes, measured in the same run.
+"""Copier throughput against plain copies of the same bytes, measured in the same run.
 
 Default workload (issue 4): 256 blocks of 2 MiB (32 layers x 2 x 16 tokens x 1024 x bf16),
 G1 LayerSeparate, random source and destination slots.
@@ -7,7 +7,7 @@ G1 LayerSeparate, random source and destination slots.
   G2's own memory: pinned ``copy_`` on a GPU, a contiguous tensor ``copy_`` (memcpy) on CPU.
 - G2->G3 and G3->G2 (checksums on) against sequential ``os.pwritev``/``os.preadv`` with O_DIRECT
   of the same bytes into a separate preallocated file, in 16 MiB requests.
-- The ceiling once gathering costs nothing: the engine's own device->host copies (one per run
+- The ceiling once gathering costs nothing: the copier's own device->host copies (one per run
   of consecutive G2 slots) from a contiguous device buffer, against the same plain copy.
 - On CUDA, the same copies dealt to 2 and 4 streams: whether overlapping copy engines close the
   gaps between one stream's copies.
@@ -15,7 +15,7 @@ G1 LayerSeparate, random source and destination slots.
   view: gathered and scattered one layer at a time), with a fully contiguous G1, and for 4
   blocks (the direct route: small copies skip staging).
 - Engine and reference runs alternate, and each figure is the median of ``--reps`` runs; the
-  JSON (``--json``) also keeps every repetition's ratio (reference / engine, same repetition).
+  JSON (``--json``) also keeps every repetition's ratio (reference / copier, same repetition).
 - Single-block onboard latency G2->G1 and G3->G1 (submit to ``wait()`` returning).
 - G3 through the I/O path ``--g3-backend`` picks (``auto``: kvikio where it imports); with
   kvikio, whether it runs GPUDirect Storage or its compatibility mode, and on CUDA kvikio reading
@@ -44,11 +44,11 @@ import torch
 
 from kvledger.tiers import (
     BlockShape,
+    Copier,
     DeviceTier,
     DiskTier,
     HostTier,
     LayerSeparate,
-    TransferEngine,
 )
 from kvledger.tiers.transfer.routes import DIRECT_PIECES, slot_runs
 
@@ -67,11 +67,11 @@ def median_seconds(fn: Callable[[], object], reps: int, sync: Callable[[], objec
 
 
 class Paired:
-    """Seconds of ``a`` (the reference) and ``b`` (the engine), timed alternately, so drift of
+    """Seconds of ``a`` (the reference) and ``b`` (the copier), timed alternately, so drift of
     the machine (a shared disk, clocks) falls on both alike."""
 
-    def __init__(self, ref: list[float], engine: list[float]) -> None:
-        self.ref, self.engine = ref, engine
+    def __init__(self, ref: list[float], copier: list[float]) -> None:
+        self.ref, self.copier = ref, copier
 
     @property
     def ref_s(self) -> float:
@@ -79,11 +79,11 @@ class Paired:
 
     @property
     def engine_s(self) -> float:
-        return statistics.median(self.engine)
+        return statistics.median(self.copier)
 
     def ratios(self) -> list[float]:
-        """Reference time / engine time of each repetition."""
-        return [round(r / e, 4) for r, e in zip(self.ref, self.engine, strict=True)]
+        """Reference time / copier time of each repetition."""
+        return [round(r / e, 4) for r, e in zip(self.ref, self.copier, strict=True)]
 
 
 def paired(
@@ -150,7 +150,7 @@ def fill_random(t: torch.Tensor, gen: torch.Generator) -> None:
 
 
 def setup_tiers(args: argparse.Namespace, shape: BlockShape) -> None:
-    """G1 (random bytes), G2 and the engine every part of the bench copies between."""
+    """G1 (random bytes), G2 and the copier every part of the bench copies between."""
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     n = args.blocks
     gen = torch.Generator(device=dev).manual_seed(0)
@@ -159,12 +159,12 @@ def setup_tiers(args: argparse.Namespace, shape: BlockShape) -> None:
         fill_random(layer, gen)
     args.dev, args.gen = dev, gen
     args.g1, args.g2 = g1, HostTier(shape, 2 * n)
-    args.engine = TransferEngine(staging_blocks=args.staging_blocks)
+    args.copier = Copier(staging_blocks=args.staging_blocks)
     args.sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
 
 
 def memory_bench(args: argparse.Namespace, shape: BlockShape, rows: list[dict[str, Any]]) -> None:
-    dev, gen, g1, g2, engine, sync = args.dev, args.gen, args.g1, args.g2, args.engine, args.sync
+    dev, gen, g1, g2, copier, sync = args.dev, args.gen, args.g1, args.g2, args.copier, args.sync
     cuda = dev.type == "cuda"
     n = args.blocks
     nbytes = n * shape.block_bytes
@@ -173,7 +173,7 @@ def memory_bench(args: argparse.Namespace, shape: BlockShape, rows: list[dict[st
 
     # Reference: one plain copy of the same byte count into and out of G2's own memory (pinned
     # buffers of the same size were seen to copy at 32 to 55 GB/s on one machine, so a separate
-    # buffer would measure the buffer, not the engine).
+    # buffer would measure the buffer, not the copier).
     ref_dev = torch.empty(nbytes, dtype=torch.uint8, device=dev)
     ref_host = g2.layout.block_bytes_view()[:n].reshape(-1)
     fill_random(ref_dev, gen)
@@ -191,13 +191,13 @@ def memory_bench(args: argparse.Namespace, shape: BlockShape, rows: list[dict[st
         up_r = ref_dev[:size] if size < nbytes else ref_dev
         down = paired(
             lambda: down_r.copy_(up_r, non_blocking=True),
-            lambda: engine.copy(tier, s, g2, d).wait(),
+            lambda: copier.copy(tier, s, g2, d).wait(),
             args.reps,
             sync,
         )
         up = paired(
             lambda: up_r.copy_(down_r, non_blocking=True),
-            lambda: engine.copy(g2, d, tier, s).wait(),
+            lambda: copier.copy(g2, d, tier, s).wait(),
             args.reps,
             sync,
         )
@@ -205,11 +205,11 @@ def memory_bench(args: argparse.Namespace, shape: BlockShape, rows: list[dict[st
         rows.append(ratio_row(f"G2->G1{label}", size, up, ref_name))
 
     both_ways("", g1, src, dst)
-    # The ceiling left once gathering is free: the same host<->device copies the engine issues,
+    # The ceiling left once gathering is free: the same host<->device copies the copier issues,
     # one per run of consecutive host slots, straight from/to a contiguous device buffer; on
     # CUDA also dealt to 2 and 4 streams: whether the gaps between one stream's DMA copies (what
-    # keeps the engine under the plain copy) close when copy engines overlap.
-    host_runs = slot_runs(sorted(dst))  # the runs the engine copies
+    # keeps the copier under the plain copy) close when copy engines overlap.
+    host_runs = slot_runs(sorted(dst))  # the runs the copier copies
     dev_rows = ref_dev.view(n, shape.block_bytes)
     host_rows = g2.layout.block_bytes_view()
     down_pairs = (
@@ -247,7 +247,7 @@ def memory_bench(args: argparse.Namespace, shape: BlockShape, rows: list[dict[st
     # A few blocks: the direct route (pieces copied one by one, no staging).
     few = max(1, min(n, DIRECT_PIECES // shape.num_layers))
     both_ways(f" {few} blocks (direct)", g1, src[:few], dst[:few])
-    one = median_seconds(lambda: engine.copy(g2, [dst[0]], g1, [src[0]]).wait(), 50, sync)
+    one = median_seconds(lambda: copier.copy(g2, [dst[0]], g1, [src[0]]).wait(), 50, sync)
     rows.append({"route": "onboard 1 block G2->G1", "us": round(one * 1e6)})
 
 
@@ -313,7 +313,7 @@ def disk_bench(args: argparse.Namespace, shape: BlockShape, rows: list[dict[str,
     rng = random.Random(1)
     folder = Path(tempfile.mkdtemp(prefix="kvledger-bench-", dir=args.g3_dir))
     g3 = DiskTier(folder, shape, 2 * n, io_threads=args.io_threads, backend=args.g3_backend)
-    g1, g2, engine, sync = args.g1, args.g2, args.engine, args.sync
+    g1, g2, copier, sync = args.g1, args.g2, args.copier, args.sync
     g2_slots, g3_slots = rng.sample(range(2 * n), n), rng.sample(range(2 * n), n)
     if g3.io.name == "kvikio":
         args.kvikio = kvikio_mode()
@@ -327,39 +327,39 @@ def disk_bench(args: argparse.Namespace, shape: BlockShape, rows: list[dict[str,
     ref_file = folder / "ref.bin"
     write = paired(
         lambda: direct_io(ref_file, ref, 16 << 20, write=True),
-        lambda: engine.copy(g2, g2_slots, g3, g3_slots).wait(),
+        lambda: copier.copy(g2, g2_slots, g3, g3_slots).wait(),
         args.reps,
         nothing,
     )
     read = paired(
         lambda: direct_io(ref_file, ref, 16 << 20, write=False),
-        lambda: engine.copy(g3, g3_slots, g2, g2_slots).wait(),
+        lambda: copier.copy(g3, g3_slots, g2, g2_slots).wait(),
         args.reps,
         nothing,
     )
-    assert engine.copy(g3, g3_slots, g2, g2_slots).wait().failed == []
+    assert copier.copy(g3, g3_slots, g2, g2_slots).wait().failed == []
     ref_name = "seq O_DIRECT pwritev/preadv"
     rows.append(ratio_row("G2->G3", nbytes, write, ref_name, 2))
     rows.append(ratio_row("G3->G2", nbytes, read, ref_name, 2))
 
-    # G1 <-> G3 through the engine (staged through host memory), alternating with the same
+    # G1 <-> G3 through the copier (staged through host memory), alternating with the same
     # O_DIRECT reference
     g1_slots = rng.sample(range(2 * n), n)
     off = paired(
         lambda: direct_io(ref_file, ref, 16 << 20, write=True),
-        lambda: engine.copy(g1, g1_slots, g3, g3_slots).wait(),
+        lambda: copier.copy(g1, g1_slots, g3, g3_slots).wait(),
         args.reps,
         sync,
     )
     on = paired(
         lambda: direct_io(ref_file, ref, 16 << 20, write=False),
-        lambda: engine.copy(g3, g3_slots, g1, g1_slots).wait(),
+        lambda: copier.copy(g3, g3_slots, g1, g1_slots).wait(),
         args.reps,
         sync,
     )
     rows.append(ratio_row("G1->G3", nbytes, off, ref_name, 2))
     rows.append(ratio_row("G3->G1", nbytes, on, ref_name, 2))
-    one = median_seconds(lambda: engine.copy(g3, [g3_slots[0]], g1, [0]).wait(), 50, sync)
+    one = median_seconds(lambda: copier.copy(g3, [g3_slots[0]], g1, [0]).wait(), 50, sync)
     rows.append({"route": "onboard 1 block G3->G1", "us": round(one * 1e6)})
     if g3.io.name == "kvikio" and args.dev.type == "cuda":
         # kvikio with device memory, no staging: what a direct G1 <-> G3 route would give
@@ -438,9 +438,9 @@ def main() -> None:
         memory_bench(args, shape, rows)
     if not args.skip_g3:
         disk_bench(args, shape, rows)
-    args.engine.close()
+    args.copier.close()
 
-    header = ("route", "engine GB/s", "ref GB/s", "reference", "ratio")
+    header = ("route", "copier GB/s", "ref GB/s", "reference", "ratio")
     cells = [header, *map(table_row, rows)]
     widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
     for r in cells:

@@ -1,7 +1,7 @@
 """ZMQ event publishing: kvledger's ``ZmqPublisher`` against vLLM's ``ZmqEventPublisher``, and
 how fast Dynamo's standalone indexer ingests our stream.
 
-1. Publish rate (encode + send). The events are a worker's real stream: a ``TieredRegistry``
+1. Publish rate (encode + send). The events are a worker's real stream: a ``TieredPools``
    (G1 + G2 + G3, lineage) serving prompts with shared prefixes, tokens and a LoRA adapter on
    some, so stores, removals, offloads and onboards all occur. Both publishers get the same
    events, one per batch (what our publisher sends; our sequence numbers are event ids):
@@ -132,10 +132,10 @@ def make_events(requests: int, seed: int = 0) -> list[Any]:
 
     from kvledger.registry.emitter import EventEmitter
     from kvledger.registry.hashing import TokenBlockSequence
-    from kvledger.registry.tiered import TieredRegistry
+    from kvledger.registry.tiered import TieredPools
 
     events: list[Any] = []
-    reg = TieredRegistry(
+    reg = TieredPools(
         256,
         512,
         1024,

@@ -3,7 +3,7 @@ engine instance, and every entry point (``BlockManager``, ``kvledger worker``, `
 simulate``, the vLLM integration, the SGLang backend) takes its parts from it.
 
 A *worker* here is one engine instance as kvledger sees it: a worker id, and around the blocks
-the engine keeps (the entry point's own business: a ``TieredRegistry`` with tiers, a mock
+the engine keeps (the entry point's own business: a ``TieredPools`` with tiers, a mock
 engine's pool, vLLM's CPU tier) the same plumbing everywhere:
 
 - the durable event log, with the settings' durability, bounds, retry and token-id rule, and an

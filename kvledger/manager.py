@@ -1,11 +1,11 @@
 """``BlockManager``: the library API an inference engine uses.
 
-It wires the bookkeeping (``TieredRegistry``: pools, dedup, eviction, offload rules) to the
-bytes (``tiers``: G1 tensors, G2 host memory, G3 file; ``TransferEngine``: batched copies),
+It wires the bookkeeping (``TieredPools``: pools, dedup, eviction, offload rules) to the
+bytes (``tiers``: G1 tensors, G2 host memory, G3 file; ``Copier``: batched copies),
 and every transition to the durable event log and any other sinks (publishers, metrics).
 
 Thread safety: every public method may be called from any thread; one lock serialises the
-bookkeeping, and copies run on the transfer engine's own thread, which takes the same lock
+bookkeeping, and copies run on the copier's own thread, which takes the same lock
 only to record a finished copy. ``aonboard`` is the asyncio form of ``onboard``.
 
 Typical engine loop::
@@ -58,12 +58,12 @@ from kvledger.registry.errors import PoolExhausted
 from kvledger.registry.hashing import TokenBlockSequence
 from kvledger.registry.lookups import LookupRecorder
 from kvledger.registry.state import RegistryState
-from kvledger.registry.tiered import CopyPlan, MatchResult, TieredRegistry
+from kvledger.registry.tiered import CopyPlan, MatchResult, TieredPools
 from kvledger.tiers.base import StorageTier
 from kvledger.tiers.device.tier import DeviceTier
 from kvledger.tiers.host.tier import HostTier
 from kvledger.tiers.layout import BlockShape, KVLayout
-from kvledger.tiers.transfer import TransferEngine, TransferHandle, TransferResult
+from kvledger.tiers.transfer import Copier, TransferHandle, TransferResult
 
 if TYPE_CHECKING:
     from kvledger.tiers.remote import BlockExporter, RemoteAgent, RemoteFetcher
@@ -153,7 +153,7 @@ class BlockManager:
         self._deliver_lock = threading.Lock()
         self._emitter = worker.emitter(self._emit)
         g1_blocks = g1_layout.num_blocks if g1_layout is not None else s.g1_blocks
-        self._registry = TieredRegistry(
+        self._tiered = TieredPools(
             g1_blocks,
             s.g2_capacity,
             s.g3_capacity,
@@ -180,14 +180,14 @@ class BlockManager:
             g3 = open_g3(worker, self.shape, s.g3_capacity, s.data_dir)
             self._tiers[Tier.G3] = g3.disk
             tokens = worker.logged_tokens(b.sequence_hash for _, b in g3.kept)
-            self._registry.adopt(
+            self._tiered.adopt(
                 Tier.G3,
                 [slot for slot, _ in g3.kept],
                 [b for _, b in g3.kept],
                 [tokens.get(b.sequence_hash) for _, b in g3.kept],
             )
             self.recovery = g3.report
-        self._transfers = TransferEngine()
+        self._transfers = Copier()
         self._in_flight: dict[TransferHandle, CopyPlan] = {}
         self._failed_copies = 0
         self._copy_thread_errors = 0
@@ -195,7 +195,7 @@ class BlockManager:
             self._g4 = self._link_g4(s, metrics)
         # A restarted worker's G1 and G2 start empty (and any tier it lacks now), and G3
         # holds what was recovered: say so, so that replay agrees with it.
-        self._registry.resume(worker.last_event_id, keep=() if g3 is None else g3.recovered)
+        self._tiered.resume(worker.last_event_id, keep=() if g3 is None else g3.recovered)
         if g3 is not None:
             g3.announce(worker, self._emitter)
         self._requests: dict[int, _LiveRequest] = {}
@@ -249,7 +249,7 @@ class BlockManager:
         ``g4`` setting does; for an exporter built by hand). The exporter sees each event
         under the lock, so it checksums a block before its slot can be reused."""
         with self._lock:
-            exporter.bind(self._registry.pools[Tier.G2].lookup).start()
+            exporter.bind(self._tiered.pools[Tier.G2].lookup).start()
             self._observers.append(exporter)
 
     @property
@@ -338,26 +338,26 @@ class BlockManager:
     def state(self) -> RegistryState:
         """What the tiers hold now, as the event log replays to it."""
         with self._lock:
-            return self._registry.state()
+            return self._tiered.state()
 
     def counts(self) -> dict[Tier, int]:
         """Blocks registered on each configured tier."""
         with self._lock:
-            return self._registry.counts()
+            return self._tiered.counts()
 
     def capacities(self) -> dict[Tier, int]:
         """Slots of each configured tier."""
-        return self._registry.capacities()
+        return self._tiered.capacities()
 
     def num_free(self, tier: Tier = Tier.G1) -> int:
         """Slots of ``tier`` that hold nothing (not counting evictable cached blocks)."""
         with self._lock:
-            return self._registry.pools[tier].num_free
+            return self._tiered.pools[tier].num_free
 
     def slot_of(self, tier: Tier, sequence_hash: int) -> int | None:
         """The slot holding a block on ``tier``, or None."""
         with self._lock:
-            return self._registry.pools[tier].lookup(sequence_hash)
+            return self._tiered.pools[tier].lookup(sequence_hash)
 
     def tier(self, tier: Tier) -> StorageTier:
         """The bytes of one tier (``KeyError`` when it is not configured)."""
@@ -365,25 +365,25 @@ class BlockManager:
 
     def lower_tiers(self) -> list[Tier]:
         """The configured tiers below G1."""
-        return self._registry.lower_tiers()
+        return self._tiered.lower_tiers()
 
     def remove(self, tier: Tier, sequence_hashes: Iterable[int]) -> list[int]:
         """Drop cached blocks from ``tier`` (``Removed``); returns the hashes dropped. Blocks
         a request holds are not dropped."""
         with self._changing():
-            return self._registry.remove(tier, sequence_hashes)
+            return self._tiered.remove(tier, sequence_hashes)
 
     def release_slots(self, tier: Tier, slots: Iterable[int]) -> None:
         """Free slots of ``tier`` handed out outside ``allocate`` (a remote read's slots
         from ``RemoteFetcher.reclaim``)."""
         with self._changing():
-            self._registry.release(tier, slots)
+            self._tiered.release(tier, slots)
 
     def refresh_metrics(self) -> None:
         """Set the per-tier block gauges from the pools (call before a scrape, or periodically)."""
         if self.metrics is not None:
             with self._lock:
-                self.metrics.refresh(self._registry.pools)
+                self.metrics.refresh(self._tiered.pools)
 
     # -- sequences and lookups -----------------------------------------------------------
 
@@ -407,7 +407,7 @@ class BlockManager:
     def match(self, sequence: TokenBlockSequence) -> MatchResult:
         """How much of ``sequence`` is cached: blocks on G1, then continuing on G2, then G3."""
         with self._lock:
-            return self._registry.match(sequence.sequence_hashes)
+            return self._tiered.match(sequence.sequence_hashes)
 
     @property
     def g1(self) -> DeviceTier:
@@ -432,7 +432,7 @@ class BlockManager:
         """
         hashes = sequence.sequence_hashes
         with self._changing():
-            reg = self._registry
+            reg = self._tiered
             match = reg.match(hashes)
             reg.note_request(hashes)
             if self.metrics is not None:
@@ -448,7 +448,7 @@ class BlockManager:
             landed = self._finish(plan, handle)
             if broken:  # after a hole: these blocks are cached on G1 but not part of the prefix
                 with self._changing():
-                    self._registry.release(Tier.G1, landed)
+                    self._tiered.release(Tier.G1, landed)
                 continue
             held.extend(landed)
             onboarded[plan.src_tier] += len(landed)
@@ -508,15 +508,15 @@ class BlockManager:
         hashes = sequence.sequence_hashes
         reclaimed = fetcher.reclaim()  # slots of earlier reads abandoned while in flight
         with self._changing():
-            self._registry.reserve_g4(0)  # raises without a G2
-            self._registry.release(Tier.G2, reclaimed)
-            local = self._registry.match(hashes)
+            self._tiered.reserve_g4(0)  # raises without a G2
+            self._tiered.release(Tier.G2, reclaimed)
+            local = self._tiered.match(hashes)
         start = local.g1 + local.g2
         plan = fetcher.plan(hashes[start:]) if start < len(hashes) else None
         landed: list[int] = []
         if plan is not None:
             with self._changing():
-                slots = self._registry.reserve_g4(len(plan))
+                slots = self._tiered.reserve_g4(len(plan))
             result = fetcher.execute(plan, slots) if slots else None
             n = result.count if result is not None else 0
             held_back = result.held_back if result is not None else ()
@@ -527,13 +527,13 @@ class BlockManager:
             tokens: list[bytes | None] = list(sequence.block_tokens(start, start + n))
             keys = [sequence.hash_key] * n
             with self._changing():
-                landed = self._registry.land_g4(slots, infos, held_back, tokens, keys)
+                landed = self._tiered.land_g4(slots, infos, held_back, tokens, keys)
         try:
             return self.onboard(sequence)
         finally:
             if landed:  # held until onboard copied them up; now cached on G2 like the rest
                 with self._changing():
-                    self._registry.release(Tier.G2, reversed(landed))
+                    self._tiered.release(Tier.G2, reversed(landed))
 
     async def aonboard(
         self, sequence: TokenBlockSequence, *, request_id: int | str | None = None
@@ -557,7 +557,7 @@ class BlockManager:
         """
         started = time.perf_counter()
         wait = self.settings.allocate_wait_s if timeout is None else timeout
-        g1 = self._registry.g1
+        g1 = self._tiered.g1
         with self._changing():  # an allocation may evict (Removed events)
             while True:
                 try:
@@ -593,7 +593,7 @@ class BlockManager:
             if plan.src_tier is Tier.G1
             for slot in plan.src_slots
         )
-        refcount = self._registry.g1.refcount
+        refcount = self._tiered.g1.refcount
         return sum(1 for slot, n in pins.items() if refcount(slot) == n)
 
     def register(
@@ -619,14 +619,14 @@ class BlockManager:
             )
         parent = seqs[start - 1] if start else None
         with self._changing():
-            held = self._registry.g1.register(
+            held = self._tiered.g1.register(
                 slots,
                 list(zip(seqs[start:end], locals_[start:end], strict=True)),
                 parent,
                 sequence.block_tokens(start, end),
                 sequence.hash_key,
             )
-            for plan in self._registry.plan_offload(held):
+            for plan in self._tiered.plan_offload(held):
                 self._start(plan)
             if self._lookups is not None:
                 self._note_registered(request_id, sequence, slots, held, start)
@@ -658,7 +658,7 @@ class BlockManager:
         request they belonged to (``request_id``, or found by its slots) is recorded as ended."""
         slots = list(slots)
         with self._changing():
-            self._registry.release(Tier.G1, reversed(slots))
+            self._tiered.release(Tier.G1, reversed(slots))
             if self._lookups is not None:
                 rid = self._live_request(request_id, None, set(slots))
                 if rid is not None:
@@ -717,12 +717,12 @@ class BlockManager:
                         error,
                     )
                     self._failed_copies += 1
-                    self._registry.abort(plan)
+                    self._tiered.abort(plan)
                     return []
                 good = _good_prefix(plan, handle.wait())
                 if good < len(plan):
                     self._failed_copies += 1
-                for follow in self._registry.complete(plan, arrived=good):
+                for follow in self._tiered.complete(plan, arrived=good):
                     self._start(follow)
                 return plan.landed
         finally:

@@ -110,7 +110,7 @@ class Metrics:
         )
         self.transfer_bytes = Counter(
             "kvbm_transfer_bytes",
-            "Bytes moved by the transfer engine (measured, not derived from block counts)",
+            "Bytes moved by the copier (measured, not derived from block counts)",
             ["src", "dst"],
             registry=r,
         )

@@ -57,7 +57,7 @@ class CopyPlan:
         return len(self.blocks)
 
 
-class TieredRegistry:
+class TieredPools:
     """Pools for G1 and the optional G2/G3 of one worker, sharing one event emitter."""
 
     def __init__(

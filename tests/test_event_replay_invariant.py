@@ -1,5 +1,5 @@
 """The invariant the log exists for: replaying a run's log rebuilds the registry that run had,
-at the end and at any committed cut, for random operation sequences on the mock KV manager;
+at the end and at any committed cut, for random operation sequences on the mock G1 pool;
 and a fold of the events up to any one of them is the manager's pool at that event, within
 its capacity. (``test_tiered_replay.py`` checks the same across G1/G2/G3 and copies.)
 
@@ -25,7 +25,7 @@ from hypothesis.stateful import (
 from kvledger.events.log import EventLog
 from kvledger.events.log.replay import replay, replay_report
 from kvledger.events.types import AnyEvent
-from kvledger.mocker.kv_manager import Deref, FullBlock, KvManager, PartialBlock, Promote, Use
+from kvledger.mocker.g1_pool import Deref, FullBlock, MockG1Pool, PartialBlock, Promote, Use
 from kvledger.registry.policies import POLICY_NAMES
 from kvledger.registry.state import RegistryState
 
@@ -49,7 +49,7 @@ class ReplayMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.log: EventLog | None = None
-        self.mgr: KvManager | None = None
+        self.mgr: MockG1Pool | None = None
         self.held: list[list[FullBlock]] = []
         self.partials: list[tuple[int, tuple[int, ...]]] = []  # (uuid, path of the full prefix)
         self.cuts: list[tuple[int, RegistryState]] = []
@@ -73,7 +73,7 @@ class ReplayMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.mgr is None)
     def start(self, capacity: int, eviction: str, batch_size: int) -> None:
         self.log = EventLog(self.new_url(), batch_size=batch_size, queue_size=max(batch_size, 8))
-        self.mgr = KvManager(capacity, 4, eviction=eviction, sink=self.sink, worker_id=3)
+        self.mgr = MockG1Pool(capacity, 4, eviction=eviction, sink=self.sink, worker_id=3)
 
     @rule(path=PATHS, with_partial=st.booleans())
     @precondition(lambda self: self.mgr is not None)

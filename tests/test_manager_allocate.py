@@ -50,7 +50,7 @@ def test_a_really_full_pool_raises_at_once_saying_who_holds_it(tmp_path: Path) -
 
 
 def stall_copies(m: BlockManager) -> threading.Event:
-    """Keep the transfer engine's one worker thread busy until the returned event is set, so
+    """Keep the copier's one worker thread busy until the returned event is set, so
     every copy queued meanwhile stays in flight."""
     go = threading.Event()
     m._transfers._worker.submit(go.wait)  # no public way to stall the copy thread

@@ -20,7 +20,7 @@ from kvledger.mocker.metered import MeteredCache
 from kvledger.mocker.stats import EventCounter, SimStats
 from kvledger.mocker.traces import synthetic
 from kvledger.registry.emitter import EventEmitter
-from kvledger.registry.tiered import TieredRegistry
+from kvledger.registry.tiered import TieredPools
 
 BYTES_PER_BLOCK = 4096
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
@@ -49,15 +49,15 @@ def served() -> Iterator[tuple[Metrics, int]]:
     thread.join(timeout=5)
 
 
-def run_simulation(metrics: Metrics) -> tuple[EventCounter, SimStats, TieredRegistry]:
+def run_simulation(metrics: Metrics) -> tuple[EventCounter, SimStats, TieredPools]:
     counter = EventCounter(metrics.observe_event)
-    registry = TieredRegistry(
+    tiered = TieredPools(
         96, 48, 256, policy="lru", offload_filter="always", emitter=EventEmitter(counter)
     )
-    cache = MeteredCache(registry, metrics)
+    cache = MeteredCache(tiered, metrics)
     stats = replay_cache(synthetic(200, sessions=20, seed=1), cache, 16)
-    metrics.refresh(registry.pools)
-    return counter, stats, registry
+    metrics.refresh(tiered.pools)
+    return counter, stats, tiered
 
 
 def test_scraped_counters_agree_with_the_event_stream(served: tuple[Metrics, int]) -> None:
@@ -87,9 +87,9 @@ def test_scraped_counters_agree_with_the_event_stream(served: tuple[Metrics, int
 
 def test_block_gauges_follow_the_pools(served: tuple[Metrics, int]) -> None:
     metrics, port = served
-    _, _, registry = run_simulation(metrics)
+    _, _, tiered = run_simulation(metrics)
     s = scrape(port)
-    for tier, pool in registry.pools.items():
+    for tier, pool in tiered.pools.items():
         t = tier.name
         total = value(s, "kvbm_blocks", tier=t, state="total")
         assert total == pool.capacity
@@ -97,8 +97,8 @@ def test_block_gauges_follow_the_pools(served: tuple[Metrics, int]) -> None:
         assert sum(parts) == total
         assert parts[0] == 0  # every request released its blocks
         assert parts[1] == pool.num_registered  # what stays cached is inactive
-    held = registry.g1.match(list(registry.g1.resident_blocks())[:5])
-    metrics.refresh(registry.pools)
+    held = tiered.g1.match(list(tiered.g1.resident_blocks())[:5])
+    metrics.refresh(tiered.pools)
     assert value(scrape(port), "kvbm_blocks", tier="G1", state="active") == len(held) > 0
 
 

@@ -51,9 +51,9 @@ def engine(g1: int, g2: int = 0, **changes: object) -> tuple[MockEngine, list[An
 
 
 def assert_all_released(eng: MockEngine, events: list[AnyEvent]) -> None:
-    for tier, active in eng.cache.registry.in_use().items():
+    for tier, active in eng.cache.tiered.in_use().items():
         assert active == 0, f"{tier.name} still holds {active} active blocks"
-    live = eng.cache.registry.state()
+    live = eng.cache.tiered.state()
     assert RegistryState.from_events(events) == live
 
 

@@ -58,8 +58,8 @@ def request(
 
 
 def assert_replays(eng: MockEngine, events: list[AnyEvent]) -> None:
-    assert all(active == 0 for active in eng.cache.registry.in_use().values())
-    assert RegistryState.from_events(events) == eng.cache.registry.state()
+    assert all(active == 0 for active in eng.cache.tiered.in_use().values())
+    assert RegistryState.from_events(events) == eng.cache.tiered.state()
 
 
 def test_the_polynomial_costs_prefill_and_decode_passes() -> None:

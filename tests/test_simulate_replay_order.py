@@ -43,11 +43,11 @@ pytestmark = pytest.mark.skipif(
 
 
 def live_state(cache: SimulatedCache) -> RegistryState:
-    return cache.registry.state()
+    return cache.tiered.state()
 
 
 def live_counts(cache: SimulatedCache) -> dict[Tier, int]:
-    return {t: n for t, n in cache.registry.counts().items() if n}
+    return {t: n for t, n in cache.tiered.counts().items() if n}
 
 
 @pytest.mark.parametrize(
@@ -97,7 +97,7 @@ def test_replay_up_to_every_event_is_the_run_at_that_event(
     replayed, live = replay(url), live_state(cache)
     assert replayed == live, replayed.diff(live)
 
-    capacity = cache.registry.capacities()
+    capacity = cache.tiered.capacities()
     fold = RegistryState()
     with EventLog(url, read_only=True) as reader:
         for i, event in enumerate(reader.read()):

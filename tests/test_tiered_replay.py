@@ -2,7 +2,7 @@
 was at that event, across G1/G2/G3, every eviction policy and offload filter, copies that finish
 whole, in part or not at all, and restarts.
 
-Every event a ``TieredRegistry`` emits is sent through the record codec and folded into a
+Every event a ``TieredPools`` emits is sent through the record codec and folded into a
 ``RegistryState`` the moment it is emitted. Right then the fold must equal the registry's live
 blocks, and no tier of the fold may hold more blocks than the tier has slots: so a replay that
 stops at any committed event rebuilds what the worker held at that event.
@@ -36,7 +36,7 @@ from kvledger.registry.emitter import EventEmitter
 from kvledger.registry.errors import PoolBusy
 from kvledger.registry.policies import POLICY_NAMES
 from kvledger.registry.state import RegistryState
-from kvledger.registry.tiered import OFFLOAD_FILTERS, CopyPlan, TieredRegistry
+from kvledger.registry.tiered import OFFLOAD_FILTERS, CopyPlan, TieredPools
 
 WORKER = 7
 PATHS = st.lists(st.integers(0, 1), min_size=1, max_size=4).map(tuple)
@@ -98,7 +98,7 @@ class TieredReplayMachine(RuleBasedStateMachine):
         # ids go on from what the log holds, as a restarted worker's do
         first = self.fold.last_event_id.get(WORKER, -1) + 1
         self.emitter = EventEmitter(self.sink, worker_id=WORKER, first_event_id=first)
-        self.reg = TieredRegistry(
+        self.reg = TieredPools(
             *sizes, policy=policy, offload_filter=offload_filter, emitter=self.emitter
         )
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvledger.tiers import BlockShape, DeviceTier, DiskTier, HostTier, TransferEngine
+from kvledger.tiers import BlockShape, Copier, DeviceTier, DiskTier, HostTier
 from kvledger.tiers.layout import LayerSeparate
 
 SHAPE = BlockShape(num_layers=4, outer_dim=2, page_size=4, inner_dim=8, dtype=torch.bfloat16)
@@ -144,7 +144,7 @@ def test_engine_tensors_round_trip_through_host_and_disk(
     """G1 -> G2 -> G1 and G1 -> G3 -> G1 over several staging chunks, random slots, poisoned
     destinations; the bytes between engine layers stay as they were."""
     rng = random.Random(7)
-    engine = TransferEngine(staging_blocks=staging)
+    copier = Copier(staging_blocks=staging)
     layers, raw = build(dev)
     _randomize(layers, raw, seed=3)
     g1 = DeviceTier.from_layout(LayerSeparate(SHAPE, layers))
@@ -156,15 +156,15 @@ def test_engine_tensors_round_trip_through_host_and_disk(
 
     count = 11  # more than the few blocks that are copied layer by layer without staging
     src, mid, far = (rng.sample(range(SLOTS), count) for _ in range(3))
-    engine.copy(g1, src, g2, mid).wait()
-    engine.copy(g1, src, g3, far).wait()
+    copier.copy(g1, src, g2, mid).wait()
+    copier.copy(g1, src, g3, far).wait()
     for s, m in zip(src, mid, strict=True):
         assert g2.layout.block_bytes_view()[m].numpy().tobytes() == expected[s]
 
     for t in layers:
         t.view(torch.uint8).fill_(POISON)
     back = rng.sample(range(SLOTS), count)
-    engine.copy(g2, mid, g1, back).wait()
+    copier.copy(g2, mid, g1, back).wait()
     for s, b in zip(src, back, strict=True):
         assert _block(layers, b) == expected[s]
     untouched = set(range(SLOTS)) - set(back)
@@ -172,9 +172,9 @@ def test_engine_tensors_round_trip_through_host_and_disk(
 
     for t in layers:
         t.view(torch.uint8).fill_(POISON)
-    assert not engine.copy(g3, far, g1, back).wait().failed
+    assert not copier.copy(g3, far, g1, back).wait().failed
     for s, b in zip(src, back, strict=True):
         assert _block(layers, b) == expected[s]
     assert _gap_bytes(layers, raw) == 0
-    engine.close()
+    copier.close()
     g3.close()

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from kvledger.events.types import BlockInfo
-from kvledger.tiers import BlockShape, DeviceTier, DiskTier, DiskTierError, HostTier, TransferEngine
+from kvledger.tiers import BlockShape, Copier, DeviceTier, DiskTier, DiskTierError, HostTier
 from kvledger.tiers.disk import G3InUse
 from kvledger.tiers.disk.fileio import kvikio_unavailable_reason
 
@@ -38,23 +38,23 @@ def test_block_of_a_page_uses_o_direct_and_round_trips(tmp_path: Path) -> None:
     g3 = DiskTier(tmp_path, SHAPE, 8)
     assert g3.io.name == "posix+odirect"  # ext4/xfs under tmp_path; tmpfs would say "posix"
     host, back = random_host(8, 1), HostTier(SHAPE, 8, pin=False)
-    engine = TransferEngine()
-    engine.copy(host, [0, 1, 2, 3], g3, [7, 0, 3, 5]).wait()
-    result = engine.copy(g3, [7, 0, 3, 5], back, [4, 5, 6, 7]).wait()
+    copier = Copier()
+    copier.copy(host, [0, 1, 2, 3], g3, [7, 0, 3, 5]).wait()
+    result = copier.copy(g3, [7, 0, 3, 5], back, [4, 5, 6, 7]).wait()
     assert result.failed == []
     assert torch.equal(raw_bytes(back)[4:8], raw_bytes(host)[0:4])
-    engine.close()
+    copier.close()
     g3.close()
 
 
 def test_corrupt_slot_is_a_miss_never_handed_on(tmp_path: Path) -> None:
-    engine = TransferEngine(staging_blocks=2)
+    copier = Copier(staging_blocks=2)
     g3 = DiskTier(tmp_path, SHAPE, 8, io_threads=2)
     host = random_host(4, 2)
     g1 = DeviceTier(SHAPE, 8, device="cpu")
     for layer in g1.layout.layers:  # type: ignore[attr-defined]
         layer.view(torch.uint8).fill_(POISON)
-    engine.copy(host, [0, 1, 2, 3], g3, [0, 1, 2, 3]).wait()
+    copier.copy(host, [0, 1, 2, 3], g3, [0, 1, 2, 3]).wait()
 
     with open(g3.path, "r+b") as f:  # one flipped bit in slot 2's bytes
         f.seek(g3.slot_offset(2) + 1000)
@@ -63,7 +63,7 @@ def test_corrupt_slot_is_a_miss_never_handed_on(tmp_path: Path) -> None:
         f.write(bytes([byte ^ 0x10]))
 
     blocks = [BlockInfo(10 + i, i, None) for i in range(4)]
-    result = engine.copy(g3, [0, 1, 2, 3], g1, [4, 5, 6, 7], blocks=blocks).wait()
+    result = copier.copy(g3, [0, 1, 2, 3], g1, [4, 5, 6, 7], blocks=blocks).wait()
 
     assert result.failed == [(2, 6)]
     assert result.dst_slots == [4, 5, 7]
@@ -77,48 +77,48 @@ def test_corrupt_slot_is_a_miss_never_handed_on(tmp_path: Path) -> None:
     assert [b.sequence_hash for b in result.blocks] == [10, 11, 13]  # the names that arrived
 
     # The slot is no longer trusted: a second read is an empty miss, not another corrupt one.
-    again = engine.copy(g3, [2], host, [0]).wait()
+    again = copier.copy(g3, [2], host, [0]).wait()
     assert again.failed == [(2, 0)] and g3.empty_reads == 1 and g3.corrupt_reads == 1
-    engine.close()
+    copier.close()
     g3.close()
 
 
 def test_corruption_is_caught_reading_into_host_memory_too(tmp_path: Path) -> None:
     g3 = DiskTier(tmp_path, SHAPE, 4)
     host = random_host(4, 3)
-    engine = TransferEngine()
-    engine.copy(host, [0, 1], g3, [0, 1]).wait()
+    copier = Copier()
+    copier.copy(host, [0, 1], g3, [0, 1]).wait()
     with open(g3.path, "r+b") as f:
         f.seek(g3.slot_offset(1) + SHAPE.block_bytes - 1)
         last = f.read(1)[0]
         f.seek(g3.slot_offset(1) + SHAPE.block_bytes - 1)
         f.write(bytes([last ^ 1]))
-    result = engine.copy(g3, [0, 1], host, [2, 3]).wait()
+    result = copier.copy(g3, [0, 1], host, [2, 3]).wait()
     assert (result.copied, result.failed, g3.corrupt_reads) == ([(0, 2)], [(1, 3)], 1)
-    engine.close()
+    copier.close()
 
 
 def test_never_written_slot_reads_as_a_miss(tmp_path: Path) -> None:
     g3 = DiskTier(tmp_path, SHAPE, 4)
-    engine = TransferEngine()
-    result = engine.copy(g3, [3], HostTier(SHAPE, 1, pin=False), [0]).wait()
+    copier = Copier()
+    result = copier.copy(g3, [3], HostTier(SHAPE, 1, pin=False), [0]).wait()
     assert result.failed == [(3, 0)] and g3.empty_reads == 1 and g3.corrupt_reads == 0
-    engine.close()
+    copier.close()
 
 
 def test_reopened_file_keeps_slots_and_checksums(tmp_path: Path) -> None:
     host = random_host(3, 4)
-    engine = TransferEngine()
+    copier = Copier()
     g3 = DiskTier(tmp_path, SHAPE, 6)
-    engine.copy(host, [0, 1, 2], g3, [5, 4, 0]).wait()
+    copier.copy(host, [0, 1, 2], g3, [5, 4, 0]).wait()
     g3.close()
 
     reopened = DiskTier(tmp_path, SHAPE, 6)
     back = HostTier(SHAPE, 4, pin=False)
-    result = engine.copy(reopened, [5, 4, 0, 1], back, [0, 1, 2, 3]).wait()
+    result = copier.copy(reopened, [5, 4, 0, 1], back, [0, 1, 2, 3]).wait()
     assert result.failed == [(1, 3)]  # never written before the restart
     assert torch.equal(raw_bytes(back)[:3], raw_bytes(host)[:3])
-    engine.close()
+    copier.close()
 
 
 def test_file_of_another_layout_or_kind_is_refused(tmp_path: Path) -> None:
@@ -151,7 +151,7 @@ def test_without_kvikio_auto_falls_back_and_explicit_kvikio_says_why(tmp_path: P
 
 CHILD_PRELUDE = """
 import json, resource, signal, sys, torch
-from kvledger.tiers import BlockShape, DiskTier, DiskTierError, HostTier, TransferEngine
+from kvledger.tiers import BlockShape, DiskTier, DiskTierError, HostTier, Copier
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # get EFBIG from write() instead of dying
 SHAPE = BlockShape(2, 2, 4, 128, torch.bfloat16)
 directory, limit = sys.argv[1], int(sys.argv[2])
@@ -195,18 +195,18 @@ def test_disk_full_while_offloading_fails_the_transfer_and_reports_nothing(
     g3.close()
     out = run_child(
         """
-        engine = TransferEngine()
+        copier = Copier()
         g3 = DiskTier(directory, SHAPE, 8, io_threads=1)
         host = HostTier(SHAPE, 2, pin=False)
         host.layout.tensor.view(torch.uint8).fill_(7)
         blocks = [(1, 1, None), (2, 2, 1)]
-        handle = engine.copy(host, [0, 1], g3, [0, 5], blocks=blocks)
+        handle = copier.copy(host, [0, 1], g3, [0, 5], blocks=blocks)
         try:
             handle.wait()
             error = None
         except DiskTierError as exc:
             error = str(exc)
-        engine.close()
+        copier.close()
         print(json.dumps({"error": error, "slot5": g3.is_valid(5)}))
         """,
         tmp_path,

@@ -16,12 +16,12 @@ import torch
 from kvledger.events.types import BlockInfo, Tier
 from kvledger.tiers import (
     BlockShape,
+    Copier,
     DeviceTier,
     DiskTier,
     HostTier,
     MemoryTier,
     StorageTier,
-    TransferEngine,
     TransferHandle,
     TransferResult,
 )
@@ -33,10 +33,10 @@ POISON = 0xA5
 
 
 @pytest.fixture
-def engine() -> Iterator[TransferEngine]:
-    eng = TransferEngine(staging_blocks=5)
-    yield eng
-    eng.close()
+def copier() -> Iterator[Copier]:
+    cop = Copier(staging_blocks=5)
+    yield cop
+    cop.close()
 
 
 def make_tier(kind: str, tmp_path: Path) -> StorageTier:
@@ -51,7 +51,7 @@ def make_tier(kind: str, tmp_path: Path) -> StorageTier:
     raise AssertionError(kind)
 
 
-def fill_random(tier: StorageTier, engine: TransferEngine, seed: int) -> dict[int, bytes]:
+def fill_random(tier: StorageTier, copier: Copier, seed: int) -> dict[int, bytes]:
     """Random bytes in every slot; returns them by slot. G3 is filled through a host tier."""
     gen = torch.Generator().manual_seed(seed)
     if isinstance(tier, MemoryTier):
@@ -64,29 +64,29 @@ def fill_random(tier: StorageTier, engine: TransferEngine, seed: int) -> dict[in
             )
         return {s: block_bytes(tier, s) for s in range(SLOTS)}
     host = HostTier(SHAPE, SLOTS, pin=False)
-    expected = fill_random(host, engine, seed)
-    engine.copy(host, range(SLOTS), tier, range(SLOTS)).wait()
+    expected = fill_random(host, copier, seed)
+    copier.copy(host, range(SLOTS), tier, range(SLOTS)).wait()
     return expected
 
 
-def poison(tier: StorageTier, engine: TransferEngine) -> None:
+def poison(tier: StorageTier, copier: Copier) -> None:
     if isinstance(tier, MemoryTier):
         for layer in range(SHAPE.num_layers):
             tier.layout.layer(layer).view(torch.uint8).fill_(POISON)
         return
     host = HostTier(SHAPE, SLOTS, pin=False)
     host.layout.tensor.view(torch.uint8).fill_(POISON)
-    engine.copy(host, range(SLOTS), tier, range(SLOTS)).wait()
+    copier.copy(host, range(SLOTS), tier, range(SLOTS)).wait()
 
 
-def block_bytes(tier: StorageTier, slot: int, engine: TransferEngine | None = None) -> bytes:
+def block_bytes(tier: StorageTier, slot: int, copier: Copier | None = None) -> bytes:
     if isinstance(tier, MemoryTier):
         return b"".join(
             v.contiguous().view(torch.uint8).numpy().tobytes() for v in tier.layout.block(slot)
         )
-    assert engine is not None
+    assert copier is not None
     host = HostTier(SHAPE, 1, pin=False)
-    result = engine.copy(tier, [slot], host, [0]).wait()
+    result = copier.copy(tier, [slot], host, [0]).wait()
     assert not result.failed, f"G3 slot {slot} did not read back"
     return block_bytes(host, 0)
 
@@ -98,50 +98,48 @@ PAIRS = [(a, b) for a in KINDS for b in KINDS if a != b and not (a == b == "G3")
 @pytest.mark.parametrize(("src_kind", "dst_kind"), PAIRS)
 @pytest.mark.parametrize("seed", [1, 2])
 def test_every_tier_pair_copies_exact_bytes(
-    src_kind: str, dst_kind: str, seed: int, tmp_path: Path, engine: TransferEngine
+    src_kind: str, dst_kind: str, seed: int, tmp_path: Path, copier: Copier
 ) -> None:
     rng = random.Random(seed)
     src, dst = make_tier(src_kind, tmp_path / "a"), make_tier(dst_kind, tmp_path / "b")
-    expected = fill_random(src, engine, seed)
-    poison(dst, engine)
+    expected = fill_random(src, copier, seed)
+    poison(dst, copier)
     count = rng.randint(1, SLOTS - 4)
     src_slots = rng.sample(range(SLOTS), count)
     dst_slots = rng.sample(range(SLOTS), count)
 
-    result = engine.copy(src, src_slots, dst, dst_slots).wait()
+    result = copier.copy(src, src_slots, dst, dst_slots).wait()
 
     assert result.copied == list(zip(src_slots, dst_slots, strict=True))
     assert result.failed == []
     for s, d in result.copied:
-        assert block_bytes(dst, d, engine) == expected[s], f"slot {s} -> {d}"
+        assert block_bytes(dst, d, copier) == expected[s], f"slot {s} -> {d}"
     untouched = sorted(set(range(SLOTS)) - set(dst_slots))
     for d in untouched[:3]:
-        assert block_bytes(dst, d, engine) == bytes([POISON]) * SHAPE.block_bytes
+        assert block_bytes(dst, d, copier) == bytes([POISON]) * SHAPE.block_bytes
     for tier in (src, dst):
         tier.close()
 
 
-def test_contiguous_runs_and_single_blocks(tmp_path: Path, engine: TransferEngine) -> None:
+def test_contiguous_runs_and_single_blocks(tmp_path: Path, copier: Copier) -> None:
     """Runs of consecutive slots take the one-copy path; a single block takes the smallest."""
     g1 = make_tier("G1-layer-separate", tmp_path)
     g2 = make_tier("G2", tmp_path)
-    expected = fill_random(g1, engine, 7)
-    poison(g2, engine)
-    engine.copy(g1, [4, 5, 6, 7, 8, 9, 10], g2, [10, 11, 12, 13, 14, 15, 16]).wait()
-    engine.copy(g1, [0], g2, [23]).wait()
+    expected = fill_random(g1, copier, 7)
+    poison(g2, copier)
+    copier.copy(g1, [4, 5, 6, 7, 8, 9, 10], g2, [10, 11, 12, 13, 14, 15, 16]).wait()
+    copier.copy(g1, [0], g2, [23]).wait()
     for s, d in [*zip(range(4, 11), range(10, 17), strict=True), (0, 23)]:
         assert block_bytes(g2, d) == expected[s]
 
 
-def test_round_trip_through_every_tier_returns_the_original(
-    tmp_path: Path, engine: TransferEngine
-) -> None:
+def test_round_trip_through_every_tier_returns_the_original(tmp_path: Path, copier: Copier) -> None:
     g1 = make_tier("G1-layer-separate", tmp_path)
     g2, g3 = make_tier("G2", tmp_path), make_tier("G3", tmp_path)
-    expected = fill_random(g1, engine, 3)
-    engine.copy(g1, [2, 9, 17], g2, [0, 1, 2])
-    engine.copy(g2, [0, 1, 2], g3, [20, 3, 11])  # queued after the first: same worker
-    handle = engine.copy(g3, [20, 3, 11], g1, [5, 6, 7])
+    expected = fill_random(g1, copier, 3)
+    copier.copy(g1, [2, 9, 17], g2, [0, 1, 2])
+    copier.copy(g2, [0, 1, 2], g3, [20, 3, 11])  # queued after the first: same worker
+    handle = copier.copy(g3, [20, 3, 11], g1, [5, 6, 7])
     assert handle.wait().dst_slots == [5, 6, 7]
     for s, d in [(2, 5), (9, 6), (17, 7)]:
         assert block_bytes(g1, d) == expected[s]
@@ -151,15 +149,15 @@ def test_result_names_the_blocks_that_arrived_with_their_tiers(
     tmp_path: Path,
 ) -> None:
     """What the manager reads from a finished copy: the tiers, the pairs and the block names."""
-    engine = TransferEngine(staging_blocks=4)
+    copier = Copier(staging_blocks=4)
     g1, g2 = make_tier("G1-layer-separate", tmp_path), make_tier("G2", tmp_path)
-    fill_random(g1, engine, 5)
+    fill_random(g1, copier, 5)
     blocks = [BlockInfo(100, 10, None), BlockInfo(101, 11, 100)]
 
-    off = engine.copy(g1, [1, 2], g2, [8, 9], blocks=blocks).wait()
-    on = engine.copy(g2, [8, 9], g1, [3, 4], blocks=blocks).wait()
-    unnamed = engine.copy(g1, [5], g2, [10]).wait()  # no identities: none to tell
-    engine.close()
+    off = copier.copy(g1, [1, 2], g2, [8, 9], blocks=blocks).wait()
+    on = copier.copy(g2, [8, 9], g1, [3, 4], blocks=blocks).wait()
+    unnamed = copier.copy(g1, [5], g2, [10]).wait()  # no identities: none to tell
+    copier.close()
 
     assert (off.src_tier, off.dst_tier, off.blocks) == (Tier.G1, Tier.G2, blocks)
     assert (on.src_tier, on.dst_tier, on.blocks) == (Tier.G2, Tier.G1, blocks)
@@ -167,15 +165,15 @@ def test_result_names_the_blocks_that_arrived_with_their_tiers(
     assert (unnamed.copied, unnamed.blocks) == ([(5, 10)], [])
 
 
-def test_callbacks_run_once_the_copy_is_done(tmp_path: Path, engine: TransferEngine) -> None:
+def test_callbacks_run_once_the_copy_is_done(tmp_path: Path, copier: Copier) -> None:
     g1, g2 = make_tier("G1-layer-separate", tmp_path), make_tier("G2", tmp_path)
-    fill_random(g1, engine, 9)
+    fill_random(g1, copier, 9)
     seen: list[tuple[bool, list[int]]] = []
 
     def on_done(h: TransferHandle) -> None:
         seen.append((h.done(), h.wait().dst_slots))
 
-    handle = engine.copy(g1, [0, 1, 2], g2, [3, 4, 5], callback=on_done)
+    handle = copier.copy(g1, [0, 1, 2], g2, [3, 4, 5], callback=on_done)
     handle.wait()
     late: list[bool] = []
     handle.add_done_callback(lambda h: late.append(h.done()))  # after the fact: runs at once
@@ -186,18 +184,18 @@ def test_callbacks_run_once_the_copy_is_done(tmp_path: Path, engine: TransferEng
 
 def test_every_result_reaches_its_callback(tmp_path: Path) -> None:
     results: list[TransferResult] = []
-    engine = TransferEngine()
+    copier = Copier()
     g1, g2 = make_tier("G1-layer-separate", tmp_path), make_tier("G2", tmp_path)
-    engine.copy(g1, [0], g2, [1], callback=lambda h: results.append(h.wait())).wait()
-    engine.close()
+    copier.copy(g1, [0], g2, [1], callback=lambda h: results.append(h.wait())).wait()
+    copier.close()
     assert [(r.src_tier, r.dst_tier, r.copied) for r in results] == [(Tier.G1, Tier.G2, [(0, 1)])]
 
 
 def test_empty_copy_completes_and_names_nothing(tmp_path: Path) -> None:
-    engine = TransferEngine()
+    copier = Copier()
     g1, g2 = make_tier("G1-layer-separate", tmp_path), make_tier("G2", tmp_path)
-    result = engine.copy(g1, [], g2, [], blocks=[]).wait()
-    engine.close()
+    result = copier.copy(g1, [], g2, [], blocks=[]).wait()
+    copier.close()
     assert (result.copied, result.failed, result.blocks) == ([], [], [])
 
 
@@ -216,29 +214,29 @@ def test_bad_slot_lists_are_refused_before_anything_moves(
     message: str,
     error: type[Exception],
     tmp_path: Path,
-    engine: TransferEngine,
+    copier: Copier,
 ) -> None:
     g1, g2 = make_tier("G1-layer-separate", tmp_path), make_tier("G2", tmp_path)
-    poison(g2, engine)
+    poison(g2, copier)
     with pytest.raises(error, match=message):
-        engine.copy(g1, src_slots, g2, dst_slots)
+        copier.copy(g1, src_slots, g2, dst_slots)
     assert all(block_bytes(g2, d) == bytes([POISON]) * SHAPE.block_bytes for d in range(SLOTS))
 
 
-def test_wrong_shape_or_pairing_is_refused(tmp_path: Path, engine: TransferEngine) -> None:
+def test_wrong_shape_or_pairing_is_refused(tmp_path: Path, copier: Copier) -> None:
     g1, g2 = make_tier("G1-layer-separate", tmp_path), make_tier("G2", tmp_path)
     g3 = make_tier("G3", tmp_path / "x")
     other = HostTier(BlockShape(3, 2, 4, 16, torch.bfloat16), 4, pin=False)
     with pytest.raises(ValueError, match=r"G1 holds blocks of .* but G2 of"):
-        engine.copy(g1, [0], other, [0])
+        copier.copy(g1, [0], other, [0])
     with pytest.raises(ValueError, match="same G2 tier"):
-        engine.copy(g2, [0], g2, [1])
+        copier.copy(g2, [0], g2, [1])
     with pytest.raises(ValueError, match="disk-to-disk"):
-        engine.copy(g3, [0], make_tier("G3", tmp_path / "y"), [0])
+        copier.copy(g3, [0], make_tier("G3", tmp_path / "y"), [0])
     with pytest.raises(ValueError, match="1 blocks named for 2 slot pairs"):
-        engine.copy(g1, [0, 1], g2, [0, 1], blocks=[BlockInfo(1, 1, None)])
+        copier.copy(g1, [0, 1], g2, [0, 1], blocks=[BlockInfo(1, 1, None)])
     with pytest.raises(ValueError, match="staging_blocks must be at least 1"):
-        TransferEngine(staging_blocks=0)
+        Copier(staging_blocks=0)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the machine without CUDA")
@@ -253,12 +251,12 @@ def test_unknown_g1_layout_is_refused() -> None:
         DeviceTier(SHAPE, 2, layout="paged", device="cpu")  # type: ignore[arg-type]
 
 
-def test_engine_wraps_an_engines_own_tensors(tmp_path: Path, engine: TransferEngine) -> None:
+def test_engine_wraps_an_engines_own_tensors(tmp_path: Path, copier: Copier) -> None:
     """G1 as engines hand it over: their per-layer tensors, not a copy of them."""
     layers = [torch.randn(SLOTS, *SHAPE.layer_shape).to(SHAPE.dtype) for _ in range(3)]
     g1 = DeviceTier.from_layout(LayerSeparate(SHAPE, layers))
     g2 = make_tier("G2", tmp_path)
-    engine.copy(g1, [6], g2, [0]).wait()
+    copier.copy(g1, [6], g2, [0]).wait()
     assert isinstance(g2, HostTier) and isinstance(g2.layout, FullyContiguous)
     for layer, t in enumerate(layers):
         assert torch.equal(g2.layout.tensor[0, layer], t[6])

@@ -35,7 +35,7 @@ from kvledger.events.wire import (
     encode_vllm_batch,
     pack_hashes,
 )
-from kvledger.mocker.kv_manager import Deref, FullBlock, KvManager, Use
+from kvledger.mocker.g1_pool import Deref, FullBlock, MockG1Pool, Use
 from kvledger.registry.hashing import TokenBlockSequence
 from kvledger.registry.index import RouterIndex, overlap_scores
 
@@ -170,7 +170,7 @@ def test_dynamo_radix_tree_scores_match_our_index() -> None:
 
     streams: list[list[AnyEvent]] = [[], [], []]
     managers = [
-        KvManager(64, 16, eviction="lineage", sink=streams[w].append, worker_id=w, dp_rank=w % 2)
+        MockG1Pool(64, 16, eviction="lineage", sink=streams[w].append, worker_id=w, dp_rank=w % 2)
         for w in range(3)
     ]
     for step in range(150):
@@ -225,8 +225,8 @@ def test_index_agrees_with_radix_tree_through_restarts_and_departures(
     tree, index = dynamo_llm.RadixTree(), RouterIndex()
     stream: list[AnyEvent] = []
 
-    def manager(worker: int) -> KvManager:
-        return KvManager(32, 16, sink=stream.append, worker_id=worker, dp_rank=worker % 2)
+    def manager(worker: int) -> MockG1Pool:
+        return MockG1Pool(32, 16, sink=stream.append, worker_id=worker, dp_rank=worker % 2)
 
     def deliver() -> None:
         for event in stream:

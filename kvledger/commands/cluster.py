@@ -31,7 +31,7 @@ from kvledger.mocker.stats import CountingEmitter
 from kvledger.mocker.traces import TraceRequest, iter_arrivals
 from kvledger.progress import Progress
 from kvledger.registry.index import RouterIndex
-from kvledger.registry.tiered import TieredRegistry
+from kvledger.registry.tiered import TieredPools
 
 if TYPE_CHECKING:
     from kvledger.builder import Worker
@@ -222,7 +222,7 @@ def run_one(
                 dp_rank=0,
                 clock=clock,
             )
-            registry = TieredRegistry(
+            tiered = TieredPools(
                 settings.g1_blocks,
                 settings.g2_capacity,
                 settings.g3_capacity,
@@ -230,7 +230,7 @@ def run_one(
                 offload_filter=settings.offload_filter,
                 emitter=emitter,
             )
-            cache = SimulatedCache(registry)
+            cache = SimulatedCache(tiered)
             if logged is not None:
                 previous = logged.last_event_id
                 if previous >= 0:
@@ -238,7 +238,7 @@ def run_one(
                         f"{log_dir} already holds a run of worker {wid}; this run continues "
                         "its log after a Cleared event per tier (a restart)"
                     )
-                registry.resume(previous)
+                tiered.resume(previous)
                 if settings.log_lookups:
                     cache.lookups = lookup_recorder(logged, mine, clock)
             engine = ClusterEngine(cache, config, clock=clock)
@@ -282,7 +282,7 @@ def run_one(
     out = cluster_summary(run, settings.block_size)
     replay_ok = True
     for mine, w, url in zip(out["per_worker"], workers, urls, strict=False):
-        ok = replay_matches(url, w.worker_id, w.cache.registry.state(), note)
+        ok = replay_matches(url, w.worker_id, w.cache.tiered.state(), note)
         replay_ok = replay_ok and ok
         assert log_dir is not None
         mine["log"] = str(log_dir / f"worker-{w.worker_id}.db")  # as `kvledger replay` takes it

@@ -8,7 +8,7 @@ from collections import Counter
 
 from kvledger.commands.args import non_negative_int, positive_int
 from kvledger.events.types import AnyEvent
-from kvledger.mocker.kv_manager import Deref, FullBlock, KvManager, Use
+from kvledger.mocker.g1_pool import Deref, FullBlock, MockG1Pool, Use
 from kvledger.registry.hashing import TokenBlockSequence
 from kvledger.registry.policies import POLICY_NAMES
 from kvledger.registry.state import RegistryState
@@ -27,7 +27,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 def run(args: argparse.Namespace) -> int:
     rng = random.Random(args.seed)
     events: list[AnyEvent] = []
-    mgr = KvManager(args.blocks, args.block_size, eviction=args.policy, sink=events.append)
+    mgr = MockG1Pool(args.blocks, args.block_size, eviction=args.policy, sink=events.append)
     prompts = [[rng.randrange(32000) for _ in range(512)] for _ in range(16)]
     requested = hit = 0
     for _ in range(args.requests):

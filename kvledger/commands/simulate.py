@@ -48,7 +48,7 @@ from kvledger.mocker.traces import (
 from kvledger.progress import Progress
 from kvledger.registry.emitter import EventEmitter
 from kvledger.registry.policies import POLICY_NAMES
-from kvledger.registry.tiered import OFFLOAD_FILTERS, TieredRegistry
+from kvledger.registry.tiered import OFFLOAD_FILTERS, TieredPools
 
 if TYPE_CHECKING:  # the log and metrics modules load SQLAlchemy, numpy, prometheus: only
     # a run that uses them pays for importing them (a --no-log run starts twice as fast)
@@ -263,7 +263,7 @@ def load_workload(args: argparse.Namespace, settings: Settings) -> tuple[list[Tr
 def build_cache(
     settings: Settings, emitter: EventEmitter, metrics: Metrics | None = None
 ) -> SimulatedCache:
-    registry = TieredRegistry(
+    tiered = TieredPools(
         settings.g1_blocks,
         settings.g2_capacity,
         settings.g3_capacity,
@@ -272,10 +272,10 @@ def build_cache(
         emitter=emitter,
     )
     if metrics is None:
-        return SimulatedCache(registry)
+        return SimulatedCache(tiered)
     from kvledger.mocker.metered import MeteredCache
 
-    return MeteredCache(registry, metrics)
+    return MeteredCache(tiered, metrics)
 
 
 def engine_clock(args: argparse.Namespace) -> SimClock | None:
@@ -383,10 +383,10 @@ def simulate(args: argparse.Namespace, note: Callable[[str], None]) -> Outcome:
                 "this run continues it after a Cleared event per tier (a worker restart), "
                 "so replaying the log gives this run's final state. Use --log for a separate log."
             )
-        cache.registry.resume(previous)
+        cache.tiered.resume(previous)
         progress = Progress(len(requests), "simulate")
         if metrics is not None:
-            pools = cache.registry.pools
+            pools = cache.tiered.pools
             progress.listeners.append(lambda _done: metrics.refresh(pools))
         sample_every = max(1, len(requests) // TIMELINE_POINTS) if args.plot else 0
         started = time.perf_counter()
@@ -404,7 +404,7 @@ def simulate(args: argparse.Namespace, note: Callable[[str], None]) -> Outcome:
             progress.close()
         elapsed = time.perf_counter() - started
         if metrics is not None:
-            metrics.refresh(cache.registry.pools)
+            metrics.refresh(cache.tiered.pools)
         if worker is not None:
             worker.flush()
         lookup_records = (
@@ -414,7 +414,7 @@ def simulate(args: argparse.Namespace, note: Callable[[str], None]) -> Outcome:
         if worker is not None:
             worker.close()  # commits the rest, which reaches the ZMQ publisher
 
-    live = cache.registry.state()
+    live = cache.tiered.state()
     replay_ok = log is None or replay_matches(url, worker_id, live, note)
     if args.dump_state:
         from kvledger.events.log.replay import save_state
@@ -439,7 +439,7 @@ def simulate(args: argparse.Namespace, note: Callable[[str], None]) -> Outcome:
         offload_filter=settings.offload_filter,
         block_size=settings.block_size,
         capacity={
-            t.name: (cache.registry.pools[t].capacity if t in cache.registry.pools else 0)
+            t.name: (cache.tiered.pools[t].capacity if t in cache.tiered.pools else 0)
             for t in TIERS
         },
         log=shown,

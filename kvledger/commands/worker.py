@@ -25,7 +25,7 @@ from kvledger.commands.args import linger_seconds, log_location, non_negative_in
 from kvledger.config import Settings
 from kvledger.events.log.schema import database_url
 from kvledger.events.shared.publish import RedisPublisher
-from kvledger.mocker.kv_manager import Deref, FullBlock, KvManager, Use
+from kvledger.mocker.g1_pool import Deref, FullBlock, MockG1Pool, Use
 from kvledger.registry.hashing import TokenBlockSequence
 
 
@@ -109,7 +109,7 @@ def run(args: argparse.Namespace) -> int:
     drained = False
     drain_timeout = 10.0
     try:
-        mgr = KvManager(
+        mgr = MockG1Pool(
             args.blocks,
             args.block_size,
             eviction="lru",
@@ -160,7 +160,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _workload(
-    mgr: KvManager, args: argparse.Namespace, stop: threading.Event, publisher: RedisPublisher
+    mgr: MockG1Pool, args: argparse.Namespace, stop: threading.Event, publisher: RedisPublisher
 ) -> None:
     """Requests that share a few long prompt prefixes, each with its own random tail. Ends
     early when the publisher stopped (another process took the worker id)."""

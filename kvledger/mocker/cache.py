@@ -1,6 +1,6 @@
 """The simulator's view of a worker's KV cache: tiers without bytes, copies that finish at once.
 
-It runs the same bookkeeping as ``kvledger.BlockManager`` (the same ``TieredRegistry``, so
+It runs the same bookkeeping as ``kvledger.BlockManager`` (the same ``TieredPools``, so
 the same events and the same log) but a copy between tiers is completed immediately and
 only its size is recorded, for the mock engine's bandwidth model to charge.
 """
@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from kvledger.events.types import Tier
 from kvledger.registry.emitter import EventEmitter
 from kvledger.registry.lookups import LookupRecorder
-from kvledger.registry.tiered import CopyPlan, MatchResult, TieredRegistry
+from kvledger.registry.tiered import CopyPlan, MatchResult, TieredPools
 
 
 @dataclass(slots=True)
@@ -38,17 +38,17 @@ class Admission:
 
 
 class SimulatedCache:
-    """Admit, grow and finish requests against a ``TieredRegistry``; count what moved."""
+    """Admit, grow and finish requests against a ``TieredPools``; count what moved."""
 
-    def __init__(self, registry: TieredRegistry) -> None:
-        self.registry = registry
+    def __init__(self, tiered: TieredPools) -> None:
+        self.tiered = tiered
         self.copied: Counter[tuple[Tier, Tier]] = Counter()  # blocks per (src, dst)
         #: where each admission, growth and finish is recorded (None: not recorded)
         self.lookups: LookupRecorder | None = None
         self._next_request = 0
         #: whether a block named on G1 may be copied down (a G2 or G3 exists)
-        self._offloads = len(registry.pools) > 1
-        self._g1 = registry.g1  # the registry's tiers are fixed when it is built
+        self._offloads = len(tiered.pools) > 1
+        self._g1 = tiered.g1  # the registry's tiers are fixed when it is built
 
     @classmethod
     def build(
@@ -62,7 +62,7 @@ class SimulatedCache:
         emitter: EventEmitter | None = None,
     ) -> SimulatedCache:
         return cls(
-            TieredRegistry(
+            TieredPools(
                 g1_blocks,
                 g2_blocks,
                 g3_blocks,
@@ -76,7 +76,7 @@ class SimulatedCache:
         while transfers:
             transfer = transfers.pop()
             self.copied[(transfer.src_tier, transfer.dst_tier)] += len(transfer)
-            transfers.extend(self.registry.complete(transfer))
+            transfers.extend(self.tiered.complete(transfer))
 
     def admit(
         self,
@@ -95,10 +95,10 @@ class SimulatedCache:
         Blocks from ``full`` on (default: none) are still filling: they get a slot but no
         name, so nobody can hit them and, released unfilled, they go back to the free list
         without displacing a cached block (Dynamo's mocker caches full blocks only).
-        ``match``: the caller's ``registry.match`` of these blocks, when it just made one.
+        ``match``: the caller's ``tiered.match`` of these blocks, when it just made one.
         ``num_tokens`` (the prompt's length, 0: not given) goes into the lookup record.
         """
-        reg = self.registry
+        reg = self.tiered
         g1 = self._g1
         wanted = len(sequence_hashes) if limit is None else min(limit, len(sequence_hashes))
         hashes = sequence_hashes[:wanted]
@@ -148,7 +148,7 @@ class SimulatedCache:
             slots.extend(registered)
             admission.registered = len(slots)
             if self._offloads:
-                self._run(self.registry.plan_offload(registered))
+                self._run(self.tiered.plan_offload(registered))
         slots.extend(fresh[named:])
 
     def extend(
@@ -227,7 +227,7 @@ class SimulatedCache:
             slots[at:upto] = registered
             admission.registered = upto
             if self._offloads:
-                self._run(self.registry.plan_offload(registered))
+                self._run(self.tiered.plan_offload(registered))
         return len(slots) - start
 
     def finish(self, admission: Admission) -> None:

@@ -226,7 +226,7 @@ class MockEngine:
         self._joined = 0
         self._wall_start = time.monotonic()
         self._sim_start_ms = 0.0
-        self._capacity_tokens = cache.registry.g1.capacity * config.block_size
+        self._capacity_tokens = cache.tiered.g1.capacity * config.block_size
         #: prompt tokens at every admission (re-admissions after preemption too), and the
         #: cached part of them: Dynamo's ``prefix_cache_reused_ratio``
         self.admitted_tokens = 0
@@ -296,7 +296,7 @@ class MockEngine:
 
     def _check_fits(self, sequences: Iterable[_Sequence]) -> None:
         """A request whose whole KV exceeds G1 could never finish: refuse it up front."""
-        g1 = self.cache.registry.g1.capacity
+        g1 = self.cache.tiered.g1.capacity
         bs = self.config.block_size
         for s in sequences:
             need = -(-(s.req.input_length + s.output_length) // bs)
@@ -506,7 +506,7 @@ class MockEngine:
         """Place a waiting sequence's cached prefix and first chunk on G1, or None to wait."""
         bs = self.config.block_size
         cache = self.cache
-        g1 = cache.registry.g1
+        g1 = cache.tiered.g1
         whole_prompt = self.config.admission == "whole_prompt"
         if whole_prompt and self._refused is not None:
             # Refused before, and nothing that could change the answer happened since: no
@@ -524,7 +524,7 @@ class MockEngine:
         if len(s.seq) < prompt_blocks:
             self._grow_hashes(s, prompt_blocks)
         hashes, local = s.seq[:prompt_blocks], s.local[:prompt_blocks]
-        probe = cache.registry.match(hashes)
+        probe = cache.tiered.match(hashes)
         if whole_prompt:
             # Dynamo: the whole uncached prompt must fit in free or evictable blocks now;
             # cached blocks nobody holds are not evictable for it (it is about to use them)

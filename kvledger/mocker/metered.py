@@ -8,15 +8,15 @@ from collections.abc import Sequence
 from kvledger.events.types import Tier
 from kvledger.metrics import Metrics
 from kvledger.mocker.cache import Admission, SimulatedCache
-from kvledger.registry.tiered import MatchResult, TieredRegistry
+from kvledger.registry.tiered import MatchResult, TieredPools
 
 
 class MeteredCache(SimulatedCache):
     """Counts each prompt lookup (hits per tier, misses) and times the bookkeeping of an
     admission, which events alone cannot tell."""
 
-    def __init__(self, registry: TieredRegistry, metrics: Metrics | None = None) -> None:
-        super().__init__(registry)
+    def __init__(self, tiered: TieredPools, metrics: Metrics | None = None) -> None:
+        super().__init__(tiered)
         self.metrics = metrics if metrics is not None else Metrics()
 
     def admit(

@@ -2,7 +2,7 @@
 
 The log's lookup records (``events/types.py``: ``Lookup``, ``Released``, ``RunInfo``) say what
 each request asked for, how it grew and when it ended, in order. Feeding them, in that order,
-to a ``SimulatedCache`` (the same ``TieredRegistry`` a live worker runs) answers "what would
+to a ``SimulatedCache`` (the same ``TieredPools`` a live worker runs) answers "what would
 this traffic have hit with other capacities, another policy, another offload filter". Run with
 the recorded settings, it must give back every recorded hit count: that is the check that the
 method holds, and the reason to trust the alternatives.
@@ -31,7 +31,7 @@ from kvledger.mocker.cache import Admission, SimulatedCache
 from kvledger.mocker.stats import TIERS, EventCounter
 from kvledger.mocker.traces import TraceRequest
 from kvledger.registry.emitter import EventEmitter
-from kvledger.registry.tiered import TieredRegistry
+from kvledger.registry.tiered import TieredPools
 
 PROGRESS_EVERY = 1024
 """Records between two ``on_progress`` calls of ``rerun``."""
@@ -269,7 +269,7 @@ def rerun(
                 continue
             sequence = asked[rid][: record.start] + list(hashes)
             asked[rid] = sequence
-            hits = (cache.registry.g1.probe(sequence[len(grown.slots) :]), 0, 0)
+            hits = (cache.tiered.g1.probe(sequence[len(grown.slots) :]), 0, 0)
             cache.extend(grown, sequence, sequence)
         if compare and position >= count_from:
             compared += 1
@@ -290,7 +290,7 @@ def rerun(
 
 
 def _cache(settings: CacheSettings, counter: EventCounter) -> SimulatedCache:
-    registry = TieredRegistry(
+    tiered = TieredPools(
         settings.g1_blocks,
         settings.g2_blocks,
         settings.g3_blocks,
@@ -298,7 +298,7 @@ def _cache(settings: CacheSettings, counter: EventCounter) -> SimulatedCache:
         offload_filter=settings.offload_filter,
         emitter=EventEmitter(counter),
     )
-    return SimulatedCache(registry)
+    return SimulatedCache(tiered)
 
 
 def alternatives(

@@ -174,7 +174,7 @@ class SimStats:
         return self.tokens_hit / self.tokens_requested if self.tokens_requested else 0.0
 
     def summary(self, cache: SimulatedCache, counter: EventTally) -> dict[str, Any]:
-        pools = cache.registry.pools
+        pools = cache.tiered.pools
         out: dict[str, Any] = {
             "requests": self.requests,
             "blocks_requested": self.blocks_requested,
@@ -198,7 +198,7 @@ class SimStats:
 
 
 def occupancy(cache: SimulatedCache) -> dict[str, int]:
-    return {tier.name: pool.num_registered for tier, pool in cache.registry.pools.items()}
+    return {tier.name: pool.num_registered for tier, pool in cache.tiered.pools.items()}
 
 
 def infinite_cache(requests: list[TraceRequest], block_size: int) -> tuple[float, float]:

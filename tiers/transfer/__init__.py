@@ -1,6 +1,6 @@
-"""Batched, asynchronous block copies between any two tiers: the engine (threads, handles,
-results) in ``engine``, the torch copies it runs in ``routes``."""
+"""Batched, asynchronous block copies between any two tiers: the copier (threads, handles,
+results) in ``copier``, the torch copies it runs in ``routes``."""
 
-from kvledger.tiers.transfer.engine import TransferEngine, TransferHandle, TransferResult
+from kvledger.tiers.transfer.copier import Copier, TransferHandle, TransferResult
 
-__all__ = ["TransferEngine", "TransferHandle", "TransferResult"]
+__all__ = ["Copier", "TransferHandle", "TransferResult"]

@@ -1,4 +1,4 @@
-"""The copy routes of the transfer engine: how a batch of blocks moves between two tiers.
+"""The copy routes of the copier: how a batch of blocks moves between two tiers.
 
 A copy is a list of (source slot, destination slot) pairs. Copying block by block and layer by
 layer would issue ``blocks x layers`` small copies (measured: 4 GB/s that way against 48 GB/s
@@ -10,11 +10,11 @@ batched), so every route moves whole batches instead:
   pairs are sorted by destination so runs form). Host -> device is the reverse (copies in, then
   ``index_copy_`` the same way).
   On CUDA the gather and the copies run on two streams over two staging buffers, so the copy
-  engine never waits for the gather of the next chunk.
+  copier never waits for the gather of the next chunk.
 - memory <-> disk: host slots are written or read in place by the disk tier's I/O threads;
   anything else (device memory, or a layer-separate layout) goes through a host staging tier.
 
-Threads, ordering and results are the engine's (``kvledger.tiers.transfer.engine``).
+Threads, ordering and results are the copier's (``kvledger.tiers.transfer.copier``).
 """
 
 from __future__ import annotations
@@ -43,11 +43,11 @@ _new_stream: Callable[[torch.device], torch.cuda.Stream] = torch.cuda.Stream
 
 
 class CopyRoutes:
-    """The torch side of a transfer engine: which copies move a batch of pairs from one tier to
+    """The torch side of a copier: which copies move a batch of pairs from one tier to
     another, and the staging buffers and CUDA streams they run on.
 
     ``staging_blocks`` is the size, in blocks, of each of the two device staging buffers and of
-    the host staging buffer used for device <-> disk copies. Not thread-safe: the engine calls
+    the host staging buffer used for device <-> disk copies. Not thread-safe: the copier calls
     it from one thread at a time (its worker, or a caller while no transfer is pending).
     """
 
@@ -270,7 +270,7 @@ class CopyRoutes:
     def _staging(self, dev: torch.device, shape: BlockShape) -> list[torch.Tensor]:
         """Two block-major ``[staging_blocks, layers, outer, page, inner]`` buffers on ``dev``.
 
-        Kept for the engine's life, so the allocator never hands them to other streams.
+        Kept for the copier's life, so the allocator never hands them to other streams.
         """
         key = (dev, shape)
         if key not in self._device_staging:

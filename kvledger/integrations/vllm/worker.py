@@ -1,11 +1,11 @@
-"""The worker side: vLLM's ``OffloadingWorker`` moving bytes with kvledger's transfer engine.
+"""The worker side: vLLM's ``OffloadingWorker`` moving bytes with kvledger's copier.
 
 vLLM hands the worker its KV cache as canonical tensors, one ``[num_blocks, page_bytes]`` int8
 view per region. kvledger sees them as a G1 ``DeviceTier`` whose block is one byte-row of each
 region (``LayerSeparate``, one "layer" per region), and keeps G2 in a ``HostTier`` of the same
 block shape: a store copies G1 rows into the G2 slots the manager chose (vLLM's chunk ids), a
-load copies them back. The copies run on the ``TransferEngine`` (asynchronous; on CUDA the
-device copies are issued at once and only their completion waits on the engine's thread).
+load copies them back. The copies run on the ``Copier`` (asynchronous; on CUDA the
+device copies are issued at once and only their completion waits on the copier's thread).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 from kvledger.tiers.device import DeviceTier
 from kvledger.tiers.host import HostTier
 from kvledger.tiers.layout import BlockShape, LayerSeparate
-from kvledger.tiers.transfer import TransferEngine, TransferHandle
+from kvledger.tiers.transfer import Copier, TransferHandle
 
 __all__ = ["KvledgerOffloadingWorker", "block_shape_of"]
 
@@ -69,13 +69,13 @@ class _Job:
 
 
 class KvledgerOffloadingWorker(OffloadingWorker):  # type: ignore[misc]  # vLLM is untyped here
-    """G1 (vLLM's tensors) <-> G2 (``num_chunks`` host slots), through one transfer engine."""
+    """G1 (vLLM's tensors) <-> G2 (``num_chunks`` host slots), through one copier."""
 
     def __init__(self, kv_caches: CanonicalKVCaches, num_chunks: int) -> None:
         shape, layers = block_shape_of(kv_caches)
         self.g1 = DeviceTier.from_layout(LayerSeparate(shape, layers))
         self.g2 = HostTier(shape, max(num_chunks, 1))
-        self.engine = TransferEngine()
+        self.copier = Copier()
         self._jobs: dict[int, _Job] = {}
 
     def _submit(
@@ -91,9 +91,9 @@ class KvledgerOffloadingWorker(OffloadingWorker):  # type: ignore[misc]  # vLLM 
             )
         started = time.perf_counter()
         if src_is_g1:
-            handle = self.engine.copy(self.g1, g1_slots, self.g2, g2_slots)
+            handle = self.copier.copy(self.g1, g1_slots, self.g2, g2_slots)
         else:
-            handle = self.engine.copy(self.g2, g2_slots, self.g1, g1_slots)
+            handle = self.copier.copy(self.g2, g2_slots, self.g1, g1_slots)
         size = len(g1_slots) * self.g1.shape.block_bytes
         self._jobs[job_id] = _Job([handle], started, size)
         return True
@@ -141,4 +141,4 @@ class KvledgerOffloadingWorker(OffloadingWorker):  # type: ignore[misc]  # vLLM 
                         handle.wait()
 
     def shutdown(self) -> None:
-        self.engine.close()
+        self.copier.close()

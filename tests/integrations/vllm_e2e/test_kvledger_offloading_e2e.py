@@ -167,7 +167,7 @@ class Engine:
             self.worker.start_load_kv(self.ctx)
             self._compute(out)  # the forward pass, between the loads and the saves
             self.worker.wait_for_save()
-            time.sleep(0.01)  # let the transfer engine's thread finish the copies
+            time.sleep(0.01)  # let the copier's thread finish the copies
             sending, receiving = self.worker.get_finished(out.finished_req_ids)
             worker_meta = self.worker.build_connector_worker_meta() or OffloadingWorkerMetadata()
             self.worker.clear_connector_metadata()

@@ -1,4 +1,4 @@
-"""TieredRegistry: where blocks go between G1, G2 and G3, and what events say about it."""
+"""TieredPools: where blocks go between G1, G2 and G3, and what events say about it."""
 
 from __future__ import annotations
 
@@ -7,20 +7,20 @@ import pytest
 from kvledger.events.types import AnyEvent, Offloaded, Onboarded, Tier
 from kvledger.registry.emitter import EventEmitter
 from kvledger.registry.state import RegistryState
-from kvledger.registry.tiered import CopyPlan, MatchResult, TieredRegistry
+from kvledger.registry.tiered import CopyPlan, MatchResult, TieredPools
 
 
 def build(
     g1: int = 4, g2: int = 0, g3: int = 0, offload_filter: str = "always"
-) -> tuple[TieredRegistry, list[AnyEvent]]:
+) -> tuple[TieredPools, list[AnyEvent]]:
     events: list[AnyEvent] = []
-    reg = TieredRegistry(
+    reg = TieredPools(
         g1, g2, g3, policy="lru", offload_filter=offload_filter, emitter=EventEmitter(events.append)
     )
     return reg, events
 
 
-def run_all(reg: TieredRegistry, transfers: list[CopyPlan]) -> list[CopyPlan]:
+def run_all(reg: TieredPools, transfers: list[CopyPlan]) -> list[CopyPlan]:
     done = []
     while transfers:
         t = transfers.pop()
@@ -29,7 +29,7 @@ def run_all(reg: TieredRegistry, transfers: list[CopyPlan]) -> list[CopyPlan]:
     return done
 
 
-def store(reg: TieredRegistry, hashes: list[int]) -> list[int]:
+def store(reg: TieredPools, hashes: list[int]) -> list[int]:
     """Compute and register a chain on G1, complete its offloads, release it."""
     g1 = reg.g1
     reg.note_request(hashes)
@@ -39,7 +39,7 @@ def store(reg: TieredRegistry, hashes: list[int]) -> list[int]:
     return slots
 
 
-def state_of(reg: TieredRegistry) -> RegistryState:
+def state_of(reg: TieredPools) -> RegistryState:
     return reg.state()
 
 
@@ -120,4 +120,4 @@ def test_abort_frees_destination_and_unpins_source() -> None:
 
 def test_unknown_filter_is_named() -> None:
     with pytest.raises(ValueError, match="unknown offload filter 'twice'"):
-        TieredRegistry(4, offload_filter="twice")
+        TieredPools(4, offload_filter="twice")

@@ -1,6 +1,6 @@
-"""The mock engine's KV manager: a G1 block pool driven by scheduler signals, no bytes.
+"""The mock engine's G1 pool: a block pool driven by scheduler signals, no bytes.
 
-It mirrors the KV manager of Dynamo's mocker so that a simulated engine produces the same
+It mirrors the KvManager of Dynamo's mocker so that a simulated engine produces the same
 KV events a real one would. The scheduler speaks in three signals:
 
 - ``Use(blocks)``: a request needs these blocks now (prompt prefill or a decode step);
@@ -25,7 +25,7 @@ from typing import NamedTuple, TypeAlias
 from kvledger.registry.emitter import EventEmitter, EventSink
 from kvledger.registry.hashing import TokenBlockSequence
 from kvledger.registry.state import RegistryState
-from kvledger.registry.tiered import TieredRegistry
+from kvledger.registry.tiered import TieredPools
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,7 +76,7 @@ class PrefillCost(NamedTuple):
     cached_tokens: int
 
 
-class KvManager:
+class MockG1Pool:
     """G1 bookkeeping for the mock engine. Not thread-safe: one scheduler drives it."""
 
     def __init__(
@@ -96,8 +96,8 @@ class KvManager:
         self.worker_id = worker_id
         self.dp_rank = dp_rank
         self.emitter = EventEmitter(sink, worker_id=worker_id, dp_rank=dp_rank)
-        self.registry = TieredRegistry(max_capacity, policy=eviction, emitter=self.emitter)
-        self.pool = self.registry.g1
+        self.tiered = TieredPools(max_capacity, policy=eviction, emitter=self.emitter)
+        self.pool = self.tiered.g1
         self._partial: dict[uuidlib.UUID | int | str, int] = {}  # uuid -> mutable slot
         self._active_full: dict[int, int] = {}  # seq hash -> slot, while referenced
 
@@ -114,7 +114,7 @@ class KvManager:
         if isinstance(op, Promote):
             self._promote(op)
             return 0
-        raise TypeError(f"not a KV manager signal: {op!r}")
+        raise TypeError(f"not a G1 pool signal: {op!r}")
 
     def _use(self, op: Use) -> int:
         blocks = op.blocks
@@ -285,4 +285,4 @@ class KvManager:
 
     def registry_state(self) -> RegistryState:
         """The live state, comparable with a replay of this manager's events."""
-        return self.registry.state()
+        return self.tiered.state()

@@ -1,4 +1,4 @@
-"""Mock-engine KV manager: the behaviours Dynamo's mocker documents, in our own words."""
+"""The mock engine's G1 pool: the behaviours Dynamo's mocker documents, in our own words."""
 
 from __future__ import annotations
 
@@ -7,10 +7,10 @@ from typing import cast
 import pytest
 
 from kvledger.events.types import AnyEvent, Removed, Stored
-from kvledger.mocker.kv_manager import (
+from kvledger.mocker.g1_pool import (
     Deref,
     FullBlock,
-    KvManager,
+    MockG1Pool,
     PartialBlock,
     Promote,
     Use,
@@ -21,23 +21,23 @@ from kvledger.registry.policies import POLICY_NAMES
 
 def capturing(
     capacity: int, block_size: int = 16, eviction: str = "lineage"
-) -> tuple[KvManager, list[AnyEvent]]:
+) -> tuple[MockG1Pool, list[AnyEvent]]:
     events: list[AnyEvent] = []
-    return KvManager(capacity, block_size, eviction=eviction, sink=events.append), events
+    return MockG1Pool(capacity, block_size, eviction=eviction, sink=events.append), events
 
 
-def use(mgr: KvManager, *ids: int, parent: int | None = None) -> int:
+def use(mgr: MockG1Pool, *ids: int, parent: int | None = None) -> int:
     return mgr.process(
         Use([FullBlock(i) for i in ids], parent=None if parent is None else FullBlock(parent))
     )
 
 
-def deref(mgr: KvManager, *ids: int) -> None:
+def deref(mgr: MockG1Pool, *ids: int) -> None:
     mgr.process(Deref([FullBlock(i) for i in ids]))
 
 
 def test_single_full_block_is_active() -> None:
-    mgr = KvManager(10, 16)
+    mgr = MockG1Pool(10, 16)
     assert use(mgr, 1) == 1
     assert mgr.num_active_blocks() == 1
 
@@ -54,7 +54,7 @@ def test_bad_token_ids_change_nothing() -> None:
 
 
 def test_reusing_an_active_block_adds_a_reference_not_a_slot() -> None:
-    mgr = KvManager(10, 16)
+    mgr = MockG1Pool(10, 16)
     use(mgr, 1)
     use(mgr, 1)
     assert mgr.num_active_blocks() == 1
@@ -63,7 +63,7 @@ def test_reusing_an_active_block_adds_a_reference_not_a_slot() -> None:
 
 
 def test_full_pool_places_nothing_more() -> None:
-    mgr = KvManager(4, 16)
+    mgr = MockG1Pool(4, 16)
     for i in range(4):
         assert use(mgr, i) == 1
     assert use(mgr, 4) == 0
@@ -71,7 +71,7 @@ def test_full_pool_places_nothing_more() -> None:
 
 
 def test_batch_up_to_capacity_then_refuses() -> None:
-    mgr = KvManager(10, 16)
+    mgr = MockG1Pool(10, 16)
     assert use(mgr, *range(10)) == 10
     assert use(mgr, 10) == 0
 
@@ -107,7 +107,7 @@ def test_deref_makes_block_inactive_and_reusable() -> None:
 
 def test_inactive_blocks_are_evicted_for_new_ones() -> None:
     for eviction in POLICY_NAMES:
-        mgr = KvManager(4, 16, eviction=eviction)
+        mgr = MockG1Pool(4, 16, eviction=eviction)
         for i in range(4):
             use(mgr, i)
         deref(mgr, *range(4))
@@ -126,7 +126,7 @@ def test_promote_turns_a_partial_into_a_full_block() -> None:
 
 
 def test_promote_of_unknown_partial_is_an_error() -> None:
-    mgr = KvManager(10, 16)
+    mgr = MockG1Pool(10, 16)
     with pytest.raises(ValueError, match=r"partial block .* not found"):
         mgr.process(Promote("nope", 42, None, 0))
 
@@ -143,7 +143,7 @@ def test_promote_onto_cached_hash_deduplicates() -> None:
 
 
 def test_deref_of_partial_frees_its_slot() -> None:
-    mgr = KvManager(10, 16)
+    mgr = MockG1Pool(10, 16)
     mgr.process(Use([PartialBlock("u")]))
     mgr.process(Deref([PartialBlock("u")]))
     assert mgr.num_active_block_refs() == 0
@@ -152,7 +152,7 @@ def test_deref_of_partial_frees_its_slot() -> None:
 
 
 def test_deref_of_unknown_block_changes_nothing() -> None:
-    mgr = KvManager(10, 16)
+    mgr = MockG1Pool(10, 16)
     use(mgr, 1)
     with pytest.raises(ValueError, match="not in use"):
         deref(mgr, 1, 2)
@@ -160,7 +160,7 @@ def test_deref_of_unknown_block_changes_nothing() -> None:
 
 
 def test_prefill_cost_without_overlap_counts_every_block() -> None:
-    mgr = KvManager(10, 16)
+    mgr = MockG1Pool(10, 16)
     cost = mgr.prefill_cost(list(range(35)))
     assert cost.new_blocks == 3  # two full blocks and a partial tail
     assert cost.new_tokens == 35
@@ -168,7 +168,7 @@ def test_prefill_cost_without_overlap_counts_every_block() -> None:
 
 
 def test_prefill_cost_counts_cached_prefix() -> None:
-    mgr = KvManager(10, 4)
+    mgr = MockG1Pool(10, 4)
     seq = TokenBlockSequence(list(range(10)), 4)
     mgr.process(Use([FullBlock(h) for h in seq.sequence_hashes]))
     cost = mgr.prefill_cost(list(range(10)))
@@ -255,7 +255,7 @@ def test_new_suffix_anchors_to_last_reused_block() -> None:
 
 
 def test_shared_prefix_counts_slots_once_and_references_per_request() -> None:
-    mgr = KvManager(8, 16)
+    mgr = MockG1Pool(8, 16)
     use(mgr, 10, 11, 12)
     use(mgr, 10, 11, 13)
     assert mgr.num_active_blocks() == 4
@@ -307,7 +307,7 @@ def test_event_ids_increase_from_zero() -> None:
 
 
 def test_probe_new_blocks() -> None:
-    mgr = KvManager(8, 16)
+    mgr = MockG1Pool(8, 16)
     use(mgr, 1, 2)
     mgr.process(Use([PartialBlock("x")]))
     assert mgr.probe_new_blocks([FullBlock(1), FullBlock(2), FullBlock(3)]) == 1
@@ -316,4 +316,4 @@ def test_probe_new_blocks() -> None:
 
 def test_unknown_eviction_policy_is_named() -> None:
     with pytest.raises(ValueError, match="unknown eviction policy 'fifo'"):
-        KvManager(4, 16, eviction="fifo")
+        MockG1Pool(4, 16, eviction="fifo")

@@ -1,4 +1,4 @@
-"""The transfer engine: batched block copies between tiers, queued in order, one result each.
+"""The copier: batched block copies between tiers, queued in order, one result each.
 
 Transfers take effect in submission order and return a ``TransferHandle`` at once. They run on
 one worker thread, except that a memory copy with a GPU side, asked for while no transfer is
@@ -76,8 +76,8 @@ class TransferHandle:
         return self._future.exception()
 
 
-class TransferEngine:
-    """Copies between tiers; one engine per worker, shared by every offload and onboard.
+class Copier:
+    """Copies between tiers; one copier per worker, shared by every offload and onboard.
 
     ``staging_blocks`` is the size, in blocks, of each of the two device staging buffers and of
     the host staging buffer used for device <-> disk copies.
