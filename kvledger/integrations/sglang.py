@@ -359,9 +359,10 @@ class KvledgerHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang sh
                 target[:] = found
                 found = target
             pages[i] = found
-        for i, page in enumerate(pages):
-            if page is not None and i in fetched:
-                self._write([keys[i]], [page], keys[i - 1] if i else None)
+        arrived = {i: page for i in sorted(fetched) if (page := pages[i]) is not None}
+        for run in _runs(list(arrived)):  # one write per run of keys, each chained on the last
+            parent = keys[run[0] - 1] if run[0] else None
+            self._write([keys[i] for i in run], [arrived[i] for i in run], parent)
         return pages
 
     # -- reads -------------------------------------------------------------------------------
@@ -597,3 +598,14 @@ def _observed(nixl: NixlPages, worker: Worker) -> Any:
         worker.sink(event)
 
     return sink
+
+
+def _runs(indices: list[int]) -> list[list[int]]:
+    """Ascending ``indices`` cut into runs of consecutive ones."""
+    runs: list[list[int]] = []
+    for i in indices:
+        if runs and runs[-1][-1] + 1 == i:
+            runs[-1].append(i)
+        else:
+            runs.append([i])
+    return runs
