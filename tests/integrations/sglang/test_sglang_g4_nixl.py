@@ -202,8 +202,7 @@ def open_reader(folder: Path, redis_url: str, namespace: str, **extra: Any) -> A
         page_bytes=PAGE_BYTES,
         redis_url=redis_url,
         redis_namespace=namespace,
-        worker_id=READER,
-        **{"g4": "nixl", **extra},
+        **{"worker_id": READER, "g4": "nixl", **extra},
     )
 
 
@@ -288,7 +287,8 @@ def test_a_rank_without_nixl_is_read_from_the_shared_file_system(
     tmp_path: Path, redis_url: str, namespace: str
 ) -> None:
     """The fallback: the owner exports nothing over NIXL (``g4: shared_fs``), the folder is
-    shared, so the reader takes the page from the owner's G3 file."""
+    shared, so the reader takes the page from the owner's G3 file; with ``g4: off`` a rank
+    reads no other rank's pages at all."""
     shared = tmp_path / "shared"
     o = Owner(shared, redis_url, namespace, g4="shared_fs")
     try:
@@ -299,6 +299,10 @@ def test_a_rank_without_nixl_is_read_from_the_shared_file_system(
             assert all(same(g, v) for g, v in zip(got, values, strict=True))
             assert reader.nixl is not None and reader.nixl.fetcher.stats.blocks == 0
             assert reader.nixl.fetcher.stats.failures["no_agent"] >= 1
+        with open_reader(shared, redis_url, namespace, g4="off", worker_id=2) as alone:
+            assert alone.nixl is None
+            assert alone.batch_exists(keys) == 0
+            assert alone.batch_get(keys) == [None, None]
     finally:
         o.close()
 
