@@ -42,6 +42,17 @@ _warned: set[str] = set()
 _DEVICES = re.compile(r"^[A-Za-z0-9_.:\-]+(,[A-Za-z0-9_.:\-]+)*$")
 
 
+def check_net_devices(devices: str | None) -> str | None:
+    """``devices`` when it names network devices as UCX does (G4's NIXL interface setting,
+    for ``Settings`` and the SGLang backend alike); ValueError saying what is wrong."""
+    if devices is not None and not _DEVICES.match(devices):
+        raise ValueError(
+            "must name network devices as UCX does (lo, eth0, mlx5_0:1; comma-separated) "
+            f"or be 'all', got {devices!r}"
+        )
+    return devices
+
+
 class SettingsError(ValueError):
     """One or more settings are invalid; the message names each and what is allowed."""
 
@@ -252,12 +263,7 @@ class Settings(BaseSettings):
     @field_validator("g4_interface")
     @classmethod
     def _interface(cls, devices: str | None) -> str | None:
-        if devices is not None and not _DEVICES.match(devices):
-            raise ValueError(
-                "must name network devices as UCX does (lo, eth0, mlx5_0:1; comma-separated) "
-                f"or be 'all', got {devices!r}"
-            )
-        return devices
+        return check_net_devices(devices)
 
     @field_validator("zmq_curve_secret_key")
     @classmethod

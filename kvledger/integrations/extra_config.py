@@ -15,7 +15,7 @@ from typing import ClassVar, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from kvledger.config import ExtraConfig, SettingsError
+from kvledger.config import ExtraConfig, SettingsError, check_net_devices
 from kvledger.events.shared.keys import KeySpace
 
 __all__ = ["SglangExtraConfig", "VllmExtraConfig"]
@@ -134,9 +134,41 @@ class SglangExtraConfig(ExtraConfig):
     )
     redis_url: str | None = Field(None, description="find other ranks' pages (G4)")
     redis_namespace: str = Field("kvledger-hicache", description="key namespace in Redis")
+    g4: Literal["off", "shared_fs", "nixl"] | None = Field(
+        None,
+        description="how other ranks' pages are read: nixl (this rank's G3 served and theirs "
+        "read over NIXL, their G3 files on a shared data_dir as the fallback), shared_fs "
+        "(their G3 files only), off; default shared_fs with redis_url, else off",
+    )
+    g4_interface: str | None = Field(
+        None,
+        description="network devices NIXL (UCX) listens and reads on (lo, eth0, mlx5_0:1; "
+        "comma-separated) or 'all'; default UCX_NET_DEVICES when set, else loopback",
+    )
+    g4_timeout_s: float = Field(5.0, gt=0, description="longest wait for one NIXL read")
+    g4_staging_pages: int = Field(
+        16, gt=0, description="host pages NIXL reads other ranks' pages into (registered)"
+    )
 
     _url = field_validator("log_url")(_log_url)
     _dir = field_validator("data_dir")(_folder)
+    _devices = field_validator("g4_interface")(check_net_devices)
+
+    @model_validator(mode="after")
+    def _g4_needs_redis(self) -> SglangExtraConfig:
+        if self.g4 in ("nixl", "shared_fs") and self.redis_url is None:
+            raise ValueError(
+                f"g4 {self.g4!r} needs redis_url: other ranks' pages are found in the shared "
+                "registry"
+            )
+        return self
+
+    @property
+    def g4_mode(self) -> Literal["off", "shared_fs", "nixl"]:
+        """``g4`` with its default filled in: shared_fs with redis_url, else off."""
+        if self.g4 is not None:
+            return self.g4
+        return "shared_fs" if self.redis_url is not None else "off"
 
     @field_validator("redis_namespace")
     @classmethod

@@ -17,7 +17,10 @@ Settings, all optional, in the extra config: ``data_dir`` (default ``$KVLEDGER_D
 ``kvledger-hicache``), ``capacity_pages`` (G3 slots, default 4096), ``page_bytes`` (default:
 the host pool's page, known once SGLang registers it), ``log_url`` (default one SQLite file per
 rank in ``data_dir``; a PostgreSQL URL puts every rank in one log), ``worker_id`` (default
-``tp_rank + tp_size * pp_rank``). Every key is checked by
+``tp_rank + tp_size * pp_rank``), ``redis_url`` and ``redis_namespace`` (the shared registry
+other ranks' pages are found in), ``g4`` (how they are read: ``nixl``, ``shared_fs`` or
+``off``), ``g4_interface``, ``g4_timeout_s``, ``g4_staging_pages`` (docs/sglang.md). Every
+key is checked by
 ``kvledger.integrations.extra_config.SglangExtraConfig``: a bad value or a key kvledger does not
 read stops start-up with a message naming it.
 """
@@ -46,8 +49,9 @@ from kvledger.events.files import private_folder
 from kvledger.events.log import EventLog
 from kvledger.events.log.schema import database_url
 from kvledger.events.shared import RedisPublisher
-from kvledger.events.types import BlockInfo, Tier
+from kvledger.events.types import BlockInfo, LogRecord, Lookup, Released, RunInfo, Tier
 from kvledger.integrations.extra_config import SglangExtraConfig
+from kvledger.integrations.sglang_g4 import NixlPages
 from kvledger.recovery import open_g3
 from kvledger.registry.pool import BlockPool
 from kvledger.tiers.disk import DiskTier
@@ -125,6 +129,9 @@ class KvledgerHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang sh
         self.redis_namespace = settings.redis_namespace
         self.publisher: RedisPublisher | None = None
         self._peers: dict[int, PeerG3] = {}
+        self.g4 = settings.g4_mode
+        self._g4_settings = settings
+        self.nixl: NixlPages | None = None
         if settings.page_bytes is not None:
             self._open(settings.page_bytes)
 
@@ -166,9 +173,20 @@ class KvledgerHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang sh
         except BaseException:
             worker.close(drain_timeout=0)
             raise
-        emitter = worker.emitter()
-        pool = BlockPool(self.capacity_pages, tier=Tier.G3, emitter=emitter)
-        pool.adopt([slot for slot, _ in opened.kept], [block for _, block in opened.kept])
+        nixl: NixlPages | None = None
+        try:
+            nixl = self._open_nixl(worker, opened.disk)
+            emitter = worker.emitter(worker.sink if nixl is None else _observed(nixl, worker))
+            pool = BlockPool(self.capacity_pages, tier=Tier.G3, emitter=emitter)
+            pool.adopt([slot for slot, _ in opened.kept], [block for _, block in opened.kept])
+            if nixl is not None:  # the recovered pages are served again, before any event
+                nixl.start(pool.lookup, [block.sequence_hash for _, block in opened.kept])
+        except BaseException:
+            if nixl is not None:
+                nixl.close()
+            opened.disk.close()
+            worker.close(drain_timeout=0)
+            raise
         # the restart rule, and the pages the log listed that are gone from the file
         worker.resume(emitter, recovered=opened.recovered)
         opened.announce(worker, emitter)
@@ -181,9 +199,26 @@ class KvledgerHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang sh
                 len(opened.dropped),
             )
         self.publisher = worker.publisher
+        self.nixl = nixl
         self._worker = worker
         self._log, self._g3, self._pool = worker.event_log, opened.disk, pool
         self.page_bytes = page_bytes
+
+    def _open_nixl(self, worker: Worker, disk: DiskTier) -> NixlPages | None:
+        """With ``g4: nixl``, this rank's G3 served over NIXL and other ranks' read so."""
+        if self.g4 != "nixl":
+            return None
+        shared = worker.shared
+        assert shared is not None  # g4 nixl needs redis_url: checked with the extra config
+        g4 = self._g4_settings
+        return NixlPages(
+            self.worker_id,
+            shared,
+            disk,
+            staging_pages=g4.g4_staging_pages,
+            timeout_s=g4.g4_timeout_s,
+            devices=g4.g4_interface,
+        )
 
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:
         """SGLang hands over its host pool: its flat page size is G3's slot size."""
@@ -205,6 +240,9 @@ class KvledgerHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang sh
             for peer in self._peers.values():
                 peer.close()
             self._peers.clear()
+            if self.nixl is not None:  # withdrawn and unmapped before the file closes
+                self.nixl.close()
+                self.nixl = None
             if self._g3 is not None:
                 self._g3.close()
             if self._worker is not None:
@@ -250,11 +288,11 @@ class KvledgerHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang sh
             return here
         return here + self._count_on_peers(keys[here:])
 
-    # -- G4: other ranks' G3 files, found through the shared registry -------------------
+    # -- G4: other ranks' G3, found through the shared registry -----------------------------
 
     def _count_on_peers(self, keys: Sequence[str]) -> int:
         """How many of ``keys``, from the first, another rank holds in G3."""
-        if self.publisher is None or not keys:
+        if self.publisher is None or self.g4 == "off" or not keys:
             return 0
         holders = self.publisher.registry.who_has(
             [page_hashes(k)[0] for k in keys], stop_at_miss=True
@@ -269,8 +307,11 @@ class KvledgerHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang sh
     def _peer(self, worker: int) -> PeerG3 | None:
         peer = self._peers.get(worker)
         if peer is None:
+            path = self.data_dir / f"hicache-g3-w{worker}.bin"
+            if self.nixl is not None and not path.exists():
+                return None  # the fallback: no shared file system, as between hosts
             try:
-                peer = PeerG3(self.data_dir / f"hicache-g3-w{worker}.bin")
+                peer = PeerG3(path)
             except (OSError, ValueError) as exc:
                 log.warning("kvledger HiCache: rank %d's G3 cannot be read: %s", worker, exc)
                 return None
@@ -295,14 +336,22 @@ class KvledgerHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang sh
     def _read_anywhere(
         self, keys: Sequence[str], into: Sequence[np.ndarray | None] | None = None
     ) -> list[np.ndarray | None]:
-        """``_read``, then pages missing here from other ranks (G4), kept in this rank's G3
+        """``_read``, then pages missing here from other ranks (G4: over NIXL with ``g4:
+        nixl``, then from their G3 files on a shared ``data_dir``), kept in this rank's G3
         (``Stored`` in its log) so the next read is local."""
         pages = self._read(keys, into)
-        if self.publisher is None:
+        if self.publisher is None or self.g4 == "off":
             return pages
-        for i, page in enumerate(pages):
-            if page is not None:
-                continue
+        missing = [i for i, page in enumerate(pages) if page is None]
+        fetched = set(missing)
+        if self.nixl is not None and missing:
+            targets = None if into is None else [into[i] for i in missing]
+            got = self.nixl.read([page_hashes(keys[i])[0] for i in missing], targets)
+            for i, page in zip(missing, got, strict=True):
+                if page is not None and page.nbytes == self.page_bytes:
+                    pages[i] = page
+            missing = [i for i in missing if pages[i] is None]
+        for i in missing:
             found = self._peer_page(keys[i])
             if found is None:
                 continue
@@ -310,7 +359,10 @@ class KvledgerHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang sh
                 target[:] = found
                 found = target
             pages[i] = found
-            self._write([keys[i]], [found], keys[i - 1] if i else None)
+        arrived = {i: page for i in sorted(fetched) if (page := pages[i]) is not None}
+        for run in _runs(list(arrived)):  # one write per run of keys, each chained on the last
+            parent = keys[run[0] - 1] if run[0] else None
+            self._write([keys[i] for i in run], [arrived[i] for i in run], parent)
         return pages
 
     # -- reads -------------------------------------------------------------------------------
@@ -533,3 +585,27 @@ class KvledgerHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang sh
             if self._pool is None:
                 return None
             return {"pages": self._pool.num_registered, "capacity_pages": self.capacity_pages}
+
+
+def _observed(nixl: NixlPages, worker: Worker) -> Any:
+    """The emitter's sink with G4 over NIXL: the exporter sees each event first (a page that
+    arrived is published with its checksum, one evicted withdrawn, so the exported map follows
+    the log), then the log takes it."""
+
+    def sink(event: LogRecord) -> None:
+        if not isinstance(event, Lookup | Released | RunInfo):
+            nixl.observe(event)
+        worker.sink(event)
+
+    return sink
+
+
+def _runs(indices: list[int]) -> list[list[int]]:
+    """Ascending ``indices`` cut into runs of consecutive ones."""
+    runs: list[list[int]] = []
+    for i in indices:
+        if runs and runs[-1][-1] + 1 == i:
+            runs[-1].append(i)
+        else:
+            runs.append([i])
+    return runs

@@ -131,15 +131,20 @@ class RemoteAgent:
             num_slots=layout.num_blocks,
             stride=tier.shape.block_bytes,
         )
+        return self.register_region(region)
+
+    def register_region(self, region: Region) -> Region:
+        """Register a run of memory that is not a tier's tensor under ``region.tier``: a G3
+        file mapped into memory (``MappedG3``), whose slots peers then read in place."""
         with self._lock:
-            if tier.tier in self._regions:
-                raise ValueError(f"{tier.tier.name} is already registered with this agent")
+            if region.tier in self._regions:
+                raise ValueError(f"{region.tier.name} is already registered with this agent")
             descs = self._agent.register_memory(
                 [(region.address, region.num_slots * region.stride, region.device_id, "")],
                 region.mem_type,
             )
             self._reg_descs.append(descs)
-            self._regions[tier.tier] = region
+            self._regions[region.tier] = region
         return region
 
     def region(self, tier: Tier) -> Region:
@@ -203,13 +208,15 @@ class RemoteAgent:
         timeout_s: float,
     ) -> ReadOutcome:
         local_region = self.region(local_tier)
-        if remote_region.stride != local_region.stride:
+        nbytes = card.block_bytes
+        if nbytes > remote_region.stride or nbytes > local_region.stride:
             raise ValueError(
-                f"remote blocks are {remote_region.stride} bytes, local ones {local_region.stride}"
+                f"remote blocks are {nbytes} bytes, more than the remote slots "
+                f"({remote_region.stride}) or the local ones ({local_region.stride}) hold"
             )
         if not pairs:
             return ReadOutcome(True)
-        local, remote = _descriptors(remote_region, local_region, pairs)
+        local, remote = _descriptors(remote_region, local_region, pairs, nbytes)
         started = time.monotonic()
         with self._lock:
             handle = None
@@ -331,27 +338,31 @@ class RemoteAgent:
 
 
 def _descriptors(
-    remote_region: Region, local_region: Region, pairs: Pairs
+    remote_region: Region, local_region: Region, pairs: Pairs, nbytes: int
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Nx3 ``(address, length, device)`` arrays (local, remote), one row per run of
-    ``(remote slot, local slot)`` pairs that are consecutive on both sides, so a batch of
-    neighbouring blocks moves as one descriptor."""
+    """Nx3 ``(address, length, device)`` arrays (local, remote). Where both sides space their
+    slots alike, one row per run of ``(remote slot, local slot)`` pairs consecutive on both
+    sides, so a batch of neighbouring blocks moves as one descriptor; otherwise (a G3 file's
+    page-aligned slots read into packed host slots) one row of ``nbytes`` per block."""
     runs: list[list[int]] = []  # [remote slot, local slot, count]
+    same = remote_region.stride == local_region.stride
     for r, loc in pairs:
-        if runs and runs[-1][0] + runs[-1][2] == r and runs[-1][1] + runs[-1][2] == loc:
+        if same and runs and runs[-1][0] + runs[-1][2] == r and runs[-1][1] + runs[-1][2] == loc:
             runs[-1][2] += 1
         else:
             runs.append([r, loc, 1])
+    local_len = local_region.stride if same else nbytes
+    remote_len = remote_region.stride if same else nbytes
     local = np.array(
         [
-            (local_region.slot_address(loc), n * local_region.stride, local_region.device_id)
+            (local_region.slot_address(loc), n * local_len, local_region.device_id)
             for _, loc, n in runs
         ],
         dtype=np.uint64,
     )
     remote = np.array(
         [
-            (remote_region.slot_address(r), n * remote_region.stride, remote_region.device_id)
+            (remote_region.slot_address(r), n * remote_len, remote_region.device_id)
             for r, _, n in runs
         ],
         dtype=np.uint64,

@@ -16,11 +16,12 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from typing import Protocol
 
 import xxhash
 
-from kvledger.events.types import AnyEvent, Cleared, Offloaded, Onboarded, Removed, Stored
+from kvledger.events.types import AnyEvent, Cleared, Offloaded, Onboarded, Removed, Stored, Tier
 from kvledger.tiers.base import MemoryTier
 from kvledger.tiers.layout import FullyContiguous
 from kvledger.tiers.remote.directory import AgentCard, BlockEntry, RemoteDirectory
@@ -41,8 +42,38 @@ def block_checksum(layout: FullyContiguous, slot: int) -> int:
     return xxhash.xxh3_64_intdigest(row.numpy().data)
 
 
+class ExportedSlots(Protocol):
+    """Slots other workers read in place: a host tier, or a G3 file mapped into memory
+    (``MappedG3``), with the checksum of what a slot holds now."""
+
+    @property
+    def tier(self) -> Tier: ...
+
+    def checksum(self, slot: int) -> int:
+        """xxh3-64 of the block in ``slot``, as a reader must find it."""
+        ...
+
+
+class HostSlots:
+    """A host tier's slots: checksums are taken from the bytes, when the block arrives."""
+
+    def __init__(self, tier: MemoryTier) -> None:
+        layout = tier.layout
+        if not isinstance(layout, FullyContiguous) or layout.device.type != "cpu":
+            raise ValueError(
+                f"only a host tier with one run of memory can be exported, not "
+                f"{tier.tier.name} on {layout.device}"
+            )
+        self.tier = tier.tier
+        self.layout = layout
+
+    def checksum(self, slot: int) -> int:
+        return block_checksum(self.layout, slot)
+
+
 class BlockExporter:
-    """Publishes the blocks of one host tier (G2) of ``card.worker_id`` for remote reads.
+    """Publishes the blocks of one tier of ``card.worker_id`` for remote reads: a host tier
+    (G2), or any ``ExportedSlots`` (the SGLang backend's G3 file, mapped).
 
     ``bind(slot_of)`` must be called before blocks arrive: ``slot_of(sequence_hash)`` is the
     tier pool's lookup (``BlockPool.lookup``). Events of other tiers are ignored.
@@ -52,22 +83,17 @@ class BlockExporter:
         self,
         directory: RemoteDirectory,
         card: AgentCard,
-        tier: MemoryTier,
+        tier: MemoryTier | ExportedSlots,
         *,
         heartbeat_s: float | None = None,
     ) -> None:
-        layout = tier.layout
-        if not isinstance(layout, FullyContiguous) or layout.device.type != "cpu":
-            raise ValueError(
-                f"only a host tier with one run of memory can be exported, not "
-                f"{tier.tier.name} on {layout.device}"
-            )
-        if card.region(tier.tier) is None:
-            raise ValueError(f"the agent card of worker {card.worker_id} has no {tier.tier.name}")
+        slots = HostSlots(tier) if isinstance(tier, MemoryTier) else tier
+        if card.region(slots.tier) is None:
+            raise ValueError(f"the agent card of worker {card.worker_id} has no {slots.tier.name}")
         self.directory = directory
         self.card = card
-        self.tier = tier
-        self.layout = layout
+        self.slots: ExportedSlots = slots
+        self.tier = slots.tier
         self.worker_id = card.worker_id
         self.heartbeat_s = directory.ttl_ms / 3000 if heartbeat_s is None else heartbeat_s
         self._slot_of: SlotOf | None = None
@@ -96,22 +122,26 @@ class BlockExporter:
     # -- the event sink ----------------------------------------------------------------------
 
     def __call__(self, event: AnyEvent) -> None:
-        if event.tier != self.tier.tier:
+        if event.tier != self.tier:
             return
         if isinstance(event, Stored | Offloaded | Onboarded):
-            if self._slot_of is None:
-                raise RuntimeError("BlockExporter got blocks before bind(slot_of) was called")
-            ops: list[tuple[str, int, BlockEntry | None]] = []
-            for seq in event.sequence_hashes:
-                slot = self._slot_of(seq)
-                if slot is not None:
-                    entry = BlockEntry(self.tier.tier, slot, block_checksum(self.layout, slot))
-                    ops.append(("put", seq, entry))
-            self._queue(ops)
+            self.export(event.sequence_hashes)
         elif isinstance(event, Removed):
             self._queue([("del", seq, None) for seq in event.sequence_hashes])
         elif isinstance(event, Cleared):
             self._queue([("clear", 0, None)])
+
+    def export(self, sequence_hashes: Iterable[int]) -> None:
+        """Publish blocks that are on the tier now: what each event of their arrival does,
+        and what a restarted worker does for the blocks it recovered (no event names them)."""
+        if self._slot_of is None:
+            raise RuntimeError("BlockExporter got blocks before bind(slot_of) was called")
+        ops: list[tuple[str, int, BlockEntry | None]] = []
+        for seq in sequence_hashes:
+            slot = self._slot_of(seq)
+            if slot is not None:
+                ops.append(("put", seq, BlockEntry(self.tier, slot, self.slots.checksum(slot))))
+        self._queue(ops)
 
     def _queue(self, ops: list[tuple[str, int, BlockEntry | None]]) -> None:
         if ops:

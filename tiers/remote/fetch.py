@@ -263,6 +263,43 @@ class RemoteFetcher:
             self._failures.labels(reason).inc()
 
 
+@dataclass(slots=True)
+class Fetched:
+    """What ``fetch_blocks`` did: ``(index in the hashes, local slot)`` of each block that
+    arrived intact, and local slots an abandoned read may still write into (keep them
+    allocated until ``RemoteFetcher.reclaim`` names them)."""
+
+    landed: list[tuple[int, int]] = field(default_factory=list)
+    held_back: list[int] = field(default_factory=list)
+
+
+def fetch_blocks(fetcher: RemoteFetcher, hashes: Sequence[int], slots: Sequence[int]) -> Fetched:
+    """Read each of ``hashes`` from whichever other worker holds it (longest runs first) into
+    ``slots`` of the fetcher's local tier, each block checked (``execute``).
+
+    A block nobody holds, or whose read fails (its owner evicted or overwrote it after the
+    lookup, the owner is gone, the bytes are not the block) is a miss for that block only:
+    the fetch goes on after it. Slots left over are unused; their bytes are undefined. What
+    the vLLM peer tier and the SGLang backend both do with other workers' blocks.
+    """
+    fetched = Fetched()
+    free = list(slots)  # landing slots not used yet
+    at = 0
+    while at < len(hashes) and free:
+        plan = fetcher.plan(hashes[at:], limit=len(free))
+        if plan is None:  # nobody holds it (now): a miss for this block
+            at += 1
+            continue
+        landing, free = free[: len(plan)], free[len(plan) :]
+        result = fetcher.execute(plan, landing)
+        fetched.held_back.extend(result.held_back)
+        fetched.landed.extend((at + i, landing[i]) for i in range(result.count))
+        used = set(result.held_back)
+        free = [s for s in landing[result.count :] if s not in used] + free
+        at += max(result.count, 1)  # the block that failed is a miss; go on after it
+    return fetched
+
+
 def _failure_counter(registry: object | None) -> Any:
     """A ``kvbm_remote_fetch_failures`` counter on ``registry`` (a prometheus
     ``CollectorRegistry``), or None without one."""

@@ -61,7 +61,14 @@ from kvledger.integrations.vllm.tier_worker import (
 from kvledger.registry.policies import POLICY_NAMES, make_policy
 from kvledger.registry.pool import BlockPool
 from kvledger.tiers.host import HostTier
-from kvledger.tiers.remote import BlockExporter, RemoteAgent, RemoteDirectory, RemoteFetcher
+from kvledger.tiers.remote import (
+    BlockExporter,
+    Fetched,
+    RemoteAgent,
+    RemoteDirectory,
+    RemoteFetcher,
+    fetch_blocks,
+)
 
 if TYPE_CHECKING:
     from vllm.v1.kv_offload.base import OffloadingSpec
@@ -137,16 +144,6 @@ class _Job:
     future: Future[Any] | None = None
     started: float = field(default_factory=time.monotonic)
     failed: bool = False
-
-
-@dataclass
-class _Fetched:
-    """What a load's reads did: ``(key index, pool slot)`` of each block that arrived intact
-    and is in vLLM's row; pool slots an abandoned read may still write into (held until the
-    fetcher reclaims them)."""
-
-    landed: list[tuple[int, int]] = field(default_factory=list)
-    held_back: list[int] = field(default_factory=list)
 
 
 class KvledgerPeerTier(SecondaryTierManager):  # type: ignore[misc]  # vLLM is untyped here
@@ -321,29 +318,14 @@ class KvledgerPeerTier(SecondaryTierManager):  # type: ignore[misc]  # vLLM is u
         job.future = self._io.submit(self._fetch, job.hashes, chunk_ids, slots)
         self._jobs[job.job_id] = job
 
-    def _fetch(self, hashes: list[int], chunks: list[int], slots: list[int]) -> _Fetched:
-        """Read each block from whoever holds it (longest runs first), check it, and copy what
-        arrived into vLLM's rows. Runs on the I/O thread; touches no bookkeeping."""
-        fetched = _Fetched()
-        fetcher = self.fetcher
-        free = list(slots)  # landing slots not used yet
-        at = 0
-        while at < len(hashes) and free:
-            plan = fetcher.plan(hashes[at:], limit=len(free))
-            if plan is None:  # nobody holds it (now): a miss for this key
-                at += 1
-                continue
-            landing, free = free[: len(plan)], free[len(plan) :]
-            result = fetcher.execute(plan, landing)
-            fetched.held_back.extend(result.held_back)
-            fetched.landed.extend((at + i, landing[i]) for i in range(result.count))
-            if result.count:
-                self._rows[np.asarray(chunks[at : at + result.count])] = self._g2_rows[
-                    np.asarray(landing[: result.count])
-                ]
-            used = set(result.held_back)
-            free = [s for s in landing[result.count :] if s not in used] + free
-            at += max(result.count, 1)  # the block that failed is a miss; go on after it
+    def _fetch(self, hashes: list[int], chunks: list[int], slots: list[int]) -> Fetched:
+        """Read each block from whoever holds it (``fetch_blocks``: each read checked, a block
+        gone meanwhile a miss for its key only) and copy what arrived into vLLM's rows. Runs on
+        the I/O thread; touches no bookkeeping."""
+        fetched = fetch_blocks(self.fetcher, hashes, slots)
+        if fetched.landed:
+            at = np.asarray([chunks[i] for i, _ in fetched.landed])
+            self._rows[at] = self._g2_rows[np.asarray([s for _, s in fetched.landed])]
         return fetched
 
     # -- completions -------------------------------------------------------------------------
@@ -381,10 +363,10 @@ class KvledgerPeerTier(SecondaryTierManager):  # type: ignore[misc]  # vLLM is u
             return JobResult(
                 job.job_id, error is None, None, seconds, len(job.slots) * self.block_size_bytes
             )
-        fetched: _Fetched = outcome if error is None else _Fetched()
+        fetched: Fetched = outcome if error is None else Fetched()
         return self._finish_load(job, fetched, seconds)
 
-    def _finish_load(self, job: _Job, fetched: _Fetched, seconds: float) -> JobResult:
+    def _finish_load(self, job: _Job, fetched: Fetched, seconds: float) -> JobResult:
         """Name what arrived in the pool (it is exported from here on), free the rest."""
         held = set(fetched.held_back)
         self._held.extend(held)
