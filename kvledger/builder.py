@@ -294,6 +294,6 @@ def _zmq_publisher(
         settings.zmq_endpoint,
         log=event_log,
         worker_id=settings.worker_id,
-        metrics_registry=metrics.registry if metrics is not None else None,
+        collector=metrics.collector if metrics is not None else None,
         **settings.zmq_options(),
     )

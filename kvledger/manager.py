@@ -236,7 +236,7 @@ class BlockManager:
                 g2,  # type: ignore[arg-type]
                 worker_id=s.worker_id,
                 timeout_s=s.g4_timeout_s,
-                metrics_registry=metrics.registry if metrics is not None else None,
+                collector=metrics.collector if metrics is not None else None,
             )
             self.export_g2(exporter)
         except BaseException:

@@ -59,16 +59,17 @@ class LogView(Protocol):
 
 
 class Metrics:
-    """The ``kvbm_*`` metrics of one worker, on a registry of their own.
+    """The ``kvbm_*`` metrics of one worker, on a collector (prometheus' ``CollectorRegistry``)
+    of their own.
 
     ``bytes_per_block`` turns block counts from events into bytes for the offload/onboard
     byte counters (0 leaves them at zero).
     """
 
-    def __init__(self, *, bytes_per_block: int = 0, registry: CollectorRegistry | None = None):
-        self.registry = registry if registry is not None else CollectorRegistry()
+    def __init__(self, *, bytes_per_block: int = 0, collector: CollectorRegistry | None = None):
+        self.collector = collector if collector is not None else CollectorRegistry()
         self.bytes_per_block = bytes_per_block
-        r = self.registry
+        r = self.collector
         self.blocks = Gauge(
             "kvbm_blocks",
             "Blocks per tier by state: total (capacity), active, inactive (cached), free",
@@ -214,7 +215,7 @@ class Metrics:
         if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
             raise ValueError(f"metrics port must be a TCP port 0..65535, got {port!r}")
         try:
-            return start_http_server(port, addr=addr, registry=self.registry)
+            return start_http_server(port, addr=addr, registry=self.collector)
         except OSError as exc:  # in use, or not ours to bind: say which address
             raise OSError(
                 exc.errno, f"cannot serve metrics on {addr}:{port}: {exc.strerror or exc}"

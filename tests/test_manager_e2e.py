@@ -189,7 +189,7 @@ def test_metrics_follow_a_managers_work(tmp_path: Path) -> None:
         again = m.onboard(seq)  # three G1 hits
         m.release(again)
         m.refresh_metrics()
-        text = generate_latest(metrics.registry).decode()
+        text = generate_latest(metrics.collector).decode()
 
         def value(line_start: str) -> float:
             (line,) = [ln for ln in text.splitlines() if ln.startswith(line_start)]
@@ -209,7 +209,7 @@ def test_metrics_follow_a_managers_work(tmp_path: Path) -> None:
         blocker.execute("BEGIN IMMEDIATE")
         try:
             _, more, _ = compute(m, list(range(100, 100 + BLOCK)), seed=8)
-            text = generate_latest(metrics.registry).decode()
+            text = generate_latest(metrics.collector).decode()
             assert value("kvbm_event_log_queue_depth") >= 1
         finally:
             blocker.rollback()

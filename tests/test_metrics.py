@@ -169,9 +169,9 @@ def test_a_stalled_log_writer_shows_as_backlog_lag_and_back_pressure(
 def test_each_metrics_object_has_its_own_registry() -> None:
     a, b = Metrics(), Metrics()  # the same names twice: no clash, no shared counts
     a.events.inc(5)
-    assert b.registry.get_sample_value("kvbm_events_appended_total") == 0
-    assert a.registry.get_sample_value("kvbm_events_appended_total") == 5
-    names = {m.name for m in a.registry.collect()}
+    assert b.collector.get_sample_value("kvbm_events_appended_total") == 0
+    assert a.collector.get_sample_value("kvbm_events_appended_total") == 5
+    names = {m.name for m in a.collector.collect()}
     assert names and all(n.startswith("kvbm_") for n in names)
 
 

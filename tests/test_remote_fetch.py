@@ -240,7 +240,7 @@ class Reader:
             self.g2,
             worker_id=READER,
             timeout_s=TIMEOUT_S,
-            metrics_registry=self.metrics,
+            collector=self.metrics,
         )
 
     def failures(self, reason: str) -> float:

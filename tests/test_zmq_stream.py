@@ -220,7 +220,7 @@ def test_a_slow_subscriber_costs_counted_drops_that_replay_recovers() -> None:
         worker_id=1,
         block_size=BLOCK,
         hwm=1,
-        metrics_registry=registry,
+        collector=registry,
         context=ctx,
     )
     slow = ctx.socket(zmq.SUB)

@@ -87,7 +87,7 @@ class ZmqPublisher:
         held: Mapping[Tier, Iterable[int]] | None = None,
         ring_size: int = 10_000,
         hwm: int = 100_000,
-        metrics_registry: object | None = None,
+        collector: object | None = None,
         context: zmq.Context[Any] | None = None,
         token_ids: TokenIds = "keep",
         curve_secret_key: str | os.PathLike[str] | None = None,
@@ -117,7 +117,7 @@ class ZmqPublisher:
         self.dropped = 0
         self.published = 0
         self._next_seq: int | None = None  # the first live batch's number, once one is sent
-        self._dropped_metric = _dropped_counter(metrics_registry)
+        self._dropped_metric = _dropped_counter(collector)
         curve = None if curve_secret_key is None else load_curve_secret(curve_secret_key)
         self.curve_public_key: bytes | None = None if curve is None else curve[0]
         # CurveZMQ's authenticator serves a whole context: a publisher that checks its
@@ -425,20 +425,18 @@ def _authenticator(
     return auth
 
 
-def _dropped_counter(registry: object | None) -> Any:
-    if registry is None:
+def _dropped_counter(collector: object | None) -> Any:
+    if collector is None:
         return None
     from prometheus_client import CollectorRegistry
     from prometheus_client import Counter as PromCounter
 
-    if not isinstance(registry, CollectorRegistry):
-        raise TypeError(
-            f"metrics_registry must be a prometheus CollectorRegistry, got {registry!r}"
-        )
+    if not isinstance(collector, CollectorRegistry):
+        raise TypeError(f"collector must be a prometheus CollectorRegistry, got {collector!r}")
     return PromCounter(
         "kvledger_zmq_dropped_messages",
         "ZMQ event batches not sent because a subscriber was too slow (replay recovers them)",
-        registry=registry,
+        registry=collector,
     )
 
 
@@ -463,7 +461,7 @@ def open_publisher(
     topic: str = "",
     dp_rank: int = 0,
     ring_size: int = 10_000,
-    metrics_registry: object | None = None,
+    collector: object | None = None,
     token_ids: TokenIds = "keep",
     curve_secret_key: str | os.PathLike[str] | None = None,
     curve_client_keys: str | os.PathLike[str] | None = None,
@@ -480,7 +478,7 @@ def open_publisher(
         dp_rank=dp_rank,
         log=log,
         ring_size=ring_size,
-        metrics_registry=metrics_registry,
+        collector=collector,
         token_ids=token_ids,
         curve_secret_key=curve_secret_key,
         curve_client_keys=curve_client_keys,

@@ -10,7 +10,7 @@ A fetch is two steps, so the caller decides how many local slots to give before 
    prefix of the plan; everything after the first bad block is a miss.
 
 Failures never raise: they end the run early with a reason, counted in ``stats`` (and in the
-``kvbm_remote_fetch_failures`` counter when a Prometheus registry is given). Reasons:
+``kvbm_remote_fetch_failures`` counter when a Prometheus collector is given). Reasons:
 ``no_agent`` (lease gone or no card), ``vanished`` (the owner dropped the block), ``shape``
 (the owner's blocks are another size), ``timeout``, ``disconnected``, ``error`` (the read
 failed), ``checksum`` (the bytes read are not the block the entry names), ``registry`` (Redis
@@ -114,7 +114,7 @@ class RemoteFetcher:
         worker_id: int,
         source_tier: Tier = Tier.G2,
         timeout_s: float = 5.0,
-        metrics_registry: object | None = None,
+        collector: object | None = None,
     ) -> None:
         if not isinstance(local.layout, FullyContiguous) or local.device.type != "cpu":
             raise ValueError("remote blocks land on a host tier (G2), where checksums are checked")
@@ -132,7 +132,7 @@ class RemoteFetcher:
         self.timeout_s = timeout_s
         self.stats = FetchStats()
         self._lock = threading.Lock()
-        self._failures = _failure_counter(metrics_registry)
+        self._failures = _failure_counter(collector)
         self._held: dict[int, list[int]] = {}  # abandoned read id -> its destination slots
 
     # -- step 1 ------------------------------------------------------------------------------
@@ -300,21 +300,19 @@ def fetch_blocks(fetcher: RemoteFetcher, hashes: Sequence[int], slots: Sequence[
     return fetched
 
 
-def _failure_counter(registry: object | None) -> Any:
-    """A ``kvbm_remote_fetch_failures`` counter on ``registry`` (a prometheus
+def _failure_counter(collector: object | None) -> Any:
+    """A ``kvbm_remote_fetch_failures`` counter on ``collector`` (a prometheus
     ``CollectorRegistry``), or None without one."""
-    if registry is None:
+    if collector is None:
         return None
     from prometheus_client import CollectorRegistry
     from prometheus_client import Counter as PromCounter
 
-    if not isinstance(registry, CollectorRegistry):
-        raise TypeError(
-            f"metrics_registry must be a prometheus CollectorRegistry, got {registry!r}"
-        )
+    if not isinstance(collector, CollectorRegistry):
+        raise TypeError(f"collector must be a prometheus CollectorRegistry, got {collector!r}")
     return PromCounter(
         "kvbm_remote_fetch_failures",
         "Remote (G4) block reads that ended as a miss, by reason",
         ["reason"],
-        registry=registry,
+        registry=collector,
     )
