@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,7 +23,7 @@ from vllm_schema import vllm_classes  # noqa: E402
 
 from kvledger import BlockManager, Settings  # noqa: E402
 from kvledger.events.shared.zmq_publish import ZmqPublisher  # noqa: E402
-from kvledger.events.shared.zmq_subscribe import ZmqSubscriber  # noqa: E402
+from kvledger.events.shared.zmq_subscribe import END_SEQ_VALUE, ZmqSubscriber  # noqa: E402
 from kvledger.events.types import Stored, Tier  # noqa: E402
 from kvledger.events.vllm_events import VllmStreamError, decode_batch, to_events  # noqa: E402
 from kvledger.registry.hashing import TokenBlockSequence  # noqa: E402
@@ -257,6 +258,53 @@ def test_a_slow_subscriber_costs_counted_drops_that_replay_recovers() -> None:
     finally:
         slow.close()
         publisher.close()
+
+
+def test_a_gap_whose_replay_went_unanswered_is_asked_again_when_the_stream_goes_quiet() -> None:
+    """A restarted publisher sends one batch and then nothing: the subscriber's first replay
+    request gets no answer (as from a publisher killed while it answered), and no later batch
+    comes to show the gap again. The subscriber asks again by itself and reads every batch."""
+    ctx = zmq.Context.instance()
+    pub = ctx.socket(zmq.PUB)
+    pub.bind("inproc://kvledger-quiet")
+    replies = ctx.socket(zmq.ROUTER)
+    replies.bind("inproc://kvledger-quiet-replay")
+
+    def frames(seq: int) -> list[bytes]:
+        return [b"kv", seq.to_bytes(8, "big"), msgpack.packb([float(seq), [], None])]
+
+    asked: list[int] = []
+
+    def answer() -> None:
+        for attempt in range(2):  # the first request goes unanswered
+            if not replies.poll(5000):
+                return
+            ident, _, start = replies.recv_multipart()
+            asked.append(int.from_bytes(start, "big"))
+            if attempt == 1:
+                for seq in range(asked[-1], 6):
+                    replies.send_multipart([ident, b"", *frames(seq)])
+                replies.send_multipart([ident, b"", b"", END_SEQ_VALUE.to_bytes(8, "big"), b""])
+
+    thread = threading.Thread(target=answer, daemon=True)
+    thread.start()
+    sub = ZmqSubscriber(
+        "inproc://kvledger-quiet",
+        replay_endpoint="inproc://kvledger-quiet-replay",
+        replay_timeout=0.3,
+    )
+    try:
+        with sub:
+            time.sleep(0.2)  # the subscription reaches the publisher
+            for seq in (0, 1, 5):
+                pub.send_multipart(frames(seq))
+            seen = [seq for seq, _ in sub.batches(timeout=2.0)]
+    finally:
+        thread.join(10)
+        pub.close()
+        replies.close()
+    assert seen == [0, 1, 2, 3, 4, 5]
+    assert asked == [2, 2] and sub.replay_timeouts == 1 and not sub.gaps
 
 
 def test_router_index_and_tail_read_the_stream(tmp_path: Path) -> None:

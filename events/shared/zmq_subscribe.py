@@ -5,7 +5,9 @@ The subscriber checks sequence numbers as Dynamo's indexer does: the first batch
 socket for the missing ones before going on, so what it yields has no holes. Without a replay
 endpoint a gap is reported (``gaps``) and reading goes on. A replay that gets no answer (the
 publisher died while it answered, or is restarting) leaves the gap open: the batch that showed
-it is dropped and the next one asks again, so a restarted publisher fills it from its log.
+it is dropped, and the next batch asks again, or, if none comes within ``replay_timeout``, the
+subscriber asks again by itself (a restarted publisher that went quiet still fills the gap
+from its log).
 
 A publisher that speaks CurveZMQ is read with its public key (``curve_server_key``: the
 ``NAME.key`` certificate zmq.auth made with its secret one); ``curve_client_key`` is this
@@ -64,6 +66,8 @@ class ZmqSubscriber:
         self.gaps: list[tuple[int, int]] = []
         #: replays asked for and not answered in ``replay_timeout`` (asked again later)
         self.replay_timeouts = 0
+        #: the last batch dropped because its gap could not be replayed yet (None: no gap open)
+        self._dropped: int | None = None
 
     def close(self) -> None:
         self._sub.close()
@@ -84,8 +88,16 @@ class ZmqSubscriber:
         """``(seq, (ts, events, dp_rank))`` as they come; stops after ``timeout`` seconds
         without a message (None: never)."""
         poll_ms = None if timeout is None else int(timeout * 1000)
+        retry_ms = int(self._replay_timeout * 1000)
         while True:
-            if not self._sub.poll(poll_ms):
+            wait = poll_ms
+            if self._dropped is not None:  # a gap is open: do not wait past the retry
+                wait = retry_ms if wait is None else min(wait, retry_ms)
+            if not self._sub.poll(wait):
+                if self._dropped is not None:
+                    yield from self._ask_again(self._dropped)
+                    if timeout is None:
+                        continue
                 return
             frames = self._sub.recv_multipart()
             if len(frames) != 3 or len(frames[1]) != 8:
@@ -100,15 +112,28 @@ class ZmqSubscriber:
                     yield from self._fill(self.next_seq, seq)
                 except TimeoutError as exc:
                     # the publisher died while it answered (or before), or restarts: the gap
-                    # stays open, this batch is dropped, and the next one asks again (a
-                    # restarted publisher serves it from its log)
-                    log.warning("%s; asking again at the next batch", exc)
+                    # stays open, this batch is dropped, and the next one (or the idle retry)
+                    # asks again (a restarted publisher serves it from its log)
+                    log.warning("%s; asking again", exc)
                     self.replay_timeouts += 1
+                    self._dropped = seq if self._dropped is None else max(self._dropped, seq)
                     continue
                 if seq < self.next_seq:
                     continue
             self.next_seq = seq + 1
+            if self._dropped is not None and self._dropped < self.next_seq:
+                self._dropped = None
             yield seq, decode_batch(frames[2])
+
+    def _ask_again(self, dropped: int) -> Iterator[tuple[int, Batch]]:
+        """Replay an open gap with no batch to show it: its publisher went quiet."""
+        try:
+            yield from self._fill(self.next_seq, dropped + 1)
+        except TimeoutError as exc:
+            log.warning("%s; asking again", exc)
+            self.replay_timeouts += 1
+            return
+        self._dropped = None
 
     def replay(self, start: int) -> Iterator[tuple[int, Batch]]:
         """Every batch the publisher can replay from ``start`` on."""
