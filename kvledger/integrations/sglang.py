@@ -31,6 +31,7 @@ import hashlib
 import logging
 import os
 import threading
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -62,6 +63,8 @@ __all__ = ["KvledgerHiCacheStorage", "page_hashes"]
 
 log = logging.getLogger(__name__)
 
+#: seconds before a rank whose G3 file could not be opened is tried again
+UNREADABLE_RETRY_S = 30.0
 G3_BIT = 1 << (Tier.G3 - 1)  # the shared registry's tier mask: G1=1, G2=2, G3=4, G4=8
 _HEX = frozenset("0123456789abcdefABCDEF")
 
@@ -129,6 +132,9 @@ class KvledgerHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang sh
         self.redis_namespace = settings.redis_namespace
         self.publisher: RedisPublisher | None = None
         self._peers: dict[int, PeerG3] = {}
+        # ranks whose G3 file could not be opened -> when to try again (one warning, not one
+        # per page; a rank that starts later is found after the wait)
+        self._unreadable: dict[int, float] = {}
         self.g4 = settings.g4_mode
         self._g4_settings = settings
         self.nixl: NixlPages | None = None
@@ -299,10 +305,19 @@ class KvledgerHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang sh
         )
         n = 0
         for held in holders:
-            if not any(w != self.worker_id and mask & G3_BIT for w, mask in held.items()):
+            if not any(
+                w != self.worker_id and mask & G3_BIT and self._in_reach(w)
+                for w, mask in held.items()
+            ):
                 break
             n += 1
         return n
+
+    def _in_reach(self, worker: int) -> bool:
+        """Whether this rank can read ``worker``'s pages: over NIXL (``g4: nixl``, each read
+        still checked), or from its G3 file on a shared ``data_dir``. A page no rank in reach
+        holds is not counted as there: SGLang would plan a read that can only miss."""
+        return self.nixl is not None or self._peer(worker) is not None
 
     def _peer(self, worker: int) -> PeerG3 | None:
         peer = self._peers.get(worker)
@@ -310,11 +325,20 @@ class KvledgerHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang sh
             path = self.data_dir / f"hicache-g3-w{worker}.bin"
             if self.nixl is not None and not path.exists():
                 return None  # the fallback: no shared file system, as between hosts
+            if time.monotonic() < self._unreadable.get(worker, 0.0):
+                return None
             try:
                 peer = PeerG3(path)
             except (OSError, ValueError) as exc:
-                log.warning("kvledger HiCache: rank %d's G3 cannot be read: %s", worker, exc)
+                log.warning(
+                    "kvledger HiCache: rank %d's G3 cannot be read (not on a shared data_dir?"
+                    " g4: nixl reads it over the network): %s",
+                    worker,
+                    exc,
+                )
+                self._unreadable[worker] = time.monotonic() + UNREADABLE_RETRY_S
                 return None
+            self._unreadable.pop(worker, None)
             self._peers[worker] = peer
         return peer
 

@@ -16,6 +16,7 @@ import stat
 import subprocess
 import sys
 import threading
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -543,15 +544,20 @@ def test_a_routers_zmq_index_and_the_metrics_follow_its_pages(
     from kvledger.events.shared.zmq_subscribe import ZmqSubscriber
     from kvledger.registry.index import RouterIndex, holders_from_state
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    endpoint = f"tcp://127.0.0.1:{port}"
+    ports = []
+    for _ in range(2):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            ports.append(s.getsockname()[1])
+    endpoint, replay_endpoint = (f"tcp://127.0.0.1:{port}" for port in ports)
     monkeypatch.setenv("KVLEDGER_ZMQ_ENDPOINT", endpoint)
+    # batches sent before the subscription reaches the publisher come back through replay
+    monkeypatch.setenv("KVLEDGER_ZMQ_REPLAY_ENDPOINT", replay_endpoint)
     monkeypatch.setenv("KVLEDGER_METRICS_PORT", "0")
     b = open_backend(tmp_path, page_bytes=PAGE_BYTES)
     try:
-        with ZmqSubscriber(endpoint) as sub:
+        with ZmqSubscriber(endpoint, replay_endpoint=replay_endpoint) as sub:
+            time.sleep(0.3)  # the subscription reaches the publisher before the first batch
             keys, values = chain(12), pages(12)  # 12 pages through 8 slots: evictions
             for i in range(0, 12, 4):
                 assert b.batch_set(keys[i : i + 4], values[i : i + 4])

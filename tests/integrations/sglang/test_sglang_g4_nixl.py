@@ -303,6 +303,12 @@ def test_a_rank_without_nixl_is_read_from_the_shared_file_system(
             assert alone.nixl is None
             assert alone.batch_exists(keys) == 0
             assert alone.batch_get(keys) == [None, None]
+        apart = tmp_path / "another-host"
+        with open_reader(apart, redis_url, namespace, g4="shared_fs", worker_id=3) as far:
+            # the owner's file is not in this rank's folder: its pages are not counted as
+            # there (a read could only miss), and reading them is a miss
+            assert far.batch_exists(keys) == 0
+            assert far.batch_get(keys) == [None, None]
     finally:
         o.close()
 
