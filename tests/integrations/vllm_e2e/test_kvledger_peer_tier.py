@@ -23,7 +23,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 from unittest.mock import MagicMock
@@ -134,37 +134,49 @@ class Worker:
 # -- the owner process ---------------------------------------------------------------------
 
 
-def owner_main(namespace: str, folder: Path) -> None:
-    worker = Worker(OWNER, namespace, folder)
+def serve(commands: dict[str, Callable[..., dict[str, Any]]], close: Callable[[], None]) -> None:
+    """The owner's side of ``Owner``: each line on stdin is a command and its words, each
+    answered with one JSON line after ``ANSWER``; ``quit`` closes and ends."""
 
-    def answer(**fields: Any) -> None:
+    def answer(fields: dict[str, Any]) -> None:
         print(ANSWER + json.dumps(fields), flush=True)
 
-    answer(ready=True)
+    answer({"ready": True})
     for line in sys.stdin:
         words = line.split()
         if not words:
             continue
-        if words[0] == "store":
-            first, count = int(words[1]), int(words[2])
-            worker.store(list(range(first, first + count)))
-            answer(held=sorted(worker.tier.pool.resident_blocks()))
-        elif words[0] == "evict":  # dropped from the exported pool, as an eviction does
-            assert worker.tier.pool.remove([key_hash(key(int(words[1])))])
-            worker.settle()
-            answer(ok=True)
-        elif words[0] == "overwrite":  # its slot reused before the directory hears of it
-            slot = worker.tier.pool.lookup(key_hash(key(int(words[1]))))
-            assert slot is not None
-            worker.tier._g2_rows[slot] = 7
-            answer(ok=True)
-        elif words[0] == "state":
-            worker.settle()
-            answer(replays=replay(worker.log_url) == worker.tier.worker.state())
-        elif words[0] == "quit":
-            worker.close()
-            answer(bye=True)
+        if words[0] == "quit":
+            close()
+            answer({"bye": True})
             return
+        answer(commands[words[0]](*words[1:]))
+
+
+def owner_main(namespace: str, folder: Path) -> None:
+    worker = Worker(OWNER, namespace, folder)
+
+    def store(first: str, count: str) -> dict[str, Any]:
+        worker.store(list(range(int(first), int(first) + int(count))))
+        return {"held": sorted(worker.tier.pool.resident_blocks())}
+
+    def evict(block: str) -> dict[str, Any]:  # dropped from the exported pool, as eviction does
+        assert worker.tier.pool.remove([key_hash(key(int(block)))])
+        worker.settle()
+        return {"ok": True}
+
+    def overwrite(block: str) -> dict[str, Any]:  # its slot reused before the directory knows
+        slot = worker.tier.pool.lookup(key_hash(key(int(block))))
+        assert slot is not None
+        worker.tier._g2_rows[slot] = 7
+        return {"ok": True}
+
+    def state() -> dict[str, Any]:
+        worker.settle()
+        return {"replays": replay(worker.log_url) == worker.tier.worker.state()}
+
+    commands = {"store": store, "evict": evict, "overwrite": overwrite, "state": state}
+    serve(commands, worker.close)
 
 
 class Owner:

@@ -23,7 +23,6 @@ reads and writes), so everything else is vLLM's and kvledger's own code.
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time
@@ -34,7 +33,7 @@ from typing import Any
 
 import pytest
 import torch
-from tests.kvledger.test_kvledger_peer_tier import ANSWER, Owner
+from tests.kvledger.test_kvledger_peer_tier import Owner, serve
 from tests.v1.kv_connector.unit.utils import (
     EOS_TOKEN_ID,
     create_model_runner_output,
@@ -544,31 +543,26 @@ def owner_main(namespace: str, folder: Path) -> None:
     engine = Engine(**peer_tiering(folder, OWNER, namespace))
     tier = peer_tier(engine)
 
-    def answer(**fields: Any) -> None:
-        print(ANSWER + json.dumps(fields), flush=True)
+    def run(prompt: str) -> dict[str, Any]:
+        engine.add(f"r-{prompt}", PROMPTS[prompt])
+        settle(engine)
+        return {"held": sorted(tier.pool.resident_blocks())}
 
-    answer(ready=True)
-    for line in sys.stdin:
-        words = line.split()
-        if not words:
-            continue
-        if words[0] == "run":
-            engine.add(f"r-{words[1]}", PROMPTS[words[1]])
-            settle(engine)
-            answer(held=sorted(tier.pool.resident_blocks()))
-        elif words[0] == "overwrite":  # its slot reused before the directory hears of it
-            slot = tier.pool.lookup(int(words[1]))
-            assert slot is not None
-            tier._g2_rows[slot] = 7
-            answer(ok=True)
-        elif words[0] == "state":
-            settle(engine)
-            answer(replays=replay(peer_log(folder, OWNER)) == tier.worker.state())
-        elif words[0] == "quit":
-            tier.flush_log()
-            engine.manager.shutdown()
-            answer(bye=True)
-            return
+    def overwrite(block: str) -> dict[str, Any]:  # its slot reused before the directory knows
+        slot = tier.pool.lookup(int(block))
+        assert slot is not None
+        tier._g2_rows[slot] = 7
+        return {"ok": True}
+
+    def state() -> dict[str, Any]:
+        settle(engine)
+        return {"replays": replay(peer_log(folder, OWNER)) == tier.worker.state()}
+
+    def close() -> None:
+        tier.flush_log()
+        engine.manager.shutdown()
+
+    serve({"run": run, "overwrite": overwrite, "state": state}, close)
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["owner"]:
