@@ -15,8 +15,14 @@ deepest backlog against ``queue_size`` and the back-pressure waits. Then ``--kil
 processes doing the same are SIGKILLed at random moments: the events each loses, and the span
 of append time they cover against the bound ``max_lag``.
 
+PostgreSQL (with ``--pg-url``, a server's database): our EventLog, appending one by one and
+in 10k batches (its writer COPYs each batch), against raw psycopg ``executemany`` of the
+pre-encoded rows in batches of 10k, each batch committed, into the same table; every round
+in fresh schemas.
+
     .venv/bin/python bench/eventlog_bench.py [--events 200000] [--repeat 3] [--dir DIR]
         [--rate 15000] [--lag-seconds 5] [--kills 5]
+        [--pg-url postgresql+psycopg://postgres@127.0.0.1:5432/test]
 """
 
 from __future__ import annotations
@@ -34,7 +40,9 @@ import subprocess
 import sys
 import tempfile
 import time
+import uuid
 from pathlib import Path
+from typing import Any
 
 import msgpack
 
@@ -134,7 +142,7 @@ def raw_read(path: Path) -> float:
     return elapsed
 
 
-def our_append(path: Path, events: list[LogRecord]) -> float:
+def our_append(path: Path | str, events: list[LogRecord]) -> float:
     log = EventLog(str(path), batch_size=BATCH)
     append = log.append
     t0 = time.perf_counter()
@@ -144,7 +152,7 @@ def our_append(path: Path, events: list[LogRecord]) -> float:
     return time.perf_counter() - t0
 
 
-def our_append_many(path: Path, events: list[LogRecord]) -> float:
+def our_append_many(path: Path | str, events: list[LogRecord]) -> float:
     log = EventLog(str(path), batch_size=BATCH)
     t0 = time.perf_counter()
     for start in range(0, len(events), BATCH):
@@ -164,6 +172,77 @@ def our_replay(path: Path, last_id: int, *, as_dicts: bool = False) -> float:
         elapsed = time.perf_counter() - t0
     assert state.last_event_id[0] == last_id
     return elapsed
+
+
+# -- PostgreSQL -------------------------------------------------------------------------------
+
+PG_DDL = """
+CREATE TABLE events (
+    id BIGSERIAL PRIMARY KEY, worker BIGINT NOT NULL, event_id BIGINT NOT NULL,
+    kind VARCHAR(16) NOT NULL, tier SMALLINT NOT NULL, ts DOUBLE PRECISION NOT NULL,
+    payload BYTEA NOT NULL, CONSTRAINT uq_events_worker_event_id UNIQUE (worker, event_id))
+"""
+
+
+def _pg_connect(url: str) -> Any:
+    import psycopg  # only with --pg-url: the light install has no driver
+
+    return psycopg.connect(url.replace("postgresql+psycopg://", "postgresql://"))
+
+
+def pg_schema(url: str) -> tuple[str, str]:
+    """A fresh schema on the server: its name and a URL whose search_path is it."""
+    schema = f"bench_{uuid.uuid4().hex[:12]}"
+    with _pg_connect(url) as conn:
+        conn.execute(f'CREATE SCHEMA "{schema}"')
+    return schema, f"{url}?options=-csearch_path%3D{schema}"
+
+
+def pg_drop(url: str, schemas: list[str]) -> None:
+    with _pg_connect(url) as conn:
+        for schema in schemas:
+            conn.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
+
+
+def pg_raw_append(
+    url: str, schema: str, rows: list[tuple[int, int, str, int, float, bytes]]
+) -> float:
+    conn = _pg_connect(url)
+    conn.execute(f'SET search_path TO "{schema}"')
+    conn.execute(PG_DDL)
+    conn.commit()
+    sql = (
+        "INSERT INTO events (worker, event_id, kind, tier, ts, payload) VALUES (%s,%s,%s,%s,%s,%s)"
+    )
+    t0 = time.perf_counter()
+    with conn.cursor() as cursor:
+        for start in range(0, len(rows), BATCH):
+            cursor.executemany(sql, rows[start : start + BATCH])
+            conn.commit()
+    elapsed = time.perf_counter() - t0
+    conn.close()
+    return elapsed
+
+
+def pg_rounds(
+    url: str, rows: list[Any], events: list[LogRecord], repeat: int
+) -> dict[str, list[float]]:
+    times: dict[str, list[float]] = {}
+    schemas: list[str] = []
+    try:
+        for _ in range(repeat):
+            made = [pg_schema(url) for _ in range(3)]
+            schemas += [schema for schema, _ in made]
+            round_ = {
+                "pg_raw": pg_raw_append(url, made[0][0], rows),
+                "pg_one": our_append(made[1][1], events),
+                "pg_many": our_append_many(made[2][1], events),
+            }
+            for name, seconds in round_.items():
+                times.setdefault(name, []).append(seconds)
+    finally:
+        pg_drop(url, schemas)
+    return times
 
 
 # -- lag under load ---------------------------------------------------------------------------
@@ -297,6 +376,9 @@ def main() -> None:
     parser.add_argument(
         "--lookups", action="store_true", help="a lookup and a release record per stored run"
     )
+    parser.add_argument(
+        "--pg-url", help="also measure on this PostgreSQL database (postgresql+psycopg://...)"
+    )
     parser.add_argument("--child", nargs=4, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -329,6 +411,7 @@ def main() -> None:
             }
             for name, seconds in round_.items():
                 times.setdefault(name, []).append(seconds)
+        pg_times = pg_rounds(args.pg_url, rows, events, args.repeat) if args.pg_url else {}
         under_load = max(n, int(args.rate * (args.lag_seconds + 1)))
         load_events = events if under_load <= n else workload(under_load)
         lag_line = (
@@ -340,6 +423,7 @@ def main() -> None:
     finally:
         shutil.rmtree(work, ignore_errors=True)
     raw_a, ours_a, ours_m, raw_r, ours_r, dicts_r = (min(times[k]) for k in times)
+    times.update(pg_times)
 
     def spread(ours: str, raw: str) -> str:
         """The ratio of each round on its own: how much the machine moved under the best."""
@@ -348,7 +432,7 @@ def main() -> None:
 
     def line(label: str, seconds: float, reference: float | None = None, rounds: str = "") -> None:
         ratio = "" if reference is None else f"  ratio {reference / seconds:.2f}{rounds}"
-        print(f"{label:<46} {n / seconds / 1e6:6.3f} M events/s{ratio}")
+        print(f"{label:<50} {n / seconds / 1e6:6.3f} M events/s{ratio}")
 
     print(
         f"events: {n} ({lookup_rows} of them lookup records), {args.block_tokens} token ids per "
@@ -360,6 +444,13 @@ def main() -> None:
     line("read    raw SELECT + msgpack.unpackb:", raw_r)
     line("replay  read + decode + fold (no checkpoint):", ours_r, raw_r, spread("ours_r", "raw_r"))
     line("replay  and then every block as a dict:", dicts_r, raw_r, spread("dicts_r", "raw_r"))
+    if pg_times:
+        pg_raw = min(pg_times["pg_raw"])
+        line("append  PostgreSQL raw psycopg executemany:", pg_raw)
+        line("append  PostgreSQL EventLog.append (COPY):", min(pg_times["pg_one"]), pg_raw,
+             spread("pg_one", "pg_raw"))  # fmt: skip
+        line("append  PostgreSQL EventLog.append_many (COPY):", min(pg_times["pg_many"]), pg_raw,
+             spread("pg_many", "pg_raw"))  # fmt: skip
     if lag_line:
         print(lag_line)
     if kill_line:
