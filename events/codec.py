@@ -83,6 +83,8 @@ LOG_RECORD_VERSION = 3
 carries too."""
 UNCHECKED_VERSION = 2  # the layout before checksums: still read, nothing to verify
 SNAPSHOT_VERSION = 3
+COVERED_SNAPSHOT_VERSION = 4
+"""A checkpoint's snapshot: version 3 and its checkpoint row's columns (``encode_state``)."""
 CHECK_TAG = 0xCE  # msgpack uint32: the checksum field's first byte
 CHECK_BYTES = 5  # the checksum field: its tag and the four CRC bytes
 CHECK_RESIDUE = 0x2144DF1C  # crc32 of any byte string followed by its own CRC, little-endian
@@ -604,12 +606,19 @@ def iter_decode(records: Iterable[bytes], first_position: int = 0) -> Iterator[L
 # -- registry snapshots (checkpoints) ---------------------------------------------------------
 
 
-def encode_state(state: RegistryState) -> bytes:
+Cover = tuple[int, int, float]
+"""A checkpoint row's columns that its snapshot repeats under its checksum: position,
+max_event_id, max_ts."""
+
+
+def encode_state(state: RegistryState, cover: Cover | None = None) -> bytes:
     """A registry snapshot: every worker's last event id and its blocks per tier.
 
     Each tier is its four columns packed as bins (big-endian u64 words, parent flags as
     bytes), sorted by sequence hash, so that a checkpoint loads without a Python object per
-    block.
+    block. With ``cover`` (a checkpoint's position, max_event_id and max_ts), the snapshot is
+    version 4 and holds them too, under its checksum: a checkpoint row whose columns were
+    changed no longer matches its snapshot (``decode_checkpoint``).
     """
     tiers = []
     try:
@@ -629,28 +638,47 @@ def encode_state(state: RegistryState) -> bytes:
             f"cannot snapshot a state holding a hash that is not a u64: {exc}"
         ) from None
     last = [v for item in sorted(state.last_event_id.items()) for v in item]
-    # a fourth field, the checksum, as in an event record: the array grows by one
-    packed: bytes = msgpack.packb((SNAPSHOT_VERSION, last, tiers), use_bin_type=True)
-    data = b"\x94" + packed[1:] + bytes([CHECK_TAG])
+    # one field more, the checksum, as in an event record: the array grows by one
+    if cover is None:
+        packed: bytes = msgpack.packb((SNAPSHOT_VERSION, last, tiers), use_bin_type=True)
+        data = b"\x94" + packed[1:] + bytes([CHECK_TAG])
+    else:
+        position, max_event_id, max_ts = cover
+        fields = (COVERED_SNAPSHOT_VERSION, last, tiers, position, max_event_id, float(max_ts))
+        packed = msgpack.packb(fields, use_bin_type=True)
+        data = b"\x97" + packed[1:] + bytes([CHECK_TAG])
     return data + _CRC_LE(zlib.crc32(data))
 
 
 def decode_state(data: bytes) -> RegistryState:
     """Inverse of ``encode_state``; ``CodecError`` when the snapshot is not one, or is
     damaged."""
+    return decode_checkpoint(data)[0]
+
+
+def decode_checkpoint(data: bytes) -> tuple[RegistryState, Cover | None]:
+    """A snapshot and what it covers of its checkpoint row (None for version 3, which covers
+    nothing); ``CodecError`` when it is not one, or is damaged."""
     try:
         version, *fields = msgpack.unpackb(data, use_list=False, raw=False)
-        if version != SNAPSHOT_VERSION:
+        if version not in (SNAPSHOT_VERSION, COVERED_SNAPSHOT_VERSION):
             raise CodecError(f"snapshot version {version!r} is not supported")
         if zlib.crc32(data) != CHECK_RESIDUE:
             raise CodecError(f"snapshot {DAMAGED}")
-        last, tiers, _check = fields
+        cover: Cover | None = None
+        if version == SNAPSHOT_VERSION:
+            last, tiers, _check = fields
+        else:
+            last, tiers, position, max_event_id, max_ts, _check = fields
+            if type(position) is not int or type(max_event_id) is not int:
+                raise CodecError("snapshot: position and max_event_id must be integers")
+            cover = (position, max_event_id, float(max_ts))
         state = RegistryState()
         it = iter(last)
         state.last_event_id = dict(zip(it, it, strict=True))
         for worker, tier_code, *blobs in tiers:
             state.set_columns((worker, _TIERS[tier_code]), _columns(*blobs))
-        return state
+        return state, cover
     except CodecError:
         raise
     except Exception as exc:

@@ -591,6 +591,15 @@ class EventLog(LogCore):
         """The newest committed row's position; 0 for an empty log."""
         return reader.last_position(self._engine)
 
+    def last_position_until(self, event_id: int) -> tuple[int, dict[int, int]]:
+        """By the columns: the position of the last row that holds a transition with an id up
+        to ``event_id`` (each worker's newest such row, the latest of them; 0 when none does),
+        and the id each worker reaches within the bound (``event_id``, or its newest id when
+        that is lower). No
+        later row holds one: a worker's ids grow with the position. What ``replay --until``
+        reads up to."""
+        return reader.last_position_until(self._engine, event_id)
+
     def tail_start(self, count: int) -> int:
         """The position after which the newest ``count`` events lie (``kvledger tail -n``)."""
         return reader.tail_start(self._engine, count)
