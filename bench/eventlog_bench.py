@@ -15,6 +15,13 @@ deepest backlog against ``queue_size`` and the back-pressure waits. Then ``--kil
 processes doing the same are SIGKILLed at random moments: the events each loses, and the span
 of append time they cover against the bound ``max_lag``.
 
+A long log (with ``--long N``, e.g. 10,000,000): N events written straight into a log file
+(the workload's first 100k events over and over, ids renumbered, each record re-checksummed),
+then replayed whole in a fresh process that prints the replay's time and its peak memory
+(``ru_maxrss``) against the same process's before the replay. Replay streams the log in
+chunks of 10k rows into the registry's arrays: its time grows with the log, its memory with
+the registry's live blocks (bounded by the workload's pool), not with the log.
+
 PostgreSQL (with ``--pg-url``, a server's database): our EventLog, appending one by one and
 in 10k batches (its writer COPYs each batch), against raw psycopg ``executemany`` of the
 pre-encoded rows in batches of 10k, each batch committed, into the same table; every round
@@ -32,6 +39,7 @@ import bisect
 import mmap
 import os
 import random
+import resource
 import shutil
 import signal
 import sqlite3
@@ -41,13 +49,14 @@ import sys
 import tempfile
 import time
 import uuid
+import zlib
 from pathlib import Path
 from typing import Any
 
 import msgpack
 
 from kvledger.events.log import EventLog
-from kvledger.events.log.replay import replay
+from kvledger.events.log.replay import replay, replay_report
 from kvledger.events.log.rows import to_row
 from kvledger.events.types import BlockInfo, LogRecord, Lookup, Released, RunInfo, Tier
 from kvledger.registry.emitter import EventEmitter
@@ -172,6 +181,67 @@ def our_replay(path: Path, last_id: int, *, as_dicts: bool = False) -> float:
         elapsed = time.perf_counter() - t0
     assert state.last_event_id[0] == last_id
     return elapsed
+
+
+# -- a long log ------------------------------------------------------------------------------
+
+_EVENT_ID = struct.Struct(">Q")
+_CRC = struct.Struct("<I")
+
+
+def long_log(path: Path, n_events: int) -> None:
+    """``n_events`` events into a fresh log file: the workload's first 100k over and over,
+    each copy's ids moved on and its records re-checksummed (the hashes repeat, so the
+    registry's live set stays the workload's)."""
+    base = [to_row(e) for e in workload(min(n_events, 100_000))]
+    EventLog(str(path)).close()  # the schema
+    conn = sqlite3.connect(path)
+    conn.execute("PRAGMA journal_mode=WAL")
+    conn.execute("PRAGMA synchronous=NORMAL")
+    sql = "INSERT INTO events (worker, event_id, kind, tier, ts, payload) VALUES (?,?,?,?,?,?)"
+    for start in range(0, n_events, len(base)):
+        rows = []
+        for worker, event_id, kind, tier, ts, payload in base[: n_events - start]:
+            moved = event_id + start
+            # the event id sits at bytes 13-20 of a record (codec's fixed-width header)
+            data = payload[:13] + _EVENT_ID.pack(moved) + payload[21:-4]
+            rows.append((worker, moved, kind, tier, ts, data + _CRC.pack(zlib.crc32(data))))
+        conn.executemany(sql, rows)
+        conn.commit()
+    conn.close()
+
+
+def replay_child(path: str) -> None:
+    """Replay ``path`` whole; print the seconds, events, and peak RSS before and after."""
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    with EventLog(path, read_only=True) as log:
+        t0 = time.perf_counter()
+        report = replay_report(log, use_checkpoints=False, checkpoint_every=None)
+        elapsed = time.perf_counter() - t0
+    after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    blocks = sum(report.state.counts().values())
+    print(f"{elapsed} {report.events} {before} {after} {blocks}")
+
+
+def long_replay(work: Path, n_events: int) -> str:
+    path = work / "long.db"
+    t0 = time.perf_counter()
+    long_log(path, n_events)
+    written = time.perf_counter() - t0
+    out = subprocess.run(
+        [sys.executable, __file__, "--replay-child", str(path)],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
+    elapsed, events, before, after, blocks = float(out[0]), int(out[1]), *map(int, out[2:])
+    size = path.stat().st_size
+    return (
+        f"long log: {events:,} events ({size / 2**30:.2f} GiB, written in {written:.0f} s): "
+        f"replay {elapsed:.1f} s ({events / elapsed / 1e6:.2f} M events/s), peak RSS "
+        f"{after / 1024:.0f} MiB ({before / 1024:.0f} MiB before the replay; {blocks:,} live "
+        f"blocks at the end)"
+    )
 
 
 # -- PostgreSQL -------------------------------------------------------------------------------
@@ -379,8 +449,15 @@ def main() -> None:
     parser.add_argument(
         "--pg-url", help="also measure on this PostgreSQL database (postgresql+psycopg://...)"
     )
+    parser.add_argument(
+        "--long", type=int, default=0, help="also replay a log of this many events (0: none)"
+    )
     parser.add_argument("--child", nargs=4, help=argparse.SUPPRESS)
+    parser.add_argument("--replay-child", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.replay_child:
+        replay_child(args.replay_child)
+        return
     if args.child:
         url, shared, rate, n_events = args.child
         child(url, shared, float(rate), int(n_events))
@@ -420,6 +497,7 @@ def main() -> None:
             else ""
         )
         kill_line = kill_at_random(work, args.rate, args.kills, under_load) if args.kills else ""
+        long_line = long_replay(work, args.long) if args.long else ""
     finally:
         shutil.rmtree(work, ignore_errors=True)
     raw_a, ours_a, ours_m, raw_r, ours_r, dicts_r = (min(times[k]) for k in times)
@@ -455,6 +533,8 @@ def main() -> None:
         print(lag_line)
     if kill_line:
         print(kill_line)
+    if long_line:
+        print(long_line)
 
 
 if __name__ == "__main__":

@@ -202,6 +202,7 @@ def _chunks_to_read(
         chunks.close()
     if until_event_id is None or stop == until_position:
         return  # no early stop: the read went to the caller's own bound
+    assert stop is not None  # set from the bound
     last = state.last_event_id
     if all(last.get(worker, -1) >= target for worker, target in targets.items()):
         return
