@@ -15,8 +15,21 @@ deepest backlog against ``queue_size`` and the back-pressure waits. Then ``--kil
 processes doing the same are SIGKILLed at random moments: the events each loses, and the span
 of append time they cover against the bound ``max_lag``.
 
+A long log (with ``--long N``, e.g. 10,000,000): N events written straight into a log file
+(the workload's first 100k events over and over, ids renumbered, each record re-checksummed),
+then replayed whole in a fresh process that prints the replay's time and its peak memory
+(``ru_maxrss``) against the same process's before the replay. Replay streams the log in
+chunks of 10k rows into the registry's arrays: its time grows with the log, its memory with
+the registry's live blocks (bounded by the workload's pool), not with the log.
+
+PostgreSQL (with ``--pg-url``, a server's database): our EventLog, appending one by one and
+in 10k batches (its writer COPYs each batch), against raw psycopg ``executemany`` of the
+pre-encoded rows in batches of 10k, each batch committed, into the same table; every round
+in fresh schemas.
+
     .venv/bin/python bench/eventlog_bench.py [--events 200000] [--repeat 3] [--dir DIR]
         [--rate 15000] [--lag-seconds 5] [--kills 5]
+        [--pg-url postgresql+psycopg://postgres@127.0.0.1:5432/test]
 """
 
 from __future__ import annotations
@@ -26,6 +39,7 @@ import bisect
 import mmap
 import os
 import random
+import resource
 import shutil
 import signal
 import sqlite3
@@ -34,12 +48,15 @@ import subprocess
 import sys
 import tempfile
 import time
+import uuid
+import zlib
 from pathlib import Path
+from typing import Any
 
 import msgpack
 
 from kvledger.events.log import EventLog
-from kvledger.events.log.replay import replay
+from kvledger.events.log.replay import replay, replay_report
 from kvledger.events.log.rows import to_row
 from kvledger.events.types import BlockInfo, LogRecord, Lookup, Released, RunInfo, Tier
 from kvledger.registry.emitter import EventEmitter
@@ -134,7 +151,7 @@ def raw_read(path: Path) -> float:
     return elapsed
 
 
-def our_append(path: Path, events: list[LogRecord]) -> float:
+def our_append(path: Path | str, events: list[LogRecord]) -> float:
     log = EventLog(str(path), batch_size=BATCH)
     append = log.append
     t0 = time.perf_counter()
@@ -144,7 +161,7 @@ def our_append(path: Path, events: list[LogRecord]) -> float:
     return time.perf_counter() - t0
 
 
-def our_append_many(path: Path, events: list[LogRecord]) -> float:
+def our_append_many(path: Path | str, events: list[LogRecord]) -> float:
     log = EventLog(str(path), batch_size=BATCH)
     t0 = time.perf_counter()
     for start in range(0, len(events), BATCH):
@@ -164,6 +181,138 @@ def our_replay(path: Path, last_id: int, *, as_dicts: bool = False) -> float:
         elapsed = time.perf_counter() - t0
     assert state.last_event_id[0] == last_id
     return elapsed
+
+
+# -- a long log ------------------------------------------------------------------------------
+
+_EVENT_ID = struct.Struct(">Q")
+_CRC = struct.Struct("<I")
+
+
+def long_log(path: Path, n_events: int) -> None:
+    """``n_events`` events into a fresh log file: the workload's first 100k over and over,
+    each copy's ids moved on and its records re-checksummed (the hashes repeat, so the
+    registry's live set stays the workload's)."""
+    base = [to_row(e) for e in workload(min(n_events, 100_000))]
+    EventLog(str(path)).close()  # the schema
+    conn = sqlite3.connect(path)
+    conn.execute("PRAGMA journal_mode=WAL")
+    conn.execute("PRAGMA synchronous=NORMAL")
+    sql = "INSERT INTO events (worker, event_id, kind, tier, ts, payload) VALUES (?,?,?,?,?,?)"
+    for start in range(0, n_events, len(base)):
+        rows = []
+        for worker, event_id, kind, tier, ts, payload in base[: n_events - start]:
+            moved = event_id + start
+            # the event id sits at bytes 13-20 of a record (codec's fixed-width header)
+            data = payload[:13] + _EVENT_ID.pack(moved) + payload[21:-4]
+            rows.append((worker, moved, kind, tier, ts, data + _CRC.pack(zlib.crc32(data))))
+        conn.executemany(sql, rows)
+        conn.commit()
+    conn.close()
+
+
+def replay_child(path: str) -> None:
+    """Replay ``path`` whole; print the seconds, events, and peak RSS before and after."""
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    with EventLog(path, read_only=True) as log:
+        t0 = time.perf_counter()
+        report = replay_report(log, use_checkpoints=False, checkpoint_every=None)
+        elapsed = time.perf_counter() - t0
+    after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    blocks = sum(report.state.counts().values())
+    print(f"{elapsed} {report.events} {before} {after} {blocks}")
+
+
+def long_replay(work: Path, n_events: int) -> str:
+    path = work / "long.db"
+    t0 = time.perf_counter()
+    long_log(path, n_events)
+    written = time.perf_counter() - t0
+    out = subprocess.run(
+        [sys.executable, __file__, "--replay-child", str(path)],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
+    elapsed, events, before, after, blocks = float(out[0]), int(out[1]), *map(int, out[2:])
+    size = path.stat().st_size
+    return (
+        f"long log: {events:,} events ({size / 2**30:.2f} GiB, written in {written:.0f} s): "
+        f"replay {elapsed:.1f} s ({events / elapsed / 1e6:.2f} M events/s), peak RSS "
+        f"{after / 1024:.0f} MiB ({before / 1024:.0f} MiB before the replay; {blocks:,} live "
+        f"blocks at the end)"
+    )
+
+
+# -- PostgreSQL -------------------------------------------------------------------------------
+
+PG_DDL = """
+CREATE TABLE events (
+    id BIGSERIAL PRIMARY KEY, worker BIGINT NOT NULL, event_id BIGINT NOT NULL,
+    kind VARCHAR(16) NOT NULL, tier SMALLINT NOT NULL, ts DOUBLE PRECISION NOT NULL,
+    payload BYTEA NOT NULL, CONSTRAINT uq_events_worker_event_id UNIQUE (worker, event_id))
+"""
+
+
+def _pg_connect(url: str) -> Any:
+    import psycopg  # only with --pg-url: the light install has no driver
+
+    return psycopg.connect(url.replace("postgresql+psycopg://", "postgresql://"))
+
+
+def pg_schema(url: str) -> tuple[str, str]:
+    """A fresh schema on the server: its name and a URL whose search_path is it."""
+    schema = f"bench_{uuid.uuid4().hex[:12]}"
+    with _pg_connect(url) as conn:
+        conn.execute(f'CREATE SCHEMA "{schema}"')
+    return schema, f"{url}?options=-csearch_path%3D{schema}"
+
+
+def pg_drop(url: str, schemas: list[str]) -> None:
+    with _pg_connect(url) as conn:
+        for schema in schemas:
+            conn.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
+
+
+def pg_raw_append(
+    url: str, schema: str, rows: list[tuple[int, int, str, int, float, bytes]]
+) -> float:
+    conn = _pg_connect(url)
+    conn.execute(f'SET search_path TO "{schema}"')
+    conn.execute(PG_DDL)
+    conn.commit()
+    sql = (
+        "INSERT INTO events (worker, event_id, kind, tier, ts, payload) VALUES (%s,%s,%s,%s,%s,%s)"
+    )
+    t0 = time.perf_counter()
+    with conn.cursor() as cursor:
+        for start in range(0, len(rows), BATCH):
+            cursor.executemany(sql, rows[start : start + BATCH])
+            conn.commit()
+    elapsed = time.perf_counter() - t0
+    conn.close()
+    return elapsed
+
+
+def pg_rounds(
+    url: str, rows: list[Any], events: list[LogRecord], repeat: int
+) -> dict[str, list[float]]:
+    times: dict[str, list[float]] = {}
+    schemas: list[str] = []
+    try:
+        for _ in range(repeat):
+            made = [pg_schema(url) for _ in range(3)]
+            schemas += [schema for schema, _ in made]
+            round_ = {
+                "pg_raw": pg_raw_append(url, made[0][0], rows),
+                "pg_one": our_append(made[1][1], events),
+                "pg_many": our_append_many(made[2][1], events),
+            }
+            for name, seconds in round_.items():
+                times.setdefault(name, []).append(seconds)
+    finally:
+        pg_drop(url, schemas)
+    return times
 
 
 # -- lag under load ---------------------------------------------------------------------------
@@ -297,8 +446,18 @@ def main() -> None:
     parser.add_argument(
         "--lookups", action="store_true", help="a lookup and a release record per stored run"
     )
+    parser.add_argument(
+        "--pg-url", help="also measure on this PostgreSQL database (postgresql+psycopg://...)"
+    )
+    parser.add_argument(
+        "--long", type=int, default=0, help="also replay a log of this many events (0: none)"
+    )
     parser.add_argument("--child", nargs=4, help=argparse.SUPPRESS)
+    parser.add_argument("--replay-child", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.replay_child:
+        replay_child(args.replay_child)
+        return
     if args.child:
         url, shared, rate, n_events = args.child
         child(url, shared, float(rate), int(n_events))
@@ -329,6 +488,7 @@ def main() -> None:
             }
             for name, seconds in round_.items():
                 times.setdefault(name, []).append(seconds)
+        pg_times = pg_rounds(args.pg_url, rows, events, args.repeat) if args.pg_url else {}
         under_load = max(n, int(args.rate * (args.lag_seconds + 1)))
         load_events = events if under_load <= n else workload(under_load)
         lag_line = (
@@ -337,9 +497,11 @@ def main() -> None:
             else ""
         )
         kill_line = kill_at_random(work, args.rate, args.kills, under_load) if args.kills else ""
+        long_line = long_replay(work, args.long) if args.long else ""
     finally:
         shutil.rmtree(work, ignore_errors=True)
     raw_a, ours_a, ours_m, raw_r, ours_r, dicts_r = (min(times[k]) for k in times)
+    times.update(pg_times)
 
     def spread(ours: str, raw: str) -> str:
         """The ratio of each round on its own: how much the machine moved under the best."""
@@ -348,7 +510,7 @@ def main() -> None:
 
     def line(label: str, seconds: float, reference: float | None = None, rounds: str = "") -> None:
         ratio = "" if reference is None else f"  ratio {reference / seconds:.2f}{rounds}"
-        print(f"{label:<46} {n / seconds / 1e6:6.3f} M events/s{ratio}")
+        print(f"{label:<50} {n / seconds / 1e6:6.3f} M events/s{ratio}")
 
     print(
         f"events: {n} ({lookup_rows} of them lookup records), {args.block_tokens} token ids per "
@@ -360,10 +522,19 @@ def main() -> None:
     line("read    raw SELECT + msgpack.unpackb:", raw_r)
     line("replay  read + decode + fold (no checkpoint):", ours_r, raw_r, spread("ours_r", "raw_r"))
     line("replay  and then every block as a dict:", dicts_r, raw_r, spread("dicts_r", "raw_r"))
+    if pg_times:
+        pg_raw = min(pg_times["pg_raw"])
+        line("append  PostgreSQL raw psycopg executemany:", pg_raw)
+        line("append  PostgreSQL EventLog.append (COPY):", min(pg_times["pg_one"]), pg_raw,
+             spread("pg_one", "pg_raw"))  # fmt: skip
+        line("append  PostgreSQL EventLog.append_many (COPY):", min(pg_times["pg_many"]), pg_raw,
+             spread("pg_many", "pg_raw"))  # fmt: skip
     if lag_line:
         print(lag_line)
     if kill_line:
         print(kill_line)
+    if long_line:
+        print(long_line)
 
 
 if __name__ == "__main__":

@@ -17,8 +17,12 @@ hashes with the same release order): the bench checks it. Each repetition runs e
 once, in turn, with fresh pools; the best of ``--repeat`` is reported. Ratios: kvledger
 requests/s over vLLM's.
 
+The log's cost is printed as the engine-off requests/s with the log over those without it
+(the same run; 1.0 would be a free log). ``--no-vllm`` leaves the vLLM side out (no
+.bench-venv needed).
+
 Run: bash bench/setup_bench_venv.sh   (once)
-     .venv/bin/python bench/simulate_bench.py
+     .venv/bin/python bench/simulate_bench.py [--no-vllm]
 """
 
 from __future__ import annotations
@@ -92,6 +96,7 @@ def main() -> int:
     parser.add_argument("--trace", type=Path, default=TRACE)
     parser.add_argument("--g1-blocks", type=int, default=4096)
     parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--no-vllm", action="store_true", help="leave vLLM's BlockPool out")
     args = parser.parse_args()
 
     requests = list(iter_arrivals(load_mooncake(args.trace)))
@@ -107,6 +112,8 @@ def main() -> int:
             result = side(requests, args.g1_blocks)
             if name not in best or result[0] < best[name][0]:
                 best[name] = result
+        if args.no_vllm:
+            continue
         vllm = run_block_pool(rows, args.g1_blocks, BLOCK)[0]
         result = (vllm["seconds"], int(vllm["hits"]))
         if "vLLM 0.33 BlockPool" not in best or result[0] < best["vLLM 0.33 BlockPool"][0]:
@@ -120,6 +127,10 @@ def main() -> int:
     print(f"{'side':<28} {'hit rate':>8} {'requests/s':>11} {'s':>7}")
     for name, (seconds, hits) in best.items():
         print(f"{name:<28} {hits / blocks:>8.2%} {n / seconds:>11.0f} {seconds:>7.3f}")
+    off, logged = best["kvledger engine off"][0], best["kvledger engine off + log"][0]
+    print(f"ratio kvledger engine off + log / engine off (requests/s): {off / logged:.2f}")
+    if args.no_vllm:
+        return 0
     vllm_s, vllm_hits = best["vLLM 0.33 BlockPool"]
     if best["kvledger engine off"][1] != vllm_hits:
         print(f"MISMATCH: engine-off hits {best['kvledger engine off'][1]} != vLLM {vllm_hits}")

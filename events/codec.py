@@ -83,6 +83,8 @@ LOG_RECORD_VERSION = 3
 carries too."""
 UNCHECKED_VERSION = 2  # the layout before checksums: still read, nothing to verify
 SNAPSHOT_VERSION = 3
+COVERED_SNAPSHOT_VERSION = 4
+"""A checkpoint's snapshot: version 3 and its checkpoint row's columns (``encode_state``)."""
 CHECK_TAG = 0xCE  # msgpack uint32: the checksum field's first byte
 CHECK_BYTES = 5  # the checksum field: its tag and the four CRC bytes
 CHECK_RESIDUE = 0x2144DF1C  # crc32 of any byte string followed by its own CRC, little-endian
@@ -122,7 +124,10 @@ HEADER_BYTES = struct.calcsize(_HEADER_FORMAT)
 # the array header byte per kind, in a version 3 record (one field more than version 2)
 FIXARRAY = {kind: 0x90 + _HEADER_LEN + n + 1 for kind, n in _BODY_LEN.items()}
 _CRC_LE = struct.Struct("<I").pack
+crc32 = zlib.crc32
 NIL, UINT64, INT64, FLOAT64, BIN32 = 0xC0, 0xCF, 0xD3, 0xCB, 0xC6
+_STORED_ARRAY = 0x90 + 7 + 3 + 1  # FIXARRAY[1], spelled out for the hot encoders
+_REMOVED_ARRAY = 0x90 + 7 + 1 + 1  # FIXARRAY[2]
 
 
 class _Packers(dict[int, struct.Struct]):
@@ -176,25 +181,35 @@ def encode(event: LogRecord) -> bytes:
 
     Refuses (``CodecError``) whatever ``decode`` would refuse, so that no record is ever
     written that replay cannot read back. ``struct`` checks the type and range of every
-    hash, id and token id as it packs them.
+    hash, id and token id as it packs them (a negative event id fails ``Q``, a ts that is not
+    a number fails ``d``); what it would take that ``decode`` refuses (a bool or another int
+    subclass for an id, a tier it does not know) is checked before.
 
-    Each kind has its own packer function (``_PACKERS``), found by the event's exact type:
-    one dictionary look-up where a chain of kind tests cost the hot kinds (stored, removed)
-    a third of their encode.
+    Each kind has its own encoder (``ENCODERS``), found by the event's exact type: one
+    dictionary look-up where a chain of kind tests cost the hot kinds (stored, removed) a
+    third of their encode. The hot kinds' encoders check and pack the header themselves and
+    append the CRC, one Python call per event (profiled: the header helper and the CRC step
+    were each a call of their own, together a third of an encode).
     """
-    packer = _PACKERS.get(type(event))
-    if packer is None:
+    encoder = ENCODERS.get(type(event))
+    if encoder is None:
         raise CodecError(f"not an event: {event!r}")
     try:
-        data = packer(event)
+        return encoder(event)
     except (OverflowError, TypeError, struct.error) as exc:
         raise CodecError(f"cannot encode {event!r}: {exc}") from None
-    return data + _CRC_LE(zlib.crc32(data))
+
+
+def _bad_head(event: LogRecord) -> CodecError:
+    return CodecError(
+        f"worker_id, dp_rank and event_id >= 0 must be integers, tier a Tier and ts a "
+        f"number in {event!r}"
+    )
 
 
 def _head(event: LogRecord, kind: int) -> tuple[Any, ...]:
     """The header's fields (array length, version, kind, then each value after its msgpack
-    tag), checked: what every packer packs first."""
+    tag), checked: what the packers of the rarer kinds pack first."""
     worker_id = event.worker_id
     event_id = event.event_id
     dp_rank = event.dp_rank
@@ -208,10 +223,7 @@ def _head(event: LogRecord, kind: int) -> tuple[Any, ...]:
         or tier not in _TIERS
         or (type(ts) is not float and type(ts) is not int)
     ):
-        raise CodecError(
-            f"worker_id, dp_rank and event_id >= 0 must be integers, tier a Tier and ts a "
-            f"number in {event!r}"
-        )
+        raise _bad_head(event)
     if kind in LOOKUP_CODES:
         worker_id = lookup_stream(worker_id)
     # fmt: off
@@ -221,7 +233,18 @@ def _head(event: LogRecord, kind: int) -> tuple[Any, ...]:
 
 
 def _stored(event: Stored) -> bytes:
-    head = _head(event, 1)
+    """A stored event's whole record (``encode`` without the dispatch)."""
+    worker_id = event.worker_id
+    event_id = event.event_id
+    dp_rank = event.dp_rank
+    tier = event.tier
+    if (
+        type(worker_id) is not int
+        or type(event_id) is not int
+        or type(dp_rank) is not int
+        or tier not in _TIERS
+    ):
+        raise _bad_head(event)
     blocks = event.blocks
     n = len(blocks)
     # struct checks the word count; with more than one block, a short block and a long one
@@ -230,26 +253,53 @@ def _stored(event: Stored) -> bytes:
         raise CodecError(f"stored blocks must be a non-empty chain of pairs: {event!r}")
     parent = event.parent_hash
     words = chain.from_iterable(blocks)
+    # fmt: off
     if parent is None:
-        data = _STORED_ROOT[n].pack(*head, NIL, BIN32, 16 * n, *words, NIL, CHECK_TAG)
+        data = _STORED_ROOT[n].pack(
+            _STORED_ARRAY, 3, 1, INT64, worker_id, UINT64, event_id, INT64, dp_rank, tier,
+            FLOAT64, event.ts, NIL, BIN32, 16 * n, *words, NIL, CHECK_TAG)
     else:
-        data = _STORED[n].pack(*head, UINT64, parent, BIN32, 16 * n, *words, NIL, CHECK_TAG)
+        data = _STORED[n].pack(
+            _STORED_ARRAY, 3, 1, INT64, worker_id, UINT64, event_id, INT64, dp_rank, tier,
+            FLOAT64, event.ts, UINT64, parent, BIN32, 16 * n, *words, NIL, CHECK_TAG)
+    # fmt: on
     tokens = event.token_ids
-    if tokens is None:
-        return data
-    return data[:-2] + _token_bin(tokens, n) + data[-1:]
+    if tokens is not None:
+        data = data[:-2] + _token_bin(tokens, n) + data[-1:]
+    return data + _CRC_LE(crc32(data))
 
 
 def _removed(event: Removed) -> bytes:
-    head = _head(event, 2)
+    """A removed event's whole record (``encode`` without the dispatch)."""
+    worker_id = event.worker_id
+    event_id = event.event_id
+    dp_rank = event.dp_rank
+    tier = event.tier
+    if (
+        type(worker_id) is not int
+        or type(event_id) is not int
+        or type(dp_rank) is not int
+        or tier not in _TIERS
+    ):
+        raise _bad_head(event)
     hashes = event.sequence_hashes
     n = len(hashes)
     if not n:
         raise CodecError(f"removed hashes must be a non-empty sequence: {event!r}")
-    return _REMOVED[n].pack(*head, BIN32, 8 * n, *hashes, CHECK_TAG)
+    # fmt: off
+    data = _REMOVED[n].pack(
+        _REMOVED_ARRAY, 3, 2, INT64, worker_id, UINT64, event_id, INT64, dp_rank, tier,
+        FLOAT64, event.ts, BIN32, 8 * n, *hashes, CHECK_TAG)
+    # fmt: on
+    return data + _CRC_LE(crc32(data))
 
 
 def _copied(event: Offloaded | Onboarded) -> bytes:
+    data = _copied_body(event)
+    return data + _CRC_LE(crc32(data))
+
+
+def _copied_body(event: Offloaded | Onboarded) -> bytes:
     head = _head(event, KIND_CODES[type(event)])
     infos = event.blocks
     n = len(infos)
@@ -300,18 +350,29 @@ def _run(event: RunInfo) -> bytes:
     return _CLEARED.pack(*head, CHECK_TAG)[:-1] + body + bytes([CHECK_TAG])
 
 
-_PACKERS: dict[type[LogRecord], Callable[[Any], bytes]] = {
+def _with_crc(packer: Callable[[Any], bytes]) -> Callable[[Any], bytes]:
+    """A rarer kind's packer (``_head`` and its body) with the CRC appended."""
+
+    def encoder(event: Any) -> bytes:
+        data = packer(event)
+        return data + _CRC_LE(crc32(data))
+
+    return encoder
+
+
+ENCODERS: dict[type[LogRecord], Callable[[Any], bytes]] = {
     Stored: _stored,
     Removed: _removed,
     Offloaded: _copied,
     Onboarded: _copied,
-    Cleared: _cleared,
-    Lookup: _lookup,
-    Released: _released,
-    RunInfo: _run,
+    Cleared: _with_crc(_cleared),
+    Lookup: _with_crc(_lookup),
+    Released: _with_crc(_released),
+    RunInfo: _with_crc(_run),
 }
-"""Each kind's record body after ``_head``, without the CRC (``encode`` appends it); every
-kind of ``KIND_CODES`` has one."""
+"""Each kind's whole record, CRC included (``encode`` is the look-up and the error); every
+kind of ``KIND_CODES`` has one. They raise ``struct.error``, ``TypeError`` or
+``OverflowError`` for what does not pack: ``encode`` turns those into ``CodecError``."""
 
 
 def decode(data: bytes, position: int | None = None) -> LogRecord:
@@ -545,12 +606,19 @@ def iter_decode(records: Iterable[bytes], first_position: int = 0) -> Iterator[L
 # -- registry snapshots (checkpoints) ---------------------------------------------------------
 
 
-def encode_state(state: RegistryState) -> bytes:
+Cover = tuple[int, int, float]
+"""A checkpoint row's columns that its snapshot repeats under its checksum: position,
+max_event_id, max_ts."""
+
+
+def encode_state(state: RegistryState, cover: Cover | None = None) -> bytes:
     """A registry snapshot: every worker's last event id and its blocks per tier.
 
     Each tier is its four columns packed as bins (big-endian u64 words, parent flags as
     bytes), sorted by sequence hash, so that a checkpoint loads without a Python object per
-    block.
+    block. With ``cover`` (a checkpoint's position, max_event_id and max_ts), the snapshot is
+    version 4 and holds them too, under its checksum: a checkpoint row whose columns were
+    changed no longer matches its snapshot (``decode_checkpoint``).
     """
     tiers = []
     try:
@@ -570,28 +638,47 @@ def encode_state(state: RegistryState) -> bytes:
             f"cannot snapshot a state holding a hash that is not a u64: {exc}"
         ) from None
     last = [v for item in sorted(state.last_event_id.items()) for v in item]
-    # a fourth field, the checksum, as in an event record: the array grows by one
-    packed: bytes = msgpack.packb((SNAPSHOT_VERSION, last, tiers), use_bin_type=True)
-    data = b"\x94" + packed[1:] + bytes([CHECK_TAG])
+    # one field more, the checksum, as in an event record: the array grows by one
+    if cover is None:
+        packed: bytes = msgpack.packb((SNAPSHOT_VERSION, last, tiers), use_bin_type=True)
+        data = b"\x94" + packed[1:] + bytes([CHECK_TAG])
+    else:
+        position, max_event_id, max_ts = cover
+        fields = (COVERED_SNAPSHOT_VERSION, last, tiers, position, max_event_id, float(max_ts))
+        packed = msgpack.packb(fields, use_bin_type=True)
+        data = b"\x97" + packed[1:] + bytes([CHECK_TAG])
     return data + _CRC_LE(zlib.crc32(data))
 
 
 def decode_state(data: bytes) -> RegistryState:
     """Inverse of ``encode_state``; ``CodecError`` when the snapshot is not one, or is
     damaged."""
+    return decode_checkpoint(data)[0]
+
+
+def decode_checkpoint(data: bytes) -> tuple[RegistryState, Cover | None]:
+    """A snapshot and what it covers of its checkpoint row (None for version 3, which covers
+    nothing); ``CodecError`` when it is not one, or is damaged."""
     try:
         version, *fields = msgpack.unpackb(data, use_list=False, raw=False)
-        if version != SNAPSHOT_VERSION:
+        if version not in (SNAPSHOT_VERSION, COVERED_SNAPSHOT_VERSION):
             raise CodecError(f"snapshot version {version!r} is not supported")
         if zlib.crc32(data) != CHECK_RESIDUE:
             raise CodecError(f"snapshot {DAMAGED}")
-        last, tiers, _check = fields
+        cover: Cover | None = None
+        if version == SNAPSHOT_VERSION:
+            last, tiers, _check = fields
+        else:
+            last, tiers, position, max_event_id, max_ts, _check = fields
+            if type(position) is not int or type(max_event_id) is not int:
+                raise CodecError("snapshot: position and max_event_id must be integers")
+            cover = (position, max_event_id, float(max_ts))
         state = RegistryState()
         it = iter(last)
         state.last_event_id = dict(zip(it, it, strict=True))
         for worker, tier_code, *blobs in tiers:
             state.set_columns((worker, _TIERS[tier_code]), _columns(*blobs))
-        return state
+        return state, cover
     except CodecError:
         raise
     except Exception as exc:

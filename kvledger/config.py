@@ -10,6 +10,7 @@ cache without a CPU cache makes G1 offload straight to G3.
 from __future__ import annotations
 
 import difflib
+import functools
 import os
 import re
 import warnings
@@ -26,7 +27,6 @@ from pydantic import (
     field_validator,
     model_validator,
 )
-from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from kvledger.events.files import private_folder
 from kvledger.events.types import Tier
@@ -66,16 +66,28 @@ def _env(field: str, *aliases: str) -> Any:
     return AliasChoices(field, f"KVLEDGER_{field.upper()}", *aliases)
 
 
-class Settings(BaseSettings):
-    # allow_inf_nan=False: a size of inf or nan GB would pass ge=0 (nan compares false) and
-    # only fail later, as an overflow deep inside a tier.
-    model_config = SettingsConfigDict(
-        env_prefix="KVLEDGER_",
-        extra="forbid",
-        populate_by_name=True,
-        frozen=True,
-        allow_inf_nan=False,
-    )
+# allow_inf_nan=False: a size of inf or nan GB would pass ge=0 (nan compares false) and only
+# fail later, as an overflow deep inside a tier. validate_default and arbitrary_types_allowed
+# are pydantic-settings' own defaults, so that settings built without the environment
+# validate as those built from it.
+_CONFIG = ConfigDict(
+    extra="forbid",
+    populate_by_name=True,
+    frozen=True,
+    allow_inf_nan=False,
+    validate_default=True,
+    arbitrary_types_allowed=True,
+)
+
+
+class Settings(BaseModel):
+    """kvledger's settings. ``Settings.load`` builds them from keyword arguments and the
+    environment through pydantic-settings, which is imported only when the environment holds
+    a variable that a setting reads (``_from_environment``): importing it cost a third of a
+    short ``kvledger simulate`` run's start-up (``python -X importtime``: 51 of 154 ms of
+    ``kvledger.config``)."""
+
+    model_config = _CONFIG
 
     block_size: int = Field(16, gt=0, le=1 << 16, description="tokens per KV block")
     # Model geometry, for bytes per block (turns GB into block counts, sizes tier buffers).
@@ -303,8 +315,9 @@ class Settings(BaseSettings):
             if message not in _warned:  # once per process, not once per load
                 _warned.add(message)
                 warnings.warn(message, SettingsWarning, stacklevel=2)
+        built = _from_environment() if _reads_environment(os.environ) else cls
         try:
-            return cls(**overrides)
+            return built(**overrides)
         except ValidationError as exc:
             raise SettingsError(_describe(exc)) from None
 
@@ -387,6 +400,42 @@ class Settings(BaseSettings):
         if self.event_log_url:
             return self.event_log_url
         return f"sqlite:///{self.data_dir / 'events.db'}"
+
+
+@functools.cache
+def _setting_variables() -> frozenset[str]:
+    """Every environment variable that pydantic-settings reads for a setting, upper-cased (it
+    matches them case-insensitively): ``KVLEDGER_<NAME>``, or each name of a field's alias
+    choices (which hold the field's own name and Dynamo's variables)."""
+    names: set[str] = set()
+    for name, info in Settings.model_fields.items():
+        alias = info.validation_alias
+        if isinstance(alias, AliasChoices):
+            names.update(c.upper() for c in alias.choices if isinstance(c, str))
+        else:
+            names.add(f"KVLEDGER_{name.upper()}")
+    return frozenset(names)
+
+
+def _reads_environment(environ: Mapping[str, str]) -> bool:
+    """Whether building settings from ``environ`` would read any of it."""
+    known = _setting_variables()
+    return any(name.upper() in known for name in environ)
+
+
+@functools.cache
+def _from_environment() -> type[Settings]:
+    """``Settings`` as a pydantic-settings ``BaseSettings``: what reads the environment (prefix
+    ``KVLEDGER_``, the alias choices for Dynamo's names), with every field and validator of
+    ``Settings``, whose subclass it is. Imported and built on first use: pydantic-settings is
+    the settings library, loaded only when settings are built from the environment."""
+    from pydantic_settings import BaseSettings, SettingsConfigDict  # lazy: see Settings
+
+    class EnvironmentSettings(BaseSettings, Settings):
+        model_config = SettingsConfigDict(env_prefix="KVLEDGER_", **_CONFIG)  # type: ignore[typeddict-item]
+
+    EnvironmentSettings.__name__ = EnvironmentSettings.__qualname__ = "Settings"
+    return EnvironmentSettings
 
 
 def unknown_variables(environ: Any) -> list[str]:

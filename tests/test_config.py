@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -87,3 +90,52 @@ def test_values_from_variables_are_parsed_for_every_kind(monkeypatch: pytest.Mon
     monkeypatch.setenv("KVLEDGER_OUTER_DIM", "3")
     with pytest.raises(SettingsError, match="outer_dim"):
         Settings.load()
+
+
+def _settings_in_a_fresh_process(env: dict[str, str], code: str) -> str:
+    """Run ``code`` in a fresh interpreter whose environment is ``env`` (plus what Python
+    needs to start) and return what it prints."""
+    keep = {k: v for k, v in os.environ.items() if k in ("PATH", "HOME", "LANG", "PYTHONPATH")}
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        env={**keep, **env},
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return done.stdout.strip()
+
+
+LOAD = (
+    "import sys; from kvledger.config import Settings; s = Settings.load(block_size=32); "
+    "print(s.block_size, s.g2_gb, 'pydantic_settings' in sys.modules)"
+)
+
+
+def test_pydantic_settings_loads_only_for_settings_from_the_environment() -> None:
+    """Start-up of a run configured by arguments alone does not import pydantic-settings
+    (a third of ``kvledger.config``'s import); one that sets a variable does, and reads it,
+    Dynamo's names and lower-case spellings included."""
+    assert _settings_in_a_fresh_process({}, LOAD) == "32 0.0 False"
+    assert _settings_in_a_fresh_process({"KVLEDGER_G2_GB": "2"}, LOAD) == "32 2.0 True"
+    assert _settings_in_a_fresh_process({"DYN_KVBM_CPU_CACHE_GB": "3"}, LOAD) == "32 3.0 True"
+    assert _settings_in_a_fresh_process({"kvledger_g2_gb": "4"}, LOAD) == "32 4.0 True"
+    # a variable no setting reads leaves it unloaded
+    assert _settings_in_a_fresh_process({"KVLEDGER_SHARED_DATA": "/x"}, LOAD) == "32 0.0 False"
+
+
+@pytest.mark.parametrize("env", [False, True])
+def test_settings_validate_alike_with_and_without_the_environment(
+    env: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if env:
+        monkeypatch.setenv("KVLEDGER_NUM_LAYERS", "8")
+    with pytest.raises(SettingsError, match="g2_gb"):
+        Settings.load(g2_gb=float("inf"))
+    with pytest.raises(SettingsError, match=r"is not a key kvledger reads|extra"):
+        Settings.load(blok_size=16)
+    s = Settings.load(g2_gb=1.0)
+    assert isinstance(s, Settings)
+    assert s.num_layers == (8 if env else 32)
+    with pytest.raises(ValueError):
+        s.block_size = 8  # frozen either way

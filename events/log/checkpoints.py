@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import sqlalchemy as sa
 
-from kvledger.events.codec import decode_state, encode_state
+from kvledger.events.codec import CodecError, decode_checkpoint, encode_state
 from kvledger.events.log.schema import checkpoints
 from kvledger.registry.state import RegistryState
 
@@ -27,11 +27,13 @@ def save_checkpoint(engine: sa.Engine, position: int, state: RegistryState, max_
     One there already is replaced: it holds the same fold, unless it was written in an older
     snapshot format, which this heals.
     """
+    max_event_id = max(state.last_event_id.values(), default=-1)
     values = {
-        "max_event_id": max(state.last_event_id.values(), default=-1),
+        "max_event_id": max_event_id,
         "max_ts": max_ts,
         "created": time.time(),
-        "snapshot": encode_state(state),
+        # the columns replay selects a checkpoint by, under the snapshot's checksum
+        "snapshot": encode_state(state, (position, max_event_id, max_ts)),
     }
     with engine.begin() as conn:
         exists = conn.execute(
@@ -50,7 +52,11 @@ def latest_checkpoint(
     max_event_id: int | None = None,
     max_ts: float | None = None,
 ) -> Checkpoint | None:
-    """The newest checkpoint that covers no event beyond the given bounds."""
+    """The newest checkpoint that covers no event beyond the given bounds.
+
+    ``CodecError`` when its snapshot is damaged, or when its position, max_event_id or max_ts
+    column differs from what the snapshot holds under its checksum (a snapshot written before
+    version 4 holds none of them)."""
     c = checkpoints.c
     stmt = sa.select(c.position, c.max_event_id, c.max_ts, c.snapshot)
     if max_position is not None:
@@ -63,4 +69,12 @@ def latest_checkpoint(
         row = conn.execute(stmt.order_by(c.position.desc()).limit(1)).first()
     if row is None:
         return None
-    return Checkpoint(int(row[0]), int(row[1]), float(row[2]), decode_state(row[3]))
+    position, max_event_id, max_ts = int(row[0]), int(row[1]), float(row[2])
+    state, cover = decode_checkpoint(row[3])
+    if cover is not None and cover != (position, max_event_id, max_ts):
+        raise CodecError(
+            f"checkpoint at position {position}: damaged: its columns (position, max_event_id, "
+            f"max_ts) = {(position, max_event_id, max_ts)} differ from its checksummed "
+            f"snapshot's {cover}"
+        )
+    return Checkpoint(position, max_event_id, max_ts, state)

@@ -113,6 +113,18 @@ class Backlog:
             return True
         return was_empty and self.wakes_too_late(now + self.commit_after)
 
+    def add_one(self, row: Row, now: float) -> bool:
+        """``add`` of one row (``EventLog.append``'s hot path, without building a list)."""
+        pending = self.pending
+        if pending:
+            pending.append(row)
+            self.appended += 1
+            return len(pending) >= self.batch_size
+        self._pending_since = now
+        pending.append(row)
+        self.appended += 1
+        return self.batch_size <= 1 or self.wakes_too_late(now + self.commit_after)
+
     def wakes_too_late(self, due: float) -> bool:
         """Whether the writer, left alone, would wake after ``due``."""
         deadline = self.writer_deadline

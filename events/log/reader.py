@@ -167,3 +167,39 @@ def summary(engine: sa.Engine) -> LogSummary:
             ).scalars()
         ]
     return out
+
+
+_WORKERS = sa.text(
+    # each worker (not the lookup streams, whose keys are negative) by one index seek apiece:
+    # a skip scan of the (worker, event_id) unique index, where DISTINCT would read it whole
+    "WITH RECURSIVE w(worker) AS ("
+    " SELECT min(worker) FROM events WHERE worker >= 0"
+    " UNION ALL"
+    " SELECT (SELECT min(worker) FROM events WHERE worker > w.worker) FROM w"
+    " WHERE w.worker IS NOT NULL"
+    ") SELECT worker FROM w WHERE worker IS NOT NULL"
+)
+
+
+def last_position_until(engine: sa.Engine, event_id: int) -> tuple[int, dict[int, int]]:
+    """By the columns: the position of the last row holding a transition with an id up to
+    ``event_id`` (0 when none does), and the id each worker reaches within the bound: its
+    newest id, or ``event_id`` when it goes further. Two index seeks per worker (``(worker,
+    event_id)`` is unique and indexed)."""
+    c = events.c
+    newest = 0
+    ids: dict[int, int] = {}
+    with engine.connect() as conn:
+        workers = [int(w) for (w,) in conn.execute(_WORKERS)]
+        for worker in workers:
+            row = conn.execute(
+                sa.select(c.id, c.event_id)
+                .where(c.worker == worker, c.event_id <= event_id)
+                .order_by(c.event_id.desc())
+                .limit(1)
+            ).first()
+            if row is not None:
+                newest = max(newest, int(row[0]))
+                top = conn.execute(sa.select(sa.func.max(c.event_id)).where(c.worker == worker))
+                ids[worker] = min(event_id, int(top.scalar_one()))
+    return newest, ids

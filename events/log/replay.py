@@ -16,11 +16,11 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
 from dataclasses import dataclass, field
 from operator import itemgetter
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 import sqlalchemy as sa
@@ -135,7 +135,7 @@ def _replay(
     # Only a fold of every row up to a position may be stored as a checkpoint; an event-id
     # bound skips rows of some workers, so it writes none.
     every = checkpoint_every if until_event_id is None else None
-    chunks = log.read_chunks(after_position=start, until_position=until_position)
+    chunks = _chunks_to_read(log, state, start, until_position, until_event_id)
     since_checkpoint = 0
     try:
         for chunk in chunks:
@@ -170,6 +170,47 @@ def _replay(
     finally:
         chunks.close()
     return report
+
+
+def _chunks_to_read(
+    log: EventLog,
+    state: RegistryState,
+    start: int,
+    until_position: int | None,
+    until_event_id: int | None,
+) -> Generator[list[tuple[Any, ...]], None, None]:
+    """The rows replay reads after ``start``: with ``until_event_id``, first those up to the
+    last row that, by its columns, holds an event within the bound (``last_position_until``;
+    no later row can hold one, since each worker's ids grow with the position), not every row
+    to the log's end.
+
+    The columns only say where to stop, never what to fold: once those rows are folded, each
+    worker the columns name must have reached, by its records, the id the columns promise
+    (the bound, or its last id below it). A damaged ``worker`` or ``event_id`` column that
+    would have stopped the read too early fails that and the read goes on to the end, as
+    without the early stop.
+    """
+    stop = until_position
+    targets: dict[int, int] = {}
+    if until_event_id is not None:
+        bound, targets = log.last_position_until(until_event_id)
+        stop = bound if until_position is None else min(until_position, bound)
+    chunks = log.read_chunks(after_position=start, until_position=stop)
+    try:
+        yield from chunks
+    finally:
+        chunks.close()
+    if until_event_id is None or stop == until_position:
+        return  # no early stop: the read went to the caller's own bound
+    assert stop is not None  # set from the bound
+    last = state.last_event_id
+    if all(last.get(worker, -1) >= target for worker, target in targets.items()):
+        return
+    rest = log.read_chunks(after_position=max(start, stop), until_position=until_position)
+    try:
+        yield from rest
+    finally:
+        rest.close()
 
 
 class Folded(NamedTuple):
