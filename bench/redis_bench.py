@@ -14,7 +14,12 @@ in the same run.
 Emit to apply: a producer appends the same kind of stream to a SQLite event log at
 ``--rate`` events/s (15k, the engine-on simulation's rate) with a ``RedisPublisher`` fed by the
 log's commits; each event's time from its append until the registry confirmed it applied
-(p50/p99, ``bench/emit_latency.py``; target p99 <= the log's ``max_delay`` + 20 ms).
+(p50/p99, ``bench/emit_latency.py``; target p99 <= the log's ``max_delay`` + 20 ms), split into
+stages per apply (``Stages``: queued, preparing the call, the Redis call; the publisher
+thread's CPU time; Redis's own time), then the same run with the committed records handed
+through a pipe to another process that applies them: a reference for a publisher off the
+engine's interpreter. ``--emit-only`` runs these two alone; ``--switch-interval`` (a diagnosis)
+sets the interpreter's switch interval for the run.
 
     .venv/bin/python bench/redis_bench.py [--events 20000] [--batch 512] [--queries 2000]
 
@@ -34,14 +39,24 @@ node has its own core.
 from __future__ import annotations
 
 import argparse
+import bisect
+import contextlib
+import fcntl
+import json
+import os
 import random
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
 import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+import msgpack
 import redis
 from emit_latency import delays, paced, summary
 
@@ -88,7 +103,29 @@ def main() -> None:
     ap.add_argument("--shards", type=int, nargs="+", default=[1, 3, 6])
     ap.add_argument("--rate", type=float, default=15_000, help="emit-to-apply: events/s")
     ap.add_argument("--seconds", type=float, default=4.0, help="emit-to-apply: run length")
+    ap.add_argument(
+        "--emit-only", action="store_true", help="only the emit-to-apply run and its reference"
+    )
+    ap.add_argument("--child-apply", metavar="NAMESPACE", help=argparse.SUPPRESS)
+    ap.add_argument(
+        "--switch-interval",
+        type=float,
+        default=None,
+        help="a diagnosis, not a setting to ship: the interpreter's switch interval (s) for "
+        "the run, to see how much of the latency is threads waiting for the interpreter",
+    )
     args = ap.parse_args()
+    if args.switch_interval is not None:
+        sys.setswitchinterval(args.switch_interval)
+    if args.child_apply:
+        child_apply(args.url, args.child_apply)
+        return
+    if args.emit_only:
+        client = redis.Redis.from_url(args.url)
+        print(f"load average {os.getloadavg()[0]:.2f}")
+        print(emit_to_apply(client, args.rate, args.seconds))
+        print(emit_to_child_apply(args.url, args.rate, args.seconds))
+        return
     if args.cluster:
         cluster_main(args)
         return
@@ -189,45 +226,238 @@ def main() -> None:
     finally:
         reg.delete_namespace()
     print(emit_to_apply(client, args.rate, args.seconds))
+    print(emit_to_child_apply(args.url, args.rate, args.seconds))
 
 
 def emit_to_apply(client: redis.Redis, rate: float, seconds: float) -> str:
     """Append ``rate`` events/s to a log for ``seconds``; each event's time until the shared
-    registry confirmed it applied."""
+    registry confirmed it applied, and where that time went (``Stages``)."""
     events = engine_events(int(rate * seconds), seed=3)
     reg = SharedRegistry(client, f"bench-{uuid.uuid4().hex[:8]}")
-    applied: list[tuple[int, float]] = []
-    apply = reg.apply
-
-    def timed(
-        worker_id: int, batch: list[AnyEvent], *, token: int = 0, records: list[bytes]
-    ) -> ApplyResult:
-        result = apply(worker_id, batch, token=token, records=records)
-        applied.append((result.last_event_id, time.monotonic()))
-        return result
-
-    reg.apply = timed  # type: ignore[method-assign]
+    stages = Stages(client)
     with tempfile.TemporaryDirectory() as tmp:
         log = EventLog(str(Path(tmp) / "events.db"))
-        publisher = RedisPublisher(reg, 1, log=log).start()
+        publisher = RedisPublisher(reg, 1, log=log)
+        stages.watch(reg, publisher)
+        publisher.start()
         try:
+            stages.begin()
             emitted = paced(log.append, events, rate)
             got = len(emitted) / (emitted[-1] - emitted[0])
             assert publisher.wait_applied(60), publisher.error
+            stages.end(len(events))
             committed = [(n - 1, at) for n, at in log.commit_times]
         finally:
             publisher.stop()
             log.close()
             reg.delete_namespace()
+    applied = [(a.last, a.end) for a in stages.applies]
     return "\n".join(
         (
             summary("emit -> committed (log)", delays(emitted, committed), got, log.max_delay),
             summary("emit -> Redis applied", delays(emitted, applied), got, log.max_delay),
+            *stages.lines(),
         )
     )
 
 
+@dataclass
+class _Apply:
+    first: int
+    last: int
+    n: int
+    start: float
+    send: float
+    sent: float
+    end: float
+    cpu: float
+
+
+class Stages:
+    """Where an event's time from its commit to the registry's confirmation goes, per apply
+    of the publisher's thread: waiting in the publisher's queue (from the writer's hand-over to
+    the start of the apply that takes it), preparing the call (parse, reduction, packing), the
+    Redis call (``Transport.run``: send, Redis's own run, receive), each counted once per event
+    the apply carries. The thread's CPU time against its wall time says how much of the apply
+    was spent waiting for the interpreter or for Redis rather than running Python; Redis's own
+    time per event is read from ``INFO commandstats``."""
+
+    def __init__(self, client: redis.Redis) -> None:
+        self.client = client
+        self.handed: list[tuple[int, float]] = []  # (newest event id, when) per hand-over
+        self.applies: list[_Apply] = []
+        self._usec = 0
+        self._run: list[float] = [0.0, 0.0]
+
+    def watch(self, reg: SharedRegistry, publisher: RedisPublisher) -> None:
+        """Wrap the publisher's hand-over and the registry's apply and transport (before the
+        publisher starts: it subscribes its hand-over then)."""
+        clock = time.monotonic
+        run, apply, committed = reg.transport.run, reg.apply, publisher._committed
+
+        def timed_run(commands: Any) -> Any:
+            self._run[0] = clock()
+            replies = run(commands)
+            self._run[1] = clock()
+            return replies
+
+        def timed_apply(
+            worker_id: int, batch: list[AnyEvent], *, token: int = 0, records: Any = None
+        ) -> ApplyResult:
+            start, cpu = clock(), time.thread_time()
+            result = apply(worker_id, batch, token=token, records=records)
+            end = clock()
+            first = batch[0].event_id if batch else -1
+            send, sent = self._run if self._run[0] >= start else (start, start)
+            cpu = time.thread_time() - cpu
+            self.applies.append(
+                _Apply(first, result.last_event_id, len(batch), start, send, sent, end, cpu)
+            )
+            return result
+
+        def timed_committed(batch: Any) -> None:
+            self.handed.append((batch[-1][0].event_id, clock()))
+            committed(batch)
+
+        reg.transport.run = timed_run  # type: ignore[method-assign]
+        reg.apply = timed_apply  # type: ignore[method-assign]
+        publisher._committed = timed_committed  # type: ignore[method-assign]
+
+    def _evalsha_usec(self) -> int:
+        stats = self.client.info("commandstats").get("cmdstat_evalsha", {})
+        return int(stats.get("usec", 0))
+
+    def begin(self) -> None:
+        self._usec = self._evalsha_usec()
+
+    def end(self, events: int) -> None:
+        self._events = events
+        self._usec = self._evalsha_usec() - self._usec
+
+    def lines(self) -> list[str]:
+        ids = [eid for eid, _ in self.handed]
+        wait, prep, call = [], [], []
+        for a in self.applies:
+            if not a.n:
+                continue
+            for eid in range(a.first, a.first + a.n):
+                k = bisect.bisect_left(ids, eid)
+                if k < len(ids):
+                    wait.append(a.start - self.handed[k][1])
+            prep += [a.send - a.start] * a.n
+            call += [a.sent - a.send] * a.n
+        sizes = sorted(a.n for a in self.applies if a.n)
+        busy = sum(a.end - a.start for a in self.applies if a.n)
+        cpu = sum(a.cpu for a in self.applies if a.n)
+
+        def ms(values: list[float]) -> str:
+            p50, p99 = percentile(values, 0.5) * 1e3, percentile(values, 0.99) * 1e3
+            return f"p50 {p50:5.1f} / p99 {p99:5.1f} ms"
+
+        return [
+            f"  stages per event: queued {ms(wait)}; preparing the call {ms(prep)}; "
+            f"the Redis call {ms(call)}",
+            f"  {len(sizes)} applies of p50 {sizes[len(sizes) // 2]}, max {sizes[-1]} events; "
+            f"the publisher's thread: {busy:.2f} s in applies, {cpu:.2f} s of it on a CPU "
+            f"({cpu / max(busy, 1e-9):.0%}); per event {cpu / sum(sizes) * 1e6:.1f} us of its "
+            f"CPU, Redis {self._usec / self._events:.1f} us (EVALSHA)",
+        ]
+
+
+def emit_to_child_apply(url: str, rate: float, seconds: float) -> str:
+    """The reference for a publisher off the engine's interpreter: the same run, the log's
+    writer handing each committed batch's records through a pipe to another process (this
+    script with ``--child-apply``) that applies them (``apply_records``) and notes when. No
+    claim, catch-up or reconciliation: only the path an event takes, to see what the engine's
+    interpreter costs the in-process publisher."""
+    events = engine_events(int(rate * seconds), seed=3)
+    client = redis.Redis.from_url(url)
+    ns = f"bench-{uuid.uuid4().hex[:8]}"
+    SharedRegistry(client, ns)  # creates the namespace before the child reads it
+    child = subprocess.Popen(
+        [sys.executable, __file__, "--url", url, "--child-apply", ns],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=False,
+    )
+    assert child.stdin is not None
+    out = child.stdin.fileno()
+    with contextlib.suppress(OSError):  # a pipe of 1 MiB, so the writer does not wait on it
+        fcntl.fcntl(out, F_SETPIPE_SZ, 1 << 20)
+
+    def hand_over(batch: Sequence[tuple[AnyEvent, bytes]]) -> None:
+        blob = msgpack.packb([record for _, record in batch])
+        os.write(out, len(blob).to_bytes(4, "big") + blob)
+
+    try:
+        assert child.stdout is not None and child.stdout.readline().strip() == b"ready"
+        with tempfile.TemporaryDirectory() as tmp:
+            log = EventLog(str(Path(tmp) / "events.db"))
+            log.on_commit(hand_over, worker_id=1)
+            try:
+                emitted = paced(log.append, events, rate)
+                got = len(emitted) / (emitted[-1] - emitted[0])
+                log.flush()
+                committed = [(n - 1, at) for n, at in log.commit_times]
+            finally:
+                log.close()
+        child.stdin.close()
+        seen, calls = json.loads(child.stdout.read())
+        applied = [tuple(a) for a in seen]
+        per_event = [seconds for n, seconds in calls for _ in range(n)]
+        child.wait(30)
+    finally:
+        child.kill()
+        SharedRegistry(client, ns).delete_namespace()
+    return "\n".join(
+        (
+            summary("reference, committed", delays(emitted, committed), got, log.max_delay),
+            summary(
+                "reference, applied by another process",
+                delays(emitted, applied),  # type: ignore[arg-type]
+                got,
+                log.max_delay,
+            ),
+            f"  the Redis call per event there: p50 {percentile(per_event, 0.5) * 1e3:.1f} / "
+            f"p99 {percentile(per_event, 0.99) * 1e3:.1f} ms; {len(calls)} applies of p50 "
+            f"{statistics.median(n for n, _ in calls):.0f} events",
+        )
+    )
+
+
+def child_apply(url: str, namespace: str) -> None:
+    """``--child-apply``: apply the record batches framed on stdin until it closes, all that
+    waits in one apply (as the publisher's thread takes all its queue holds); print (newest
+    applied id, when) of each apply as JSON."""
+    reg = SharedRegistry(redis.Redis.from_url(url), namespace)
+    reg.apply_records(1, [])  # loads the script
+    run = reg.transport.run
+    calls: list[tuple[int, float]] = []  # (events, seconds) of each Redis call
+
+    def timed_run(commands: Any) -> Any:
+        start = time.monotonic()
+        replies = run(commands)
+        calls.append((len(records), time.monotonic() - start))
+        return replies
+
+    reg.transport.run = timed_run  # type: ignore[method-assign]
+    print("ready", flush=True)
+    fd = sys.stdin.fileno()
+    seen = []
+    buf = b""
+    while chunk := os.read(fd, 1 << 20):
+        buf += chunk
+        records: list[bytes] = []
+        while len(buf) >= 4 and len(buf) >= 4 + (size := int.from_bytes(buf[:4], "big")):
+            records += msgpack.unpackb(buf[4 : 4 + size])
+            buf = buf[4 + size :]
+        if records:
+            seen.append((reg.apply_records(1, records).last_event_id, time.monotonic()))
+    print(json.dumps([seen, calls]), flush=True)
+
+
 CLUSTER_WORKERS = 6
+F_SETPIPE_SZ = 1031  # Linux
 
 
 def cluster_main(args: argparse.Namespace) -> None:

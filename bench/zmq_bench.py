@@ -434,7 +434,17 @@ def main() -> None:
     p.add_argument("--stamp", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--rate", type=float, default=15_000, help="emit-to-send: events/s")
     p.add_argument("--seconds", type=float, default=4.0, help="emit-to-send: run length")
+    p.add_argument("--emit-only", action="store_true", help="only the emit-to-send run")
+    p.add_argument(
+        "--switch-interval",
+        type=float,
+        default=None,
+        help="a diagnosis, not a setting to ship: the interpreter's switch interval (s) for "
+        "the run, to see how much of the latency is threads waiting for the interpreter",
+    )
     args = p.parse_args()
+    if args.switch_interval is not None:
+        sys.setswitchinterval(args.switch_interval)
     if args.drain:
         drain_side(args.drain, args.expected, args.stamp)
         return
@@ -443,6 +453,10 @@ def main() -> None:
         return
     if args.dynamo_side:
         dynamo_side(args.requests, args.rounds)
+        return
+    if args.emit_only:
+        print(f"load average {os.getloadavg()[0]:.2f}")
+        print(emit_to_send(args.rate, args.seconds))
         return
     events = make_events(args.requests)
     kinds: dict[str, int] = {}
