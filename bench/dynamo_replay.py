@@ -39,7 +39,7 @@ from typing import Any
 BLOCK = 512
 
 
-def engine_args(g1_blocks: int, *, explicit: bool = True) -> dict[str, Any]:
+def database_args(g1_blocks: int, *, explicit: bool = True) -> dict[str, Any]:
     engine: dict[str, Any] = {"num_gpu_blocks": g1_blocks, "block_size": BLOCK}
     if explicit:
         engine.update(
@@ -91,7 +91,7 @@ def dynamo_child(
     start = time.perf_counter()
     result = run_mocker_trace_replay(
         [path],
-        extra_engine_args=engine_args(g1_blocks, explicit=explicit),
+        extra_engine_args=database_args(g1_blocks, explicit=explicit),
         capture_telemetry=True,
         telemetry_sample_interval_ms=1e12,  # a baseline and a final sample: the totals
         **extra,

@@ -34,10 +34,10 @@ def run_migrations_online() -> None:
     if connection is not None:
         _run(connection)
         return
-    engine = sa.create_engine(config.get_main_option("sqlalchemy.url") or "", poolclass=sa.NullPool)
-    with engine.connect() as conn:
+    db = sa.create_engine(config.get_main_option("sqlalchemy.url") or "", poolclass=sa.NullPool)
+    with db.connect() as conn:
         _run(conn)
-    engine.dispose()
+    db.dispose()
 
 
 if context.is_offline_mode():

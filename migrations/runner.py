@@ -40,12 +40,12 @@ def downgrade(url: str, revision: str) -> None:
 
 def current(url: str) -> str | None:
     """The database's revision; None for a blank database."""
-    engine = sa.create_engine(url, poolclass=sa.NullPool)
+    db = sa.create_engine(url, poolclass=sa.NullPool)
     try:
-        with engine.connect() as conn:
+        with db.connect() as conn:
             heads = revisions(conn)
     finally:
-        engine.dispose()
+        db.dispose()
     if len(heads) > 1:
         shown = sa.make_url(url).render_as_string(hide_password=True)
         raise CommandError(f"{shown} has several schema heads {heads}; it was migrated by hand")

@@ -63,13 +63,13 @@ def hold_write_lock(url: str) -> tuple[Any, Any]:
     writer that cannot commit, for the tests of back-pressure and commit lag."""
     import sqlalchemy as sa
 
-    engine = sa.create_engine(url)
-    conn = engine.connect()
-    if engine.dialect.name == "sqlite":
+    db = sa.create_engine(url)
+    conn = db.connect()
+    if db.dialect.name == "sqlite":
         conn.exec_driver_sql("BEGIN IMMEDIATE")
     else:
         conn.exec_driver_sql("LOCK TABLE events IN EXCLUSIVE MODE")
-    return engine, conn
+    return db, conn
 
 
 def manager_settings(tmp_path: Path, **kw: object) -> Settings:

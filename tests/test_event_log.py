@@ -200,7 +200,7 @@ def test_full_queue_slows_the_caller_and_drops_nothing(log_url: str) -> None:
         emitter = EventEmitter(log.append)
         emitter.stored(Tier.G1, None, [(0, 0)])
         log.flush()
-        engine, blocker = hold_write_lock(log_url)
+        db, blocker = hold_write_lock(log_url)
         done = threading.Event()
 
         def produce() -> None:
@@ -213,7 +213,7 @@ def test_full_queue_slows_the_caller_and_drops_nothing(log_url: str) -> None:
         assert not done.is_set(), "append did not block on a full queue"
         blocker.rollback()
         blocker.close()
-        engine.dispose()
+        db.dispose()
         producer.join(30)
         assert done.is_set()
         log.flush()
@@ -227,16 +227,16 @@ def test_writer_failure_is_reported_not_swallowed(log_url: str) -> None:
     emitter.stored(Tier.G1, None, [(1, 1)])
     log.flush()
     # Another writer steals the worker's next id: the database refuses our row.
-    engine = sa.create_engine(log_url)
-    with engine.begin() as conn:
+    db = sa.create_engine(log_url)
+    with db.begin() as conn:
         conn.exec_driver_sql(
             "INSERT INTO events (worker, event_id, kind, tier, ts, payload) "
             "VALUES (0, 1, 'removed', 1, 0.0, '')"
-            if engine.dialect.name == "sqlite"
+            if db.dialect.name == "sqlite"
             else "INSERT INTO events (worker, event_id, kind, tier, ts, payload) "
             "VALUES (0, 1, 'removed', 1, 0.0, ''::bytea)"
         )
-    engine.dispose()
+    db.dispose()
     emitter.removed(Tier.G1, [1])
     with pytest.raises(
         EventLogError,
@@ -256,8 +256,8 @@ def test_a_batch_of_several_statements_commits_whole_or_not_at_all(log_url: str)
     emitter = EventEmitter(log.append)
     emitter.stored(Tier.G1, None, [(0, 0)])
     log.flush()
-    engine = sa.create_engine(log_url)
-    with engine.begin() as conn:  # another writer takes id 900, in the batch's 2nd statement
+    db = sa.create_engine(log_url)
+    with db.begin() as conn:  # another writer takes id 900, in the batch's 2nd statement
         conn.execute(
             sa.text(
                 "INSERT INTO events (worker, event_id, kind, tier, ts, payload) "
@@ -274,10 +274,10 @@ def test_a_batch_of_several_statements_commits_whole_or_not_at_all(log_url: str)
         log.flush()
     with pytest.raises(EventLogError):
         log.close()
-    with engine.connect() as conn:
+    with db.connect() as conn:
         ids = conn.execute(sa.text("SELECT event_id FROM events ORDER BY event_id")).scalars()
         assert list(ids) == [0, 900]
-    engine.dispose()
+    db.dispose()
 
 
 # -- schema ---------------------------------------------------------------------------------
@@ -296,10 +296,10 @@ def test_older_schema_names_the_upgrade_command(log_url: str) -> None:
 
 def test_newer_schema_is_refused(log_url: str) -> None:
     runner.upgrade(log_url)
-    engine = sa.create_engine(log_url)
-    with engine.begin() as conn:
+    db = sa.create_engine(log_url)
+    with db.begin() as conn:
         conn.exec_driver_sql("UPDATE kvledger_schema_version SET version_num = '0099'")
-    engine.dispose()
+    db.dispose()
     with pytest.raises(
         SchemaError, match=r"revision '0099'.*newer kvledger.*kvledger db downgrade 0002"
     ):
@@ -307,10 +307,10 @@ def test_newer_schema_is_refused(log_url: str) -> None:
 
 
 def test_foreign_table_is_refused(log_url: str) -> None:
-    engine = sa.create_engine(log_url)
-    with engine.begin() as conn:
+    db = sa.create_engine(log_url)
+    with db.begin() as conn:
         conn.exec_driver_sql("CREATE TABLE events (x INTEGER)")
-    engine.dispose()
+    db.dispose()
     with pytest.raises(SchemaError, match="not created by kvledger"):
         EventLog(log_url)
 
@@ -348,15 +348,15 @@ def test_the_migrations_build_the_tables_the_log_declares(log_url: str) -> None:
     from kvledger.migrations import VERSION_TABLE
 
     runner.upgrade(log_url)
-    engine = sa.create_engine(log_url)
+    db = sa.create_engine(log_url)
     try:
-        with engine.connect() as conn:
+        with db.connect() as conn:
             context = MigrationContext.configure(
                 conn, opts={"version_table": VERSION_TABLE, "compare_type": True}
             )
             assert compare_metadata(context, metadata) == []
     finally:
-        engine.dispose()
+        db.dispose()
 
 
 # -- replay ---------------------------------------------------------------------------------
@@ -399,10 +399,10 @@ def test_unreadable_checkpoint_is_skipped_and_rewritten(log_url: str) -> None:
         log.flush()
         written = replay_report(log, checkpoint_every=50).checkpoints_written
         assert written
-    engine = sa.create_engine(log_url)
-    with engine.begin() as conn:
+    db = sa.create_engine(log_url)
+    with db.begin() as conn:
         conn.execute(sa.text("UPDATE checkpoints SET snapshot = :s"), {"s": b"\x93\x01\x90\x90"})
-    engine.dispose()
+    db.dispose()
     with EventLog(log_url) as log:
         with pytest.warns(UserWarning, match="ignoring the newest checkpoint.*snapshot version 1"):
             report = replay_report(log, checkpoint_every=50)
@@ -414,10 +414,10 @@ def test_unreadable_checkpoint_is_skipped_and_rewritten(log_url: str) -> None:
 def test_corrupt_row_stops_replay_naming_its_position(log_url: str) -> None:
     with EventLog(log_url) as log:
         emit_some(EventEmitter(log.append), 20)
-    engine = sa.create_engine(log_url)
-    with engine.begin() as conn:
+    db = sa.create_engine(log_url)
+    with db.begin() as conn:
         conn.execute(sa.text("UPDATE events SET payload = :p WHERE id = 9"), {"p": b"\x91\x07"})
-    engine.dispose()
+    db.dispose()
     with pytest.raises(CodecError, match="event at position 9: "):
         replay(log_url, checkpoint_every=None)
 
@@ -425,10 +425,10 @@ def test_corrupt_row_stops_replay_naming_its_position(log_url: str) -> None:
 def test_replay_refuses_a_gap_naming_its_position(log_url: str) -> None:
     with EventLog(log_url) as log:
         emit_some(EventEmitter(log.append), 20)
-    engine = sa.create_engine(log_url)
-    with engine.begin() as conn:
+    db = sa.create_engine(log_url)
+    with db.begin() as conn:
         conn.exec_driver_sql("DELETE FROM events WHERE id = 5")
-    engine.dispose()
+    db.dispose()
     with pytest.raises(EventOrderError, match="position 6: worker 0: event 5 follows 3"):
         replay(log_url)
 

@@ -1,5 +1,5 @@
 """The log rides out a database it loses for a while: a PostgreSQL connection terminated or a
-server restarted in the middle of an engine-on run, a SQLite file locked by another process.
+server restarted in the middle of an db-on run, a SQLite file locked by another process.
 Appends wait under the usual back-pressure, the writer reconnects, and nothing is lost or
 written twice; past ``event_log_retry_s`` the run stops with one line.
 """
@@ -37,15 +37,15 @@ def _simulate(url: str, state: Path, **env: str) -> subprocess.Popen[str]:
 
 def _rows(url: str) -> tuple[int, int, int]:
     """(rows, distinct (worker, event id), newest id + 1) of the worker 0 stream."""
-    engine = sa.create_engine(url)
+    db = sa.create_engine(url)
     try:
-        with engine.connect() as conn:
+        with db.connect() as conn:
             rows, distinct, top = conn.exec_driver_sql(
                 "SELECT count(*), count(DISTINCT (worker, event_id)), max(event_id) + 1 "
                 "FROM events WHERE worker = 0"
             ).one()
     finally:
-        engine.dispose()
+        db.dispose()
     return int(rows), int(distinct), int(top or 0)
 
 
@@ -155,7 +155,7 @@ def test_a_locked_sqlite_file_is_waited_for(tmp_path: Path) -> None:
     with EventLog(url, max_delay=0.05, retry_for=30) as log:
         log.append_many(events[:50])
         log.flush()
-        engine, conn = hold_write_lock(url)
+        db, conn = hold_write_lock(url)
         release = threading.Timer(7.0, lambda: (conn.rollback(), conn.close()))
         release.start()
         started = time.monotonic()
@@ -163,7 +163,7 @@ def test_a_locked_sqlite_file_is_waited_for(tmp_path: Path) -> None:
         log.flush()
         waited = time.monotonic() - started
         release.join()
-        engine.dispose()
+        db.dispose()
         assert waited > 5  # it really was held up, then got through
         assert log.outages == 1
         assert list(log.read()) == events
@@ -173,7 +173,7 @@ def test_a_lock_held_past_the_limit_fails_in_one_line(tmp_path: Path) -> None:
     url = f"sqlite:///{tmp_path / 'events.db'}"
     events = worker_events(1, 0, 40, prompt_pool(1))
     log = EventLog(url, retry_for=1)
-    engine, conn = hold_write_lock(url)
+    db, conn = hold_write_lock(url)
     try:
         log.append_many(events)
         with pytest.raises(EventLogError) as failed:
@@ -185,6 +185,6 @@ def test_a_lock_held_past_the_limit_fails_in_one_line(tmp_path: Path) -> None:
     finally:
         conn.rollback()
         conn.close()
-        engine.dispose()
+        db.dispose()
         with pytest.raises(EventLogError):
             log.close()

@@ -218,7 +218,7 @@ def test_agrees_with_dynamos_mocker_replay_within_five_percent(trace_slice: Path
     tokens (tight enough to preempt): TTFT p50/p99, mean TPOT, preemptions and the token hit
     rate over every admission within 5% of what Dynamo's own replay reports."""
     core = pytest.importorskip("dynamo._core", reason="ai-dynamo-runtime is not installed")
-    engine_args = {
+    database_args = {
         "num_gpu_blocks": G1_BLOCKS,
         "block_size": 512,
         "max_num_seqs": 256,
@@ -229,7 +229,7 @@ def test_agrees_with_dynamos_mocker_replay_within_five_percent(trace_slice: Path
     }
     result = core.run_mocker_trace_replay(
         [str(trace_slice)],
-        extra_engine_args={"engine": engine_args},
+        extra_engine_args={"engine": database_args},
         capture_telemetry=True,
         telemetry_sample_interval_ms=1e12,
     )

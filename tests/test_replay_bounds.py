@@ -44,13 +44,13 @@ def write_two_workers(url: str, events_each: int, seed: int = 3) -> None:
 
 def rows_of(url: str) -> list[tuple[int, int, int]]:
     """(position, worker, event_id) of every row, in order."""
-    engine = sa.create_engine(url)
+    db = sa.create_engine(url)
     try:
-        with engine.connect() as conn:
+        with db.connect() as conn:
             result = conn.exec_driver_sql("SELECT id, worker, event_id FROM events ORDER BY id")
             return [(int(p), int(w), int(e)) for p, w, e in result]
     finally:
-        engine.dispose()
+        db.dispose()
 
 
 def expected_state(url: str, until: int | None, until_ts: float | None = None) -> RegistryState:
@@ -110,9 +110,9 @@ def test_a_checkpoint_row_whose_columns_changed_is_refused(
     write_two_workers(url, 60)
     with EventLog(url) as log:
         replay(log, checkpoint_every=50)
-    engine = sa.create_engine(url)
+    db = sa.create_engine(url)
     try:
-        with engine.begin() as conn:
+        with db.begin() as conn:
             position, value = conn.execute(
                 sa.select(checkpoints.c.position, checkpoints.c[column])
                 .order_by(checkpoints.c.position)
@@ -125,7 +125,7 @@ def test_a_checkpoint_row_whose_columns_changed_is_refused(
                 .values({column: change(value)})
             )
     finally:
-        engine.dispose()
+        db.dispose()
     with EventLog(url, read_only=True) as log, pytest.warns(UserWarning, match="differ from"):
         if column == "max_event_id":
             state = replay(log, until_event_id=3, checkpoint_every=None)
@@ -152,12 +152,12 @@ def test_a_damaged_event_id_column_cannot_stop_the_read_early(
     rows = rows_of(url)
     # worker 0's event 40: its column now says 900, as if it were beyond the bound
     position = next(p for p, w, e in rows if (w, e) == (0, 40))
-    engine = sa.create_engine(url)
+    db = sa.create_engine(url)
     try:
-        with engine.begin() as conn:
+        with db.begin() as conn:
             conn.exec_driver_sql(f"UPDATE events SET event_id = 900 WHERE id = {position}")
     finally:
-        engine.dispose()
+        db.dispose()
     with EventLog(url, read_only=True) as log:
         report = replay_report(log, until_event_id=40, use_checkpoints=False)
     assert report.state.last_event_id == {0: 40, 1: 40}

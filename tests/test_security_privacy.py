@@ -87,10 +87,10 @@ def run_manager(tmp_path: Path, namespace: str, token_ids: str) -> dict[str, Any
         replay_batches = [batch for _, batch in replayed.replay(0)]
         replayed.close()
         log_url = mgr.settings.log_url
-    engine = sa.create_engine(log_url)
-    with engine.connect() as conn:
+    db = sa.create_engine(log_url)
+    with db.connect() as conn:
         payloads = [bytes(row[0]) for row in conn.exec_driver_sql("SELECT payload FROM events")]
-    engine.dispose()
+    db.dispose()
     with EventLog(log_url, read_only=True) as log:
         logged = list(log.read(worker_id=5))
     client = redis.Redis.from_url(REDIS_URL)

@@ -20,7 +20,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from kvledger.events.codec import decode
 from kvledger.events.log import reader
 from kvledger.events.log.core import EventLogError, LogCore
-from kvledger.events.log.engine import Durability, make_async_engine
+from kvledger.events.log.database import Durability, open_async_database
 from kvledger.events.log.rows import InsertStatements, max_params
 from kvledger.events.log.schema import SchemaError, check_schema, shown_url
 from kvledger.events.types import AnyEvent, LogRecord, Lookup, Released, RunInfo
@@ -51,21 +51,21 @@ class AsyncEventLog(LogCore):
         )
         self.url = url
         self.create = create
-        self._engine: AsyncEngine = make_async_engine(url, durability)
+        self._db: AsyncEngine = open_async_database(url, durability)
         self._changed: asyncio.Condition | None = None
         self._writer: asyncio.Task[None] | None = None
 
     async def open(self) -> AsyncEventLog:
         """Check (or, for a blank database, create) the schema and start the writer task."""
         try:
-            async with self._engine.connect() as conn:
+            async with self._db.connect() as conn:
                 if not await conn.run_sync(check_schema, self.url):
                     if not self.create:
                         raise SchemaError(f"{shown_url(self.url)} holds no event log")
                     await conn.run_sync(_upgrade, self.url)
                     await conn.commit()
         except BaseException:
-            await self._engine.dispose()
+            await self._db.dispose()
             raise
         self._changed = asyncio.Condition()
         self._writer = asyncio.create_task(self._run_writer(), name="kvledger-async-log-writer")
@@ -144,14 +144,14 @@ class AsyncEventLog(LogCore):
                 cond.notify_all()
             await self._writer
         self._closing = True
-        await self._engine.dispose()
+        await self._db.dispose()
         self._raise_writer_failure()
 
     async def _run_writer(self) -> None:
         cond = self._cond()
         backlog = self._backlog
         try:
-            async with self._engine.connect() as conn:
+            async with self._db.connect() as conn:
                 statements = InsertStatements(
                     conn.dialect.paramstyle, max_params(conn.dialect.name)
                 )
@@ -180,7 +180,7 @@ class AsyncEventLog(LogCore):
                 cond.notify_all()
 
     async def _last_committed_id(self, worker: int) -> int:
-        async with self._engine.connect() as conn:
+        async with self._db.connect() as conn:
             value = await conn.scalar(reader.last_id_query(worker))
         return -1 if value is None else int(value)
 
@@ -200,7 +200,7 @@ class AsyncEventLog(LogCore):
         stmt = reader.select_rows(
             worker_id=worker_id, after_event_id=after_event_id, until_event_id=until_event_id
         )
-        async with self._engine.connect() as conn:
+        async with self._db.connect() as conn:
             result = await conn.stream(stmt)
             async for position, ts, payload in result:
                 if until_ts is not None and ts > until_ts:

@@ -21,7 +21,7 @@ class Checkpoint:
     state: RegistryState
 
 
-def save_checkpoint(engine: sa.Engine, position: int, state: RegistryState, max_ts: float) -> None:
+def save_checkpoint(db: sa.Engine, position: int, state: RegistryState, max_ts: float) -> None:
     """Store ``state`` as the fold of every row up to ``position``.
 
     One there already is replaced: it holds the same fold, unless it was written in an older
@@ -35,7 +35,7 @@ def save_checkpoint(engine: sa.Engine, position: int, state: RegistryState, max_
         # the columns replay selects a checkpoint by, under the snapshot's checksum
         "snapshot": encode_state(state, (position, max_event_id, max_ts)),
     }
-    with engine.begin() as conn:
+    with db.begin() as conn:
         exists = conn.execute(
             sa.select(checkpoints.c.id).where(checkpoints.c.position == position)
         ).first()
@@ -46,7 +46,7 @@ def save_checkpoint(engine: sa.Engine, position: int, state: RegistryState, max_
 
 
 def latest_checkpoint(
-    engine: sa.Engine,
+    db: sa.Engine,
     *,
     max_position: int | None = None,
     max_event_id: int | None = None,
@@ -65,7 +65,7 @@ def latest_checkpoint(
         stmt = stmt.where(c.max_event_id <= max_event_id)
     if max_ts is not None:
         stmt = stmt.where(c.max_ts <= max_ts)
-    with engine.connect() as conn:
+    with db.connect() as conn:
         row = conn.execute(stmt.order_by(c.position.desc()).limit(1)).first()
     if row is None:
         return None

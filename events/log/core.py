@@ -15,7 +15,7 @@ from time import monotonic
 
 import sqlalchemy as sa
 
-from kvledger.events.log.engine import Durability
+from kvledger.events.log.database import Durability
 from kvledger.events.log.rows import Row, to_row, to_row_without_tokens
 from kvledger.events.log.schema import shown_url
 from kvledger.events.types import lookup_stream

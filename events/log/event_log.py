@@ -30,7 +30,7 @@ import sqlalchemy as sa
 from kvledger.events.log import checkpoints, reader
 from kvledger.events.log.checkpoints import Checkpoint
 from kvledger.events.log.core import LogCore, is_outage, outage_failure
-from kvledger.events.log.engine import Durability, make_engine, open_read_only
+from kvledger.events.log.database import Durability, open_database, open_read_only
 from kvledger.events.log.reader import READ_CHUNK, LogSummary
 from kvledger.events.log.rows import InsertStatements, Row, copy_rows, max_params
 from kvledger.events.log.schema import (
@@ -124,13 +124,13 @@ class EventLog(LogCore):
         self.writable = True
         """False when a read-only log lies where it cannot be written (no checkpoints then)."""
         if read_only and parsed.get_backend_name() == "sqlite":
-            self._engine, self.writable = open_read_only(self.url)
+            self._db, self.writable = open_read_only(self.url)
         else:
-            self._engine = make_engine(self.url, durability)
+            self._db = open_database(self.url, durability)
         try:
             self._open_schema(create and not read_only)
         except BaseException:
-            self._engine.dispose()
+            self._db.dispose()
             raise
         self._lock = threading.Lock()
         self._wake_writer = threading.Condition(self._lock)
@@ -151,7 +151,7 @@ class EventLog(LogCore):
     # -- schema -------------------------------------------------------------------------------
 
     def _open_schema(self, create: bool) -> None:
-        with self._engine.connect() as conn:
+        with self._db.connect() as conn:
             if check_schema(conn, self.url):
                 return
             if not create:
@@ -257,7 +257,7 @@ class EventLog(LogCore):
         return now
 
     def _last_committed_id(self, worker: int) -> int:
-        with self._engine.connect() as conn:
+        with self._db.connect() as conn:
             value = conn.execute(reader.last_id_query(worker)).scalar()
         return -1 if value is None else int(value)
 
@@ -294,7 +294,7 @@ class EventLog(LogCore):
             self._writer.join()
             _open_logs.discard(self)
         self._closed = True
-        self._engine.dispose()
+        self._db.dispose()
         self._raise_writer_failure()
 
     def __enter__(self) -> EventLog:
@@ -327,7 +327,7 @@ class EventLog(LogCore):
         pause = _FIRST_PAUSE
         while True:
             try:
-                with _Writer(self._engine) as writer:
+                with _Writer(self._db) as writer:
                     if batch:  # the batch the outage interrupted
                         writer.commit(self._not_yet_committed(batch))
                         self._committed(batch, events)
@@ -579,7 +579,7 @@ class EventLog(LogCore):
             until_position=until_position,
             columns=columns,
         )
-        return reader.read_chunks(self._engine, stmt, chunk_size)
+        return reader.read_chunks(self._db, stmt, chunk_size)
 
     def last_event_id(self, worker_id: int) -> int:
         """The worker's newest event id accepted by this log (queued or committed); -1 if none."""
@@ -589,7 +589,7 @@ class EventLog(LogCore):
 
     def last_position(self) -> int:
         """The newest committed row's position; 0 for an empty log."""
-        return reader.last_position(self._engine)
+        return reader.last_position(self._db)
 
     def last_position_until(self, event_id: int) -> tuple[int, dict[int, int]]:
         """By the columns: the position of the last row that holds a transition with an id up
@@ -598,14 +598,14 @@ class EventLog(LogCore):
         that is lower). No
         later row holds one: a worker's ids grow with the position. What ``replay --until``
         reads up to."""
-        return reader.last_position_until(self._engine, event_id)
+        return reader.last_position_until(self._db, event_id)
 
     def tail_start(self, count: int) -> int:
         """The position after which the newest ``count`` events lie (``kvledger tail -n``)."""
-        return reader.tail_start(self._engine, count)
+        return reader.tail_start(self._db, count)
 
     def summary(self) -> LogSummary:
-        return reader.summary(self._engine)
+        return reader.summary(self._db)
 
     # -- checkpoints --------------------------------------------------------------------------
 
@@ -617,7 +617,7 @@ class EventLog(LogCore):
         """
         if not self.writable:
             return False
-        checkpoints.save_checkpoint(self._engine, position, state, max_ts)
+        checkpoints.save_checkpoint(self._db, position, state, max_ts)
         return True
 
     def latest_checkpoint(
@@ -629,7 +629,7 @@ class EventLog(LogCore):
     ) -> Checkpoint | None:
         """The newest checkpoint that covers no event beyond the given bounds."""
         return checkpoints.latest_checkpoint(
-            self._engine, max_position=max_position, max_event_id=max_event_id, max_ts=max_ts
+            self._db, max_position=max_position, max_event_id=max_event_id, max_ts=max_ts
         )
 
 
@@ -644,12 +644,12 @@ class _Writer:
     SQLAlchemy opens and closes a cursor per statement). A connection that failed is thrown
     away, not given back to the pool."""
 
-    def __init__(self, engine: sa.Engine) -> None:
-        self._engine = engine
+    def __init__(self, db: sa.Engine) -> None:
+        self._db = db
         self._conn: sa.Connection | None = None
 
     def __enter__(self) -> _Writer:
-        conn = self._conn = self._engine.connect()
+        conn = self._conn = self._db.connect()
         self.statements = InsertStatements(conn.dialect.paramstyle, max_params(conn.dialect.name))
         dbapi = conn.connection.dbapi_connection
         assert dbapi is not None

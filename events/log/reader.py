@@ -63,7 +63,7 @@ def select_rows(
 
 
 def read_chunks(
-    engine: sa.Engine, stmt: sa.Select[Any], chunk_size: int = READ_CHUNK
+    db: sa.Engine, stmt: sa.Select[Any], chunk_size: int = READ_CHUNK
 ) -> Generator[list[tuple[Any, ...]], None, None]:
     """The rows of ``stmt`` in lists of up to ``chunk_size``: what replay folds a list at a time.
 
@@ -71,7 +71,7 @@ def read_chunks(
     tuples: wrapping each row in a ``Row`` would cost replay half its speed. Other databases
     stream through a server-side cursor, so a long log is never loaded whole.
     """
-    with engine.connect() as conn:
+    with db.connect() as conn:
         if conn.dialect.name == "sqlite":
             # Every bound is an int, so inlining them as literals is exact and safe.
             sql = str(stmt.compile(conn, compile_kwargs={"literal_binds": True}))
@@ -115,30 +115,30 @@ def last_id_query(worker: int) -> sa.Select[Any]:
     return sa.select(sa.func.max(events.c.event_id)).where(events.c.worker == worker)
 
 
-def last_position(engine: sa.Engine) -> int:
+def last_position(db: sa.Engine) -> int:
     """The newest committed row's position; 0 for an empty log."""
-    with engine.connect() as conn:
+    with db.connect() as conn:
         value = conn.execute(sa.select(sa.func.max(events.c.id))).scalar()
     return 0 if value is None else int(value)
 
 
-def tail_start(engine: sa.Engine, count: int) -> int:
+def tail_start(db: sa.Engine, count: int) -> int:
     """The position after which the newest ``count`` transitions lie (lookup records, which
     ``read`` leaves out, not counted); 0 when the log holds fewer."""
     c = events.c
     if count <= 0:
-        return last_position(engine)
+        return last_position(db)
     stmt = sa.select(c.id).where(c.worker >= 0).order_by(c.id.desc()).offset(count - 1).limit(1)
-    with engine.connect() as conn:
+    with db.connect() as conn:
         value = conn.execute(stmt).scalar()
     return 0 if value is None else int(value) - 1
 
 
-def summary(engine: sa.Engine) -> LogSummary:
+def summary(db: sa.Engine) -> LogSummary:
     """Row counts by kind and tier, each worker's id range, positions, times and checkpoints."""
     c = events.c
     out = LogSummary()
-    with engine.connect() as conn:
+    with db.connect() as conn:
         rows, first, last, t0, t1 = conn.execute(
             sa.select(
                 sa.func.count(),
@@ -181,7 +181,7 @@ _WORKERS = sa.text(
 )
 
 
-def last_position_until(engine: sa.Engine, event_id: int) -> tuple[int, dict[int, int]]:
+def last_position_until(db: sa.Engine, event_id: int) -> tuple[int, dict[int, int]]:
     """By the columns: the position of the last row holding a transition with an id up to
     ``event_id`` (0 when none does), and the id each worker reaches within the bound: its
     newest id, or ``event_id`` when it goes further. Two index seeks per worker (``(worker,
@@ -189,7 +189,7 @@ def last_position_until(engine: sa.Engine, event_id: int) -> tuple[int, dict[int
     c = events.c
     newest = 0
     ids: dict[int, int] = {}
-    with engine.connect() as conn:
+    with db.connect() as conn:
         workers = [int(w) for (w,) in conn.execute(_WORKERS)]
         for worker in workers:
             row = conn.execute(

@@ -9,7 +9,7 @@ from pathlib import Path
 import sqlalchemy as sa
 
 from kvledger.commands.args import log_location
-from kvledger.events.log.engine import prepare_sqlite_file
+from kvledger.events.log.database import prepare_sqlite_file
 from kvledger.events.log.schema import (
     KNOWN_REVISIONS,
     SCHEMA_HEAD,

@@ -82,7 +82,7 @@ from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
 
 from kvledger import replay
-from kvledger.events.log.engine import make_engine
+from kvledger.events.log.database import open_database
 from kvledger.events.log.reader import decode_rows, read_chunks, select_rows
 from kvledger.events.types import Onboarded, Tier
 from kvledger.integrations.vllm.disk_tier import KvledgerDiskTier
@@ -427,16 +427,16 @@ def blocks_of(prompt: list[int]) -> list[torch.Tensor]:
 
 def onboarded_from_g4(log_url: str) -> set[int]:
     """The blocks the log says came from another worker (``Onboarded(G4 -> ...)``)."""
-    engine = make_engine(log_url)
+    db = open_database(log_url)
     try:
         found: set[int] = set()
-        for rows in read_chunks(engine, select_rows()):
+        for rows in read_chunks(db, select_rows()):
             for _, event in decode_rows(rows):
                 if isinstance(event, Onboarded) and event.src_tier == Tier.G4:
                     found.update(event.sequence_hashes)
         return found
     finally:
-        engine.dispose()
+        db.dispose()
 
 
 @pytest.fixture

@@ -1,6 +1,7 @@
-"""SQL engine setup for the event log: one place that turns a URL and a durability into an
-engine, for the threaded log (``make_engine``, ``open_read_only``) and the asyncio log
-(``make_async_engine``)."""
+"""The event log's database: one place that turns a URL and a durability into a SQLAlchemy
+engine, for the threaded log (``open_database``, ``open_read_only``) and the asyncio log
+(``open_async_database``). In kvledger an "engine" is an inference engine, so a SQLAlchemy
+engine is called ``db`` here and where the log uses one."""
 
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ SQLITE_BUSY_S = 5.0
 "database is locked"; the log's writer then tries again for up to its ``retry_for``."""
 
 
-def engine_args(url: str, durability: Durability) -> tuple[sa.URL, dict[str, Any], str | None]:
+def database_args(url: str, durability: Durability) -> tuple[sa.URL, dict[str, Any], str | None]:
     """(URL, create_engine keyword arguments, SQLite ``synchronous`` pragma or None).
 
     Shared by the threaded and the asyncio log so both honour ``durability`` the same way.
@@ -59,10 +60,10 @@ def engine_args(url: str, durability: Durability) -> tuple[sa.URL, dict[str, Any
     return parsed, {"hide_parameters": True}, None
 
 
-def install_sqlite_pragmas(engine: sa.Engine, synchronous: str) -> None:
+def install_sqlite_pragmas(db: sa.Engine, synchronous: str) -> None:
     """WAL (readers never block the writer) and the durability's ``synchronous`` level."""
 
-    @sa.event.listens_for(engine, "connect")
+    @sa.event.listens_for(db, "connect")
     def _pragmas(dbapi_conn: Any, _record: Any) -> None:
         cur = dbapi_conn.cursor()
         cur.execute("PRAGMA journal_mode=WAL")
@@ -85,26 +86,26 @@ def prepare_sqlite_file(url: str | sa.URL) -> None:
         check_private(f"{path}-wal", f"{path}-shm")
 
 
-def make_engine(url: str, durability: Durability = "batch") -> sa.Engine:
+def open_database(url: str, durability: Durability = "batch") -> sa.Engine:
     """An engine with the settings that ``durability`` asks for (a new SQLite file is made
     readable by its owner only)."""
-    parsed, kwargs, synchronous = engine_args(url, durability)
+    parsed, kwargs, synchronous = database_args(url, durability)
     prepare_sqlite_file(parsed)
-    engine = sa.create_engine(parsed, **kwargs)
+    db = sa.create_engine(parsed, **kwargs)
     if synchronous is not None:
-        install_sqlite_pragmas(engine, synchronous)
-    return engine
+        install_sqlite_pragmas(db, synchronous)
+    return db
 
 
-def make_async_engine(url: str, durability: Durability = "batch") -> AsyncEngine:
-    """``make_engine`` for SQLAlchemy's asyncio engine (``sqlite+aiosqlite``,
+def open_async_database(url: str, durability: Durability = "batch") -> AsyncEngine:
+    """``open_database`` for SQLAlchemy's asyncio engine (``sqlite+aiosqlite``,
     ``postgresql+psycopg``)."""
-    parsed, kwargs, synchronous = engine_args(url, durability)
+    parsed, kwargs, synchronous = database_args(url, durability)
     prepare_sqlite_file(parsed)
-    engine = create_async_engine(parsed, **kwargs)
+    db = create_async_engine(parsed, **kwargs)
     if synchronous is not None:
-        install_sqlite_pragmas(engine.sync_engine, synchronous)
-    return engine
+        install_sqlite_pragmas(db.sync_engine, synchronous)
+    return db
 
 
 def open_read_only(url: str) -> tuple[sa.Engine, bool]:
@@ -126,14 +127,14 @@ def open_read_only(url: str) -> tuple[sa.Engine, bool]:
         def connect(target: str = target, uri: bool = bool(query)) -> sqlite3.Connection:
             return sqlite3.connect(target, uri=uri, timeout=30, check_same_thread=False)
 
-        engine = sa.create_engine(parsed, creator=connect, hide_parameters=True)
+        db = sa.create_engine(parsed, creator=connect, hide_parameters=True)
         try:
-            with engine.connect() as conn:
+            with db.connect() as conn:
                 conn.exec_driver_sql("SELECT count(*) FROM sqlite_master").scalar()
         except sa.exc.OperationalError as exc:
-            engine.dispose()
+            db.dispose()
             failure = exc
             continue
-        return engine, not query and os.access(path, os.W_OK)
+        return db, not query and os.access(path, os.W_OK)
     assert failure is not None
     raise failure
