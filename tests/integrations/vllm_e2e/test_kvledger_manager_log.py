@@ -82,7 +82,7 @@ def test_the_managers_own_log_takes_the_event_log_settings(
     assert log is not None and log.max_delay == 0.2
     buffer = m._worker.buffer  # the builder's buffer in front of the log
     assert buffer is not None and buffer.max_hold == 0.05  # a quarter of it
-    with log._engine.connect() as conn:  # fsync: SQLite's synchronous=FULL
+    with log._db.connect() as conn:  # fsync: SQLite's synchronous=FULL
         assert conn.exec_driver_sql("PRAGMA synchronous").scalar() == 2
     m.shutdown()
     monkeypatch.setenv("KVLEDGER_EVENT_LOG_DURABILITY", "sometimes")
