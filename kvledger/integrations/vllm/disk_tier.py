@@ -60,6 +60,7 @@ from vllm.v1.kv_offload.base import (
 )
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
 
+from kvledger.events.files import private_folder
 from kvledger.events.types import AnyEvent, BlockInfo, Cleared, Offloaded, Removed, Tier
 from kvledger.integrations.vllm.keys import RequestChunks, key_hash
 from kvledger.integrations.vllm.tier_worker import TierWorker, open_tier_worker, release
@@ -201,6 +202,9 @@ class KvledgerDiskTier(SecondaryTierManager):  # type: ignore[misc]  # vLLM is u
                     f"{tier_type}: worker_id must be a non-negative integer, got {worker_id!r}"
                 )
             directory = Path(data_dir or os.environ.get("KVLEDGER_DATA_DIR") or "kvledger-data")
+            # before the log: its file usually lies in the tier's folder, which the log will
+            # not create (it refuses a missing folder rather than guess its mode)
+            private_folder(directory)
             worker = open_tier_worker(
                 worker_id, log_url=log_url, redis_url=redis_url, redis_namespace=redis_namespace
             )

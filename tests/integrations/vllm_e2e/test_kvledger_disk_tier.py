@@ -201,3 +201,16 @@ def test_a_job_outside_the_cpu_tier_fails_without_raising(
     assert not results[1].success and not results[2].success
     assert not tier.pool.resident_blocks()
     tier.shutdown()
+
+
+def test_a_log_inside_a_data_dir_not_made_yet_opens(tmp_path: Path, cpu: torch.Tensor) -> None:
+    """The usual setting, ``log_url`` in the tier's own ``data_dir`` on a fresh machine: the
+    tier makes its folder (owner-only) before its log opens there."""
+    folder = tmp_path / "fresh" / "g3"
+    tier = make_tier(tmp_path, cpu, data_dir=str(folder), log_url=f"sqlite:///{folder / 'g3.db'}")
+    try:
+        tier.submit_store(job(1, keys(1), [0]))
+        assert drain(tier)[1].success
+        assert (folder / "g3.db").exists() and folder.stat().st_mode & 0o777 == 0o700
+    finally:
+        tier.shutdown()
