@@ -295,11 +295,6 @@ def _removed(event: Removed) -> bytes:
 
 
 def _copied(event: Offloaded | Onboarded) -> bytes:
-    data = _copied_body(event)
-    return data + _CRC_LE(crc32(data))
-
-
-def _copied_body(event: Offloaded | Onboarded) -> bytes:
     head = _head(event, KIND_CODES[type(event)])
     infos = event.blocks
     n = len(infos)
@@ -363,8 +358,8 @@ def _with_crc(packer: Callable[[Any], bytes]) -> Callable[[Any], bytes]:
 ENCODERS: dict[type[LogRecord], Callable[[Any], bytes]] = {
     Stored: _stored,
     Removed: _removed,
-    Offloaded: _copied,
-    Onboarded: _copied,
+    Offloaded: _with_crc(_copied),
+    Onboarded: _with_crc(_copied),
     Cleared: _with_crc(_cleared),
     Lookup: _with_crc(_lookup),
     Released: _with_crc(_released),

@@ -595,9 +595,8 @@ class EventLog(LogCore):
         """By the columns: the position of the last row that holds a transition with an id up
         to ``event_id`` (each worker's newest such row, the latest of them; 0 when none does),
         and the id each worker reaches within the bound (``event_id``, or its newest id when
-        that is lower). No
-        later row holds one: a worker's ids grow with the position. What ``replay --until``
-        reads up to."""
+        that is lower). No later row holds one: a worker's ids grow with the position. What
+        ``replay --until`` reads up to."""
         return reader.last_position_until(self._db, event_id)
 
     def tail_start(self, count: int) -> int:
@@ -675,7 +674,8 @@ class _Writer:
         conn.close()
 
     def commit(self, batch: list[Row]) -> None:
-        """Run a batch's INSERTs as one transaction and commit it.
+        """Run a batch's INSERTs (on PostgreSQL through psycopg 3: one COPY) as one
+        transaction and commit it.
 
         With ``autocommit`` (SQLite with its implicit BEGIN turned off), a batch of one
         statement runs alone: SQLite commits a statement outside a transaction as it
@@ -687,22 +687,15 @@ class _Writer:
         """
         if not batch:
             return
-        if self.copy:
-            try:
-                copy_rows(self.cursor, batch)
-                self.dbapi.commit()
-            except BaseException:
-                with contextlib.suppress(Exception):  # the connection may be gone already
-                    self.dbapi.rollback()
-                raise
-            return
-        statements = list(self.statements(batch))
         cursor = self.cursor
+        statements = [] if self.copy else list(self.statements(batch))
         if self.autocommit and len(statements) == 1:
             cursor.execute(*statements[0])
             return
         try:
-            if self.autocommit:
+            if self.copy:
+                copy_rows(cursor, batch)
+            elif self.autocommit:
                 cursor.execute("BEGIN")
             for sql, params in statements:
                 cursor.execute(sql, params)
