@@ -88,8 +88,9 @@ class NixlPages:
             self._release()
             raise
         self._rows = self.staging.layout.block_bytes_view().numpy()
+        # staging pages free to land in; those an abandoned read may still write into stay
+        # with the fetcher until ``reclaim`` names them
         self._free = list(range(staging_pages))
-        self._held: list[int] = []  # slots an abandoned read may still write into
         self._cond = threading.Condition()
         self._started = False
 
@@ -141,19 +142,16 @@ class NixlPages:
         """Up to ``wanted`` staging pages, waiting (at most a read's deadline) while all are
         busy with other threads' reads."""
         with self._cond:
-            if self._held:
-                reclaimed = set(self.fetcher.reclaim())
-                self._free += [s for s in self._held if s in reclaimed]
-                self._held = [s for s in self._held if s not in reclaimed]
+            if self.fetcher.holding:
+                self._free += self.fetcher.reclaim()
             self._cond.wait_for(lambda: bool(self._free), timeout=self.timeout_s)
             taken, self._free = self._free[:wanted], self._free[wanted:]
             return taken
 
     def _give(self, slots: list[int], held_back: Sequence[int]) -> None:
-        held = set(held_back)
+        held = set(held_back)  # the fetcher gives them back (``reclaim``) when their reads end
         with self._cond:
             self._free += [s for s in slots if s not in held]
-            self._held += [s for s in slots if s in held]
             self._cond.notify_all()
 
     # -- closing -----------------------------------------------------------------------------

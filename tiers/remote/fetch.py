@@ -240,8 +240,15 @@ class RemoteFetcher:
             self.stats.bytes += good * self.local.shape.block_bytes
         return FetchResult(plan.worker_id, good, reason, "", outcome.seconds)
 
+    @property
+    def holding(self) -> bool:
+        """Whether slots of ``held_back`` results still wait for ``reclaim``."""
+        with self._lock:
+            return bool(self._held)
+
     def reclaim(self) -> list[int]:
-        """Slots of ``held_back`` results whose reads have ended since: free to reuse now."""
+        """Slots of ``held_back`` results whose reads have ended since: free to reuse now.
+        Each is named once; the fetcher keeps the rest, so callers need no list of their own."""
         ended = self.agent.settle()
         with self._lock:
             return [slot for read_id in ended for slot in self._held.pop(read_id, [])]

@@ -218,7 +218,6 @@ class KvledgerPeerTier(SecondaryTierManager):  # type: ignore[misc]  # vLLM is u
         self._g2_rows = parts.g2.layout.block_bytes_view().numpy()
         self._io = ThreadPoolExecutor(1, thread_name_prefix="kvledger-g4-jobs")
         self._jobs: dict[int, _Job] = {}
-        self._held: list[int] = []  # pool slots an abandoned read may still write into
         self._copying: set[int] = set()  # hashes on their way into the pool
         # hashes whose read failed -> until when lookups call them a miss: a block its owner
         # reused before the registry heard of the eviction would otherwise be a HIT again at
@@ -331,11 +330,10 @@ class KvledgerPeerTier(SecondaryTierManager):  # type: ignore[misc]  # vLLM is u
     # -- completions -------------------------------------------------------------------------
 
     def get_finished_jobs(self) -> Iterable[JobResult]:
-        if self._held:
-            reclaimed = set(self.fetcher.reclaim())
+        if self.fetcher.holding:
+            reclaimed = self.fetcher.reclaim()
             if reclaimed:
-                self.pool.release([s for s in self._held if s in reclaimed])
-                self._held = [s for s in self._held if s not in reclaimed]
+                self.pool.release(reclaimed)
         done = [job for job in self._jobs.values() if job.future is None or job.future.done()]
         results = [self._finish(job) for job in done]
         for job in done:
@@ -368,8 +366,7 @@ class KvledgerPeerTier(SecondaryTierManager):  # type: ignore[misc]  # vLLM is u
 
     def _finish_load(self, job: _Job, fetched: Fetched, seconds: float) -> JobResult:
         """Name what arrived in the pool (it is exported from here on), free the rest."""
-        held = set(fetched.held_back)
-        self._held.extend(held)
+        held = set(fetched.held_back)  # the fetcher keeps them until their reads end
         landed = fetched.landed
         good_keys = [job.keys[i] for i, _ in landed]
         if landed:
