@@ -43,7 +43,7 @@ import redis
 import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
 
-from kvledger.integrations.sglang import KvledgerHiCacheStorage, page_hashes
+from kvledger.integrations.sglang import KvledgerHiCacheStorage, g3_file_name, page_hashes
 from kvledger.tiers.disk.index import ENTRY
 from kvledger.tiers.disk.peer import PeerG3
 from kvledger.tiers.disk.tier import HEADER_BYTES
@@ -157,7 +157,7 @@ def main() -> None:
                 pass
             if not line:
                 raise RuntimeError("the owner process exited before storing its pages")
-            owner_file = folder / f"hicache-g3-w{OWNER}.bin"
+            owner_file = folder / g3_file_name(OWNER)
             table = np.fromfile(owner_file.with_name(owner_file.name + ".idx"), dtype=ENTRY)
             slot_of = {int(seq): slot for slot, seq in enumerate(table["sequence_hash"].tolist())}
             slots = [slot_of[seq] for seq, _ in hashes]

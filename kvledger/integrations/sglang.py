@@ -63,6 +63,12 @@ __all__ = ["KvledgerHiCacheStorage", "page_hashes"]
 
 log = logging.getLogger(__name__)
 
+
+def g3_file_name(worker_id: int) -> str:
+    """A rank's G3 file in its ``data_dir`` (other ranks on a shared folder read it there)."""
+    return f"hicache-g3-w{worker_id}.bin"
+
+
 #: seconds before a rank whose G3 file could not be opened is tried again
 UNREADABLE_RETRY_S = 30.0
 G3_BIT = 1 << (Tier.G3 - 1)  # the shared registry's tier mask: G1=1, G2=2, G3=4, G4=8
@@ -174,7 +180,7 @@ class KvledgerHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang sh
                 _page_shape(page_bytes),
                 self.capacity_pages,
                 self.data_dir,
-                file_name=f"hicache-g3-w{self.worker_id}.bin",
+                file_name=g3_file_name(self.worker_id),
             )
         except BaseException:
             worker.close(drain_timeout=0)
@@ -322,7 +328,7 @@ class KvledgerHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang sh
     def _peer(self, worker: int) -> PeerG3 | None:
         peer = self._peers.get(worker)
         if peer is None:
-            path = self.data_dir / f"hicache-g3-w{worker}.bin"
+            path = self.data_dir / g3_file_name(worker)
             if self.nixl is not None and not path.exists():
                 return None  # the fallback: no shared file system, as between hosts
             if time.monotonic() < self._unreadable.get(worker, 0.0):
