@@ -22,7 +22,7 @@ from kvledger.commands.runlog import lookup_recorder, replay_matches
 from kvledger.config import Settings
 from kvledger.events.files import open_private, private_folder, write_private
 from kvledger.events.types import Tier
-from kvledger.mocker.cache import SimulatedCache
+from kvledger.mocker.cache import SimulatedCache, tiered_pools
 from kvledger.mocker.cluster import Cluster, ClusterEngine, ClusterWorker, cluster_summary
 from kvledger.mocker.engine import Bandwidth, EngineConfig, SimClock
 from kvledger.mocker.feeds import MemoryFeed, RedisFeed, ZmqFeed, open_feed, worker_sink
@@ -31,7 +31,6 @@ from kvledger.mocker.stats import CountingEmitter
 from kvledger.mocker.traces import TraceRequest, iter_arrivals
 from kvledger.progress import Progress
 from kvledger.registry.index import RouterIndex
-from kvledger.registry.tiered import TieredPools
 
 if TYPE_CHECKING:
     from kvledger.builder import Worker
@@ -222,15 +221,7 @@ def run_one(
                 dp_rank=0,
                 clock=clock,
             )
-            tiered = TieredPools(
-                settings.g1_blocks,
-                settings.g2_capacity,
-                settings.g3_capacity,
-                policy=settings.eviction_policy,
-                offload_filter=settings.offload_filter,
-                emitter=emitter,
-            )
-            cache = SimulatedCache(tiered)
+            cache = SimulatedCache(tiered_pools(settings, emitter))
             if logged is not None:
                 previous = logged.last_event_id
                 if previous >= 0:
@@ -238,7 +229,7 @@ def run_one(
                         f"{log_dir} already holds a run of worker {wid}; this run continues "
                         "its log after a Cleared event per tier (a restart)"
                     )
-                tiered.resume(previous)
+                cache.tiered.resume(previous)
                 if settings.log_lookups:
                     cache.lookups = lookup_recorder(logged, mine, clock)
             engine = ClusterEngine(cache, config, clock=clock)

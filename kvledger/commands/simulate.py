@@ -34,7 +34,7 @@ from kvledger.commands.cluster_args import add_cluster_args
 from kvledger.commands.runlog import lookup_recorder, replay_matches
 from kvledger.config import Settings
 from kvledger.events.types import AnyEvent, lookup_stream
-from kvledger.mocker.cache import SimulatedCache
+from kvledger.mocker.cache import SimulatedCache, tiered_pools
 from kvledger.mocker.engine import EngineConfig, MockEngine, SimClock
 from kvledger.mocker.engine_off import replay_cache
 from kvledger.mocker.stats import TIERS, CountingEmitter, SimStats
@@ -48,7 +48,7 @@ from kvledger.mocker.traces import (
 from kvledger.progress import Progress
 from kvledger.registry.emitter import EventEmitter
 from kvledger.registry.policies import POLICY_NAMES
-from kvledger.registry.tiered import OFFLOAD_FILTERS, TieredPools
+from kvledger.registry.tiered import OFFLOAD_FILTERS
 
 if TYPE_CHECKING:  # the log and metrics modules load SQLAlchemy, numpy, prometheus: only
     # a run that uses them pays for importing them (a --no-log run starts twice as fast)
@@ -263,14 +263,7 @@ def load_workload(args: argparse.Namespace, settings: Settings) -> tuple[list[Tr
 def build_cache(
     settings: Settings, emitter: EventEmitter, metrics: Metrics | None = None
 ) -> SimulatedCache:
-    tiered = TieredPools(
-        settings.g1_blocks,
-        settings.g2_capacity,
-        settings.g3_capacity,
-        policy=settings.eviction_policy,
-        offload_filter=settings.offload_filter,
-        emitter=emitter,
-    )
+    tiered = tiered_pools(settings, emitter)
     if metrics is None:
         return SimulatedCache(tiered)
     from kvledger.mocker.metered import MeteredCache

@@ -10,11 +10,15 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from kvledger.events.types import Tier
 from kvledger.registry.emitter import EventEmitter
 from kvledger.registry.lookups import LookupRecorder
 from kvledger.registry.tiered import CopyPlan, MatchResult, TieredPools
+
+if TYPE_CHECKING:  # an annotation only: the cache runs without the settings library
+    from kvledger.config import Settings
 
 
 @dataclass(slots=True)
@@ -35,6 +39,18 @@ class Admission:
     @property
     def hit_blocks(self) -> int:
         return self.match.g1 + sum(self.onboarded.values())
+
+
+def tiered_pools(settings: Settings, emitter: EventEmitter) -> TieredPools:
+    """The pools a simulated worker's cache runs on, sized and ruled by ``settings``."""
+    return TieredPools(
+        settings.g1_blocks,
+        settings.g2_capacity,
+        settings.g3_capacity,
+        policy=settings.eviction_policy,
+        offload_filter=settings.offload_filter,
+        emitter=emitter,
+    )
 
 
 class SimulatedCache:
