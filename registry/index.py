@@ -122,6 +122,16 @@ def _common(a: list[int], i: int, b: list[int], j: int, k: int) -> int:
     return lo
 
 
+def _shared_step(run: list[int], seq: int, hashes: list[int], depth: int) -> int:
+    """How many blocks of a node's ``run`` the prompt ``hashes`` goes on with from ``depth``,
+    where it holds ``seq`` (in the run): the step a walk down the prompt takes at the node."""
+    at = 0 if run[0] == seq else run.index(seq)
+    step = min(len(run) - at, len(hashes) - depth)
+    if step > 1 and run[at : at + step] != hashes[depth : depth + step]:
+        step = _common(run, at, hashes, depth, step)
+    return step
+
+
 def _matched(run: list[int], hashes: list[int], pos: int) -> int:
     """How many blocks of ``run`` match ``hashes`` from ``pos`` on, given the first does."""
     k = len(hashes) - pos
@@ -715,11 +725,7 @@ class RouterIndex:
             node = node_of.get(seq)
             bits, step = 0, 1
             if node is not None:
-                bits, run = node.bits, node.seqs
-                at = 0 if run[0] == seq else run.index(seq)
-                step = min(len(run) - at, n - depth)  # the blocks it shares the run with
-                if step > 1 and run[at : at + step] != hashes[depth : depth + step]:
-                    step = _common(run, at, hashes, depth, step)
+                bits, step = node.bits, _shared_step(node.seqs, seq, hashes, depth)
             if depth:
                 still = alive & bits
                 if still != alive:
@@ -757,11 +763,7 @@ class RouterIndex:
             node = node_of.get(seq)
             bits, step = 0, 1
             if node is not None:
-                bits, run = node.bits, node.seqs
-                at = 0 if run[0] == seq else run.index(seq)
-                step = min(len(run) - at, n - depth)
-                if step > 1 and run[at : at + step] != hashes[depth : depth + step]:
-                    step = _common(run, at, hashes, depth, step)
+                bits, step = node.bits, _shared_step(node.seqs, seq, hashes, depth)
             held = 0
             any_alive = False
             for level in range(_TIERS):
