@@ -16,6 +16,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from functools import partial
+from itertools import pairwise
 from pathlib import Path
 from typing import cast
 
@@ -134,17 +135,40 @@ def _run_workers(
     for w in WORKERS:
         assert reg.applied_count(w) == last[w] + 1  # no shard applied an event twice
     seen: dict[int, list[int]] = {}
+    baselines: list[tuple[str, bytes]] = []
     for stream in reg.stream_keys:
         entries = cast(list[tuple[bytes, dict[bytes, bytes]]], reg.client.xrange(stream))
         for _id, fields in entries:
             if b"r" in fields:
                 event = decode_stream_record(fields[b"r"])
                 seen.setdefault(event.worker_id, []).append(event.event_id)
-    assert seen == {w: list(range(last[w] + 1)) for w in WORKERS}  # each once, in order
+            else:
+                baselines.append((stream, fields.get(b"w", b"?")))
+    expected = {w: list(range(last[w] + 1)) for w in WORKERS}
+    assert seen == expected, (  # each once, in order
+        _stream_damage(seen, expected),
+        baselines,
+        {w: reports[w]["reconciled"] for w in WORKERS},
+    )
     for proc in procs.values():
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=20) == 0
     return reg, reports, after
+
+
+def _stream_damage(
+    seen: dict[int, list[int]], expected: dict[int, list[int]]
+) -> dict[int, dict[str, list[int]]]:
+    """Per worker: the ids its stream lacks, holds twice, and where its order breaks."""
+    damage: dict[int, dict[str, list[int]]] = {}
+    for w, ids in expected.items():
+        got = seen.get(w, [])
+        damage[w] = {
+            "missing": sorted(set(ids) - set(got))[:20],
+            "twice": sorted({i for i in got if got.count(i) > 1})[:20],
+            "out_of_order_at": [i for i, (a, b) in enumerate(pairwise(got)) if b <= a][:20],
+        }
+    return damage
 
 
 def test_three_workers_on_a_cluster_equal_their_logs(
