@@ -9,8 +9,9 @@ An owner rank (a separate process, ``KvledgerHiCacheStorage`` with ``g4: nixl``)
   ``STORAGE_BATCH_SIZE``), with ``g4: nixl`` and with ``g4: shared_fs``: the registry lookup,
   the read, the checks, and the page kept in the reader's own G3 (``Stored`` in its log);
 - the transfer alone: ``NixlPages.read`` (one NIXL READ per run of pages into registered
-  staging pages, each page's checksum, the directory looked up again) against ``PeerG3.read``
-  per page (index entry read before and after, ``pread``, checksum);
+  staging pages, each page's checksum, the directory looked up again) against
+  ``PeerG3.read_many`` per batch (the index read once, each entry read before and after,
+  ``preadv`` into the page, checksum);
 - references: ``os.preadv`` of the same slots from the owner's file (no checks), and a
   ``memcpy`` (numpy copy) of the same bytes already in this process's memory.
 
@@ -129,7 +130,7 @@ def main() -> None:
         "batch_get nixl": [],
         "batch_get shared_fs": [],
         "NixlPages.read": [],
-        "PeerG3.read": [],
+        "PeerG3.read_many": [],
         "preadv (raw file)": [],
         "memcpy": [],
     }
@@ -188,7 +189,7 @@ def main() -> None:
                         if reader.nixl is not None:
                             assert reader.nixl.read([hashes[0][0]])[0] is not None
                         else:
-                            assert reader._peer_page(keys[0]) is not None
+                            assert reader._peer(OWNER) is not None
                         dest.fill(0)
 
                         def end_to_end(r: Any = reader) -> None:
@@ -212,7 +213,15 @@ def main() -> None:
                             assert np.array_equal(dest, memory), "NixlPages.read: other bytes"
                     for path in folder.glob(f"hicache-*-w{worker}.*"):  # the reader's files
                         path.unlink()
-                seconds["PeerG3.read"].append(timed(lambda: [peer.read(*h) for h in hashes]))
+                dest.fill(0)
+
+                def peer_read(p: PeerG3 = peer) -> None:
+                    for i in range(0, len(hashes), BATCH):
+                        got = p.read_many(hashes[i : i + BATCH], rows[i : i + BATCH])
+                        assert all(g is not None for g in got)
+
+                seconds["PeerG3.read_many"].append(timed(peer_read))
+                assert np.array_equal(dest, memory), "PeerG3.read_many: other bytes"
                 dest.fill(0)
                 seconds["preadv (raw file)"].append(
                     timed(lambda: _preadv(owner_file, peer.slot_bytes, slots, rows))
@@ -241,7 +250,8 @@ def main() -> None:
     print(
         "ratios (medians): batch_get nixl / shared_fs "
         f"{med['batch_get shared_fs'] / med['batch_get nixl']:.2f}x; "
-        f"NixlPages.read / PeerG3.read {med['PeerG3.read'] / med['NixlPages.read']:.2f}x; "
+        f"NixlPages.read / PeerG3.read_many "
+        f"{med['PeerG3.read_many'] / med['NixlPages.read']:.2f}x; "
         f"NixlPages.read / preadv {med['preadv (raw file)'] / med['NixlPages.read']:.2f}x; "
         f"NixlPages.read / memcpy {med['memcpy'] / med['NixlPages.read']:.3f}x"
     )

@@ -348,20 +348,37 @@ class KvledgerHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang sh
             self._peers[worker] = peer
         return peer
 
-    def _peer_page(self, key: str) -> np.ndarray | None:
-        """``key``'s page from another rank's G3 file, checked; None when none has it."""
-        if self.publisher is None:
-            return None
-        seq, local = page_hashes(key)
-        (held,) = self.publisher.registry.who_has([seq])
-        for worker, mask in held.items():
-            if worker == self.worker_id or not mask & G3_BIT:
-                continue
-            peer = self._peer(worker)
-            page: np.ndarray | None = peer.read(seq, local) if peer is not None else None
-            if page is not None and page.nbytes == self.page_bytes:
-                return page
-        return None
+    def _peer_pages(
+        self,
+        keys: Sequence[str],
+        pages: list[np.ndarray | None],
+        missing: Sequence[int],
+        into: Sequence[np.ndarray | None] | None,
+    ) -> None:
+        """Fill ``pages[i]`` for each ``missing`` key another rank's G3 file holds, checked:
+        one registry call for them all, then one batched read a rank, each key tried at its
+        holders in turn until one gives it."""
+        if self.publisher is None or not missing:
+            return
+        holders = self.publisher.registry.who_has([page_hashes(keys[i])[0] for i in missing])
+        left = {
+            i: [w for w, mask in held.items() if w != self.worker_id and mask & G3_BIT]
+            for i, held in zip(missing, holders, strict=True)
+        }
+        left = {i: workers for i, workers in left.items() if workers}
+        while left:
+            by_worker: dict[int, list[int]] = {}
+            for i, workers in left.items():
+                by_worker.setdefault(workers.pop(0), []).append(i)
+            for worker, wanted in by_worker.items():
+                peer = self._peer(worker)
+                if peer is None or peer.block_bytes != self.page_bytes:
+                    continue
+                targets = None if into is None else [into[i] for i in wanted]
+                got = peer.read_many([page_hashes(keys[i]) for i in wanted], targets)
+                for i, page in zip(wanted, got, strict=True):
+                    pages[i] = page
+            left = {i: workers for i, workers in left.items() if pages[i] is None and workers}
 
     def _read_anywhere(
         self, keys: Sequence[str], into: Sequence[np.ndarray | None] | None = None
@@ -381,14 +398,7 @@ class KvledgerHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang sh
                 if page is not None and page.nbytes == self.page_bytes:
                     pages[i] = page
             missing = [i for i in missing if pages[i] is None]
-        for i in missing:
-            found = self._peer_page(keys[i])
-            if found is None:
-                continue
-            if into is not None and (target := into[i]) is not None:
-                target[:] = found
-                found = target
-            pages[i] = found
+        self._peer_pages(keys, pages, missing, into)
         arrived = {i: page for i in sorted(fetched) if (page := pages[i]) is not None}
         for run in _runs(list(arrived)):  # one write per run of keys, each chained on the last
             parent = keys[run[0] - 1] if run[0] else None

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -51,28 +52,66 @@ class PeerG3:
 
     def read(self, sequence_hash: int, local_hash: int) -> np.ndarray | None:
         """The block's bytes, or None when the file does not hold it intact right now."""
+        return self.read_many([(sequence_hash, local_hash)])[0]
+
+    def read_many(
+        self,
+        blocks: Sequence[tuple[int, int]],
+        into: Sequence[np.ndarray | None] | None = None,
+    ) -> list[np.ndarray | None]:
+        """Each (sequence hash, local hash) block's bytes, or None where the file does not
+        hold it intact right now. ``into`` gives, per block, a writable uint8 buffer of
+        ``block_bytes`` to read into (None: a new one); a block that misses leaves its buffer
+        undefined.
+
+        The index is read once for the whole batch (a read of the table per block cost a
+        batch of N pages N table reads), and the bytes go straight into their buffer."""
+        targets = [None] * len(blocks) if into is None else list(into)
+        if len(targets) != len(blocks):
+            raise ValueError(f"{len(blocks)} blocks but {len(targets)} buffers")
+        for target in targets:
+            if target is not None and target.nbytes != self.block_bytes:
+                raise ValueError(
+                    f"a buffer of {target.nbytes} bytes for {self.path}'s "
+                    f"{self.block_bytes}-byte blocks"
+                )
+        if not blocks:
+            return []
         table = self._table()
         want = index.VALID | index.NAMED
-        hits = np.flatnonzero(
-            (table["sequence_hash"] == np.uint64(sequence_hash))
-            & (table["local_hash"] == np.uint64(local_hash))
-            & ((table["flags"] & want) == want)
+        wanted = np.array(sorted({seq for seq, _ in blocks}), dtype=np.uint64)
+        candidates = np.flatnonzero(
+            np.isin(table["sequence_hash"], wanted) & ((table["flags"] & want) == want)
         )
-        for slot in hits.tolist():
-            entry = self._entry(slot)
-            if not index.intact(np.frombuffer(entry, dtype=ENTRY))[0]:
-                continue
-            buf = np.frombuffer(
-                os.pread(self._data_fd, self.block_bytes, HEADER_BYTES + slot * self.slot_bytes),
-                dtype=np.uint8,
-            )
-            checksum = int(np.frombuffer(entry, dtype=ENTRY)["checksum"][0])
-            if (
-                len(buf) == self.block_bytes
-                and xxhash.xxh3_64_intdigest(buf.data) == checksum
-                and self._entry(slot) == entry  # not rewritten while read
-            ):
-                return buf.copy()
+        slots: dict[tuple[int, int], list[int]] = {}
+        for slot in candidates.tolist():
+            key = (int(table["sequence_hash"][slot]), int(table["local_hash"][slot]))
+            slots.setdefault(key, []).append(slot)
+        out: list[np.ndarray | None] = []
+        for block, target in zip(blocks, targets, strict=True):
+            page = None
+            for slot in slots.get(block, ()):
+                page = self._read_slot(slot, target)
+                if page is not None:
+                    break
+            out.append(page)
+        return out
+
+    def _read_slot(self, slot: int, target: np.ndarray | None) -> np.ndarray | None:
+        """The slot's bytes into ``target`` (or a new buffer), if its entry is intact, they
+        match its checksum, and the entry did not change while they were read."""
+        entry = self._entry(slot)
+        if not index.intact(np.frombuffer(entry, dtype=ENTRY))[0]:
+            return None
+        buf = np.empty(self.block_bytes, dtype=np.uint8) if target is None else target
+        got = os.preadv(self._data_fd, [buf], HEADER_BYTES + slot * self.slot_bytes)
+        checksum = int(np.frombuffer(entry, dtype=ENTRY)["checksum"][0])
+        if (
+            got == self.block_bytes
+            and xxhash.xxh3_64_intdigest(buf.data) == checksum
+            and self._entry(slot) == entry  # not rewritten while read
+        ):
+            return buf
         return None
 
     def close(self) -> None:

@@ -503,6 +503,35 @@ def test_a_peer_reads_only_what_the_owners_g3_holds_now(tmp_path: Path) -> None:
             peer.close()
 
 
+def test_a_peers_batched_read_fills_the_given_buffers_and_misses_the_rest(
+    tmp_path: Path,
+) -> None:
+    """``read_many``: one batch of held, never-held and evicted pages, read into buffers."""
+    import numpy as np
+
+    from kvledger.tiers.disk.peer import PeerG3
+
+    keys, values = chain(12), pages(12)
+    with open_backend(tmp_path, page_bytes=PAGE_BYTES) as owner:
+        assert owner.batch_set(keys[:8], values[:8])
+        assert owner.batch_set(keys[8:10], values[8:10])  # capacity 8: keys[0:2] evicted
+        peer = PeerG3(tmp_path / "hicache-g3-w0.bin")
+        try:
+            wanted = [keys[9], keys[0], keys[11], keys[4], keys[9]]
+            buffers = [np.zeros(PAGE_BYTES, dtype=np.uint8) for _ in wanted]
+            got = peer.read_many([page_hashes(k) for k in wanted], [None, *buffers[1:]])
+            expected = [values[9], None, None, values[4], values[9]]
+            for page, value in zip(got, expected, strict=True):
+                assert (page is None) == (value is None)
+                if page is not None and value is not None:
+                    assert bytes(page) == bytes(value.numpy())
+            assert got[3] is buffers[3] and got[4] is buffers[4]  # read in place
+            with pytest.raises(ValueError, match="a buffer of 8 bytes"):
+                peer.read_many([page_hashes(keys[9])], [np.zeros(8, dtype=np.uint8)])
+        finally:
+            peer.close()
+
+
 def test_the_backends_log_takes_the_event_log_settings(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
