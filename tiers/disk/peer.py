@@ -104,7 +104,7 @@ class PeerG3:
         if not index.intact(np.frombuffer(entry, dtype=ENTRY))[0]:
             return None
         buf = np.empty(self.block_bytes, dtype=np.uint8) if target is None else target
-        got = os.preadv(self._data_fd, [buf], HEADER_BYTES + slot * self.slot_bytes)
+        got = os.preadv(self._data_fd, [buf.data], HEADER_BYTES + slot * self.slot_bytes)
         checksum = int(np.frombuffer(entry, dtype=ENTRY)["checksum"][0])
         if (
             got == self.block_bytes
