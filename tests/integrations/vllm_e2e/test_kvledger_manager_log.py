@@ -54,7 +54,12 @@ def test_a_quiet_schedulers_last_events_become_durable_without_another_call(
     m.shutdown()
 
 
-def test_a_busy_schedulers_events_go_in_batches_and_replay(tmp_path: Path) -> None:
+def test_a_busy_schedulers_events_go_in_batches_and_replay(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # a hold of 5 s (a quarter of the log's max_delay): the hand-overs below are the
+    # buffer's batches, not the clock's, however slow a loaded machine runs the steps
+    monkeypatch.setenv("KVLEDGER_EVENT_LOG_MAX_DELAY_S", "20")
     log_url = f"sqlite:///{tmp_path / 'busy.db'}"
     m = KvledgerOffloadingManager(64, log_url=log_url)
     log = m.event_log
