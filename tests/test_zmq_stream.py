@@ -307,6 +307,59 @@ def test_a_gap_whose_replay_went_unanswered_is_asked_again_when_the_stream_goes_
     assert asked == [2, 2] and sub.replay_timeouts == 1 and not sub.gaps
 
 
+def test_a_replay_slower_than_the_timeout_is_waited_for_longer_each_time() -> None:
+    """A publisher that takes 1.5x ``replay_timeout`` to answer every replay (one rebuilding a
+    long replay from its log on a busy machine): asked as often as the timeout, it would never
+    be waited for long enough. The second ask waits twice as long and gets the batches."""
+    ctx = zmq.Context.instance()
+    pub = ctx.socket(zmq.PUB)
+    pub.bind("inproc://kvledger-slow")
+    replies = ctx.socket(zmq.ROUTER)
+    replies.bind("inproc://kvledger-slow-replay")
+    timeout, delay = 0.3, 0.45
+
+    def frames(seq: int) -> list[bytes]:
+        return [b"kv", seq.to_bytes(8, "big"), msgpack.packb([float(seq), [], None])]
+
+    asked: list[int] = []
+    done = threading.Event()
+
+    def answer() -> None:
+        due: list[tuple[float, bytes, int]] = []  # each request answered `delay` after it came
+        while not done.is_set():
+            wait = 50 if not due else max(0, int((due[0][0] - time.monotonic()) * 1000))
+            if replies.poll(wait):
+                ident, _, start = replies.recv_multipart()
+                asked.append(int.from_bytes(start, "big"))
+                due.append((time.monotonic() + delay, ident, asked[-1]))
+            while due and due[0][0] <= time.monotonic():
+                _, ident, first = due.pop(0)
+                for seq in range(first, 6):
+                    replies.send_multipart([ident, b"", *frames(seq)])
+                replies.send_multipart([ident, b"", b"", END_SEQ_VALUE.to_bytes(8, "big"), b""])
+
+    thread = threading.Thread(target=answer, daemon=True)
+    thread.start()
+    sub = ZmqSubscriber(
+        "inproc://kvledger-slow",
+        replay_endpoint="inproc://kvledger-slow-replay",
+        replay_timeout=timeout,
+    )
+    try:
+        with sub:
+            time.sleep(0.2)  # the subscription reaches the publisher
+            for seq in (0, 1, 5):
+                pub.send_multipart(frames(seq))
+            seen = [seq for seq, _ in sub.batches(timeout=2.0)]
+    finally:
+        done.set()
+        thread.join(10)
+        pub.close()
+        replies.close()
+    assert seen == [0, 1, 2, 3, 4, 5]
+    assert asked == [2, 2] and sub.replay_timeouts == 1 and not sub.gaps
+
+
 def test_router_index_and_tail_read_the_stream(tmp_path: Path) -> None:
     with BlockManager(_settings(tmp_path, g2_blocks=0, g3_blocks=0, g1_blocks=32)) as mgr:
         prompts = _prompts(3)

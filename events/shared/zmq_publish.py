@@ -116,6 +116,8 @@ class ZmqPublisher:
         self._closing = False
         self.dropped = 0
         self.published = 0
+        self.replays_abandoned = 0
+        """Replays stopped because the subscriber that asked had stopped waiting."""
         self._next_seq: int | None = None  # the first live batch's number, once one is sent
         self._dropped_metric = _dropped_counter(collector)
         curve = None if curve_secret_key is None else load_curve_secret(curve_secret_key)
@@ -142,6 +144,9 @@ class ZmqPublisher:
             if replay_endpoint is not None:
                 self._replay = ctx.socket(zmq.ROUTER)
                 self._replay.setsockopt(zmq.SNDHWM, 0)  # a replay is sent whole
+                # a replay for a subscriber that stopped waiting (its socket is gone) fails
+                # at its next batch instead of being built and sent whole to nobody
+                self._replay.setsockopt(zmq.ROUTER_MANDATORY, 1)
                 self._replay.setsockopt(zmq.LINGER, 500)
                 if curve is not None:
                     _serve_curve(self._replay, curve)
@@ -251,6 +256,11 @@ class ZmqPublisher:
             if self._replay is not None and self._replay in ready:
                 try:
                     self._serve_replay()
+                except zmq.ZMQError as exc:
+                    if exc.errno == zmq.EHOSTUNREACH:
+                        self.replays_abandoned += 1  # the subscriber left: it asks again
+                    else:
+                        log.exception("ZMQ replay failed")
                 except Exception:
                     log.exception("ZMQ replay failed")
             if queue:

@@ -4,10 +4,11 @@ The subscriber checks sequence numbers as Dynamo's indexer does: the first batch
 ``start_seq`` (0 by default: everything), and a batch after a gap makes it ask the replay
 socket for the missing ones before going on, so what it yields has no holes. Without a replay
 endpoint a gap is reported (``gaps``) and reading goes on. A replay that gets no answer (the
-publisher died while it answered, or is restarting) leaves the gap open: the batch that showed
-it is dropped, and the next batch asks again, or, if none comes within ``replay_timeout``, the
-subscriber asks again by itself (a restarted publisher that went quiet still fills the gap
-from its log).
+publisher died while it answered, or is restarting, or is still rebuilding a long replay from
+its log) leaves the gap open: the batch that showed it is dropped, and the next batch asks
+again, or, if none comes within the wait, the subscriber asks again by itself (a restarted
+publisher that went quiet still fills the gap from its log). Each unanswered ask doubles the
+next one's wait, from ``replay_timeout`` up to ``MAX_REPLAY_WAIT``.
 
 A publisher that speaks CurveZMQ is read with its public key (``curve_server_key``: the
 ``NAME.key`` certificate zmq.auth made with its secret one); ``curve_client_key`` is this
@@ -32,6 +33,9 @@ log = logging.getLogger(__name__)
 
 Batch = tuple[float, list[dict[str, Any]], int | None]
 END_SEQ_VALUE = (1 << 64) - 1
+MAX_REPLAY_WAIT = 60.0
+"""The longest a subscriber waits for a replay after unanswered ones (``replay_timeout`` is
+the first wait; a longer ``replay_timeout`` is kept as it is)."""
 
 
 class ZmqSubscriber:
@@ -61,6 +65,12 @@ class ZmqSubscriber:
         self._sub.connect(endpoint)
         self._replay_endpoint = replay_endpoint
         self._replay_timeout = replay_timeout
+        self._replay_wait = replay_timeout
+        """How long the next replay is waited for: doubled after each unanswered one, up to
+        ``MAX_REPLAY_WAIT`` (a publisher that rebuilds a long replay from its log, on a busy
+        machine, can take longer than ``replay_timeout`` to send the first batch; asking again
+        as often would give it the same work again each time and never wait long enough),
+        back to ``replay_timeout`` once a replay is answered."""
         self.next_seq = start_seq
         #: (first missing, first seen after) of each gap that could not be replayed
         self.gaps: list[tuple[int, int]] = []
@@ -88,10 +98,10 @@ class ZmqSubscriber:
         """``(seq, (ts, events, dp_rank))`` as they come; stops after ``timeout`` seconds
         without a message (None: never)."""
         poll_ms = None if timeout is None else int(timeout * 1000)
-        retry_ms = int(self._replay_timeout * 1000)
         while True:
             wait = poll_ms
             if self._dropped is not None:  # a gap is open: do not wait past the retry
+                retry_ms = int(self._replay_wait * 1000)
                 wait = retry_ms if wait is None else min(wait, retry_ms)
             if not self._sub.poll(wait):
                 if self._dropped is not None:
@@ -146,10 +156,11 @@ class ZmqSubscriber:
             sock.connect(self._replay_endpoint)
             sock.send_multipart((b"", start.to_bytes(8, "big")))
             while True:
-                if not sock.poll(int(self._replay_timeout * 1000)):
+                if not sock.poll(int(self._replay_wait * 1000)):
+                    waited = self._replay_wait
+                    self._replay_wait = min(2 * waited, max(MAX_REPLAY_WAIT, waited))
                     raise TimeoutError(
-                        f"no replay answer from {self._replay_endpoint} in "
-                        f"{self._replay_timeout:g} s"
+                        f"no replay answer from {self._replay_endpoint} in {waited:g} s"
                     )
                 frames = sock.recv_multipart()
                 # [b"", topic, seq, payload]; vLLM's end marker: [b"", b"", -1, b""]
@@ -158,6 +169,7 @@ class ZmqSubscriber:
                     raise ValueError(f"a replayed message has 3 frames, got {len(body)}")
                 seq = int.from_bytes(body[1], "big")
                 if seq == END_SEQ_VALUE:
+                    self._replay_wait = self._replay_timeout
                     return
                 yield seq, decode_batch(body[2])
         finally:
