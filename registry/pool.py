@@ -72,6 +72,8 @@ class BlockPool:
         # what routers need to name a block themselves: its tokens and (lora, salt)
         self._tokens: list[bytes | None] = [None] * capacity
         self._keys: list[HashKey | None] = [None] * capacity
+        #: whether a block ever came with token ids or a key (else _drop skips clearing them)
+        self._keeps_tokens = False
         self._by_hash: dict[int, int] = {}
         # popped from the end, so slot 0 is handed out first
         self._free = list(range(capacity - 1, -1, -1))
@@ -269,6 +271,7 @@ class BlockPool:
         packed: list[bytes] | None = None
         if token_ids is not None:
             packed = list(map(token_bytes, token_ids))
+            self._keeps_tokens = True
         if len(blocks) == 1:  # a decode block that filled up: the most frequent call
             seqs = [blocks[0][0]]
             new_block = seqs[0] not in by_hash
@@ -355,6 +358,7 @@ class BlockPool:
         self, slots: Sequence[int], tokens: Sequence[bytes | None], key: HashKey | None
     ) -> None:
         own, keys = self._tokens, self._keys
+        self._keeps_tokens = True
         for slot, block_tokens in zip(slots, tokens, strict=True):
             own[slot] = block_tokens
             keys[slot] = key
@@ -382,6 +386,8 @@ class BlockPool:
         for slot in slots:
             if hashes[slot] is not None or not ref[slot]:
                 raise ValueError(f"register_copies: {self.tier.name} slot {slot} is not mutable")
+        if tokens is not None or keys is not None:
+            self._keeps_tokens = True
         out = list(slots)
         new: list[int] = []
         landed: list[BlockInfo] = []
@@ -526,15 +532,18 @@ class BlockPool:
             self._drop(victims)
 
     def _drop(self, slots: list[int]) -> list[int]:
-        by_hash, hashes, tokens, keys = self._by_hash, self._hash, self._tokens, self._keys
+        by_hash, hashes = self._by_hash, self._hash
         gone: list[int] = []
         for slot in slots:
             seq = hashes[slot]
             assert seq is not None
             del by_hash[seq]
             hashes[slot] = None
-            tokens[slot] = keys[slot] = None
             gone.append(seq)
+        if self._keeps_tokens:  # a pool that never held token ids has none to drop
+            tokens, keys = self._tokens, self._keys
+            for slot in slots:
+                tokens[slot] = keys[slot] = None
         self._give_back(slots)
         self.emitter.removed(self.tier, gone)
         return gone

@@ -24,7 +24,8 @@ from kvledger.events.log import EventLog
 from kvledger.events.types import Removed, Stored, Tier
 from kvledger.mocker import router as router_module
 from kvledger.mocker.feeds import RedisFeed
-from kvledger.mocker.router import KvRouter, KvRouterConfig, RoundRobinRouter, WorkerLoad
+from kvledger.mocker.router import KvRouter, RoundRobinRouter, WorkerLoad
+from kvledger.mocker.routing import KvRouterConfig
 from kvledger.mocker.traces import TraceRequest, load_mooncake, synthetic
 from kvledger.registry.hashing import chain_sequence_hashes
 from kvledger.registry.index import RouterIndex, tier_bit

@@ -147,3 +147,15 @@ def test_a_single_new_block_registers_like_a_run_and_dedups_against_the_pool() -
     assert [(e.parent_hash, e.blocks) for e in stored] == [(None, ((10, 1),))]
     (second,) = p.register(p.allocate(1), [(11, 2)], 10)
     assert p.block_info(second).parent_hash == 10
+
+
+def test_an_evicted_block_takes_its_token_ids_and_key_with_it() -> None:
+    """A slot handed out again holds nothing of the block evicted from it: routers read a
+    block's tokens from its slot, and stale ones would name another block's prompt."""
+    p, _ = pool(1)
+    [slot] = p.register(p.allocate(1), [(10, 1)], None, token_ids=[[7, 8]], key=("lora", None))
+    assert p.tokens_of([slot]) != [None] and p.keys_of([slot]) == [("lora", None)]
+    p.release([slot])
+    [again] = p.register(p.allocate(1), [(11, 2)], None)  # evicts block 10
+    assert again == slot
+    assert p.tokens_of([slot]) == [None] and p.keys_of([slot]) == [None]

@@ -201,13 +201,22 @@ def test_trace_block_size_must_divide_512(tmp_path: Path) -> None:
 
 def test_simulate_without_log_loads_no_numpy_database_or_metrics(tmp_path: Path) -> None:
     """Start-up is most of a short run's cost: a run with no log must not import what only a
-    log, a replay or a metrics port needs. The same run's figures are checked as well."""
+    log, a replay, a metrics port or a cluster (its router and the router's index) needs. The
+    same run's figures are checked as well."""
     trace = tmp_path / "t.jsonl"
     trace.write_text(
         '{"timestamp": 0, "input_length": 600, "output_length": 5, "hash_ids": [1, 2]}\n'
         '{"timestamp": 10, "input_length": 1100, "output_length": 3, "hash_ids": [1, 2, 3]}\n'
     )
-    heavy = ("numpy", "sqlalchemy", "alembic", "prometheus_client", "kvledger.events.log")
+    heavy = (
+        "numpy",
+        "sqlalchemy",
+        "alembic",
+        "prometheus_client",
+        "kvledger.events.log",
+        "kvledger.mocker.router",
+        "kvledger.registry.index",
+    )
     code = (
         "import json, sys; from kvledger.cli import main;"
         f" status = main(['simulate', '--trace', {str(trace)!r}, '--no-log', '--json',"

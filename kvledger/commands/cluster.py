@@ -26,7 +26,8 @@ from kvledger.mocker.cache import SimulatedCache, tiered_pools
 from kvledger.mocker.cluster import Cluster, ClusterEngine, ClusterWorker, cluster_summary
 from kvledger.mocker.engine import Bandwidth, EngineConfig, SimClock
 from kvledger.mocker.feeds import MemoryFeed, RedisFeed, ZmqFeed, open_feed, worker_sink
-from kvledger.mocker.router import KvRouterConfig, build_router
+from kvledger.mocker.router import build_router
+from kvledger.mocker.routing import KvRouterConfig
 from kvledger.mocker.stats import CountingEmitter
 from kvledger.mocker.traces import TraceRequest, iter_arrivals
 from kvledger.progress import Progress

@@ -7,8 +7,7 @@ import argparse
 from pathlib import Path
 
 from kvledger.commands.args import choices, non_negative_int, positive_float, positive_ints
-from kvledger.mocker.feeds import FEEDS
-from kvledger.mocker.router import ROUTERS, KvRouterConfig
+from kvledger.mocker.routing import FEEDS, ROUTERS, KvRouterConfig
 
 MANIFEST = "cluster.json"
 """What a cluster run's log folder says about the run besides the workers' logs: the cluster

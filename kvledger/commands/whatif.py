@@ -31,7 +31,7 @@ from kvledger.commands.simulate import POLICIES
 from kvledger.events.log import EventLog
 from kvledger.events.log.schema import database_url, shown_url
 from kvledger.mocker.rerun import CacheSettings, alternatives, ceiling, load_run, recorded, rerun
-from kvledger.mocker.router import ROUTERS
+from kvledger.mocker.routing import ROUTERS
 from kvledger.progress import Progress
 from kvledger.registry.tiered import OFFLOAD_FILTERS
 

@@ -31,6 +31,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from kvledger.events.types import AnyEvent
+from kvledger.mocker.routing import FEEDS
 from kvledger.registry.index import RouterIndex
 
 if TYPE_CHECKING:
@@ -38,8 +39,6 @@ if TYPE_CHECKING:
     from kvledger.events.shared.registry import SharedRegistry
     from kvledger.events.shared.zmq_publish import ZmqPublisher
     from kvledger.events.shared.zmq_subscribe import ZmqSubscriber
-
-FEEDS = ("memory", "zmq", "redis")
 
 Sink = Callable[[AnyEvent], None]
 

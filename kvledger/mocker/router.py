@@ -38,47 +38,13 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Sequence
-from dataclasses import dataclass, fields
 from typing import ClassVar
 
 from kvledger.events.types import Tier
+from kvledger.mocker.routing import ROUTERS, KvRouterConfig
 from kvledger.registry.index import RouterIndex
 
-ROUTERS = ("round_robin", "random", "kv")
 _G1, _G2 = Tier.G1, Tier.G2
-
-
-@dataclass(frozen=True, slots=True)
-class KvRouterConfig:
-    """The KV router's weights, named as Dynamo's ``KvRouterConfig`` names them."""
-
-    overlap_score_credit: float = 1.0
-    prefill_load_scale: float = 1.0
-    host_cache_hit_weight: float = 0.75
-    disk_cache_hit_weight: float = 0.25
-    shared_cache_multiplier: float = 0.5
-    decode_active_request_weight: float = 0.0
-    router_temperature: float = 0.0
-    router_track_prefill_tokens: bool = True
-
-    #: the settings a command line may give, as ``--name value``
-    FLOATS: ClassVar[tuple[str, ...]] = (
-        "overlap_score_credit",
-        "prefill_load_scale",
-        "host_cache_hit_weight",
-        "disk_cache_hit_weight",
-        "shared_cache_multiplier",
-        "decode_active_request_weight",
-        "router_temperature",
-    )
-
-    def __post_init__(self) -> None:
-        for f in fields(self):
-            value = getattr(self, f.name)
-            if isinstance(value, bool):
-                continue
-            if not (math.isfinite(value) and value >= 0):
-                raise ValueError(f"{f.name} must be a finite number >= 0, got {value!r}")
 
 
 class WorkerLoad:
