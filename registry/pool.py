@@ -287,10 +287,11 @@ class BlockPool:
             parent = seq
         if not blocks:
             return []
-        seqs = [seq for seq, _ in blocks]
         if packed is not None:
             self._put_tokens(slots, packed, key)
-        self._policy.registered(slots, seqs, [parent_hash, *seqs[:-1]])
+        if self._policy.queue is None:  # a queue (LRU) learns of a block when it is released
+            seqs = [seq for seq, _ in blocks]
+            self._policy.registered(slots, seqs, [parent_hash, *seqs[:-1]])
         self.emitter.stored(self.tier, parent_hash, blocks, packed, key)
         return list(slots)
 
