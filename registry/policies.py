@@ -5,6 +5,8 @@ when blocks become inactive (``released``), active again (``activated``), newly 
 (``registered``, with each block's sequence hash and parent hash) or looked up (``accessed``),
 and asks it for victims. A policy keeps what it needs of those blocks itself (the lineage
 policy their hashes and parents, the frequency policy their hashes) and never reads the pool.
+The LRU policy, whose whole state is one queue of inactive blocks, lends the pool that queue
+(``queue``): the pool enters and takes out blocks there in its own loops.
 An engine may also say that it asked for blocks the pool did not hold (``missed``): ARC learns
 from a miss on a block it evicted lately.
 
@@ -25,6 +27,16 @@ POLICY_NAMES = ("lru", "arc", "lineage", "multi_lru")
 class EvictionPolicy(Protocol):
     #: whether the pool should report every lookup hit (frequency-aware policies only)
     tracks_access: bool
+
+    @property
+    def queue(self) -> OrderedDict[int, None] | None:
+        """The inactive slots in eviction order, where that order is all the policy keeps
+        (LRU): the pool then enters a released slot and takes out a revived one itself, in
+        the loop that counts its references, instead of handing ``released`` and
+        ``activated`` a list to loop over again, and does not build ``registered``'s lists
+        for a policy that ignores them (bench/registry_bench.py under callgrind: 7% and 3%
+        fewer instructions). None for every other policy."""
+        ...
 
     def bind(self, capacity: int) -> None: ...
     def registered(
@@ -48,6 +60,10 @@ class LruPolicy:
 
     def __init__(self) -> None:
         self._inactive: OrderedDict[int, None] = OrderedDict()
+
+    @property
+    def queue(self) -> OrderedDict[int, None]:
+        return self._inactive
 
     def bind(self, capacity: int) -> None:
         pass
@@ -85,8 +101,9 @@ class LruPolicy:
         return len(self._inactive)
 
     def pick_victims(self, count: int) -> list[int]:
+        # popitem(False): the keyword form costs a keyword parse per victim
         popitem = self._inactive.popitem
-        return [popitem(last=False)[0] for _ in range(min(count, len(self._inactive)))]
+        return [popitem(False)[0] for _ in range(min(count, len(self._inactive)))]
 
     def inactive_order(self) -> list[int]:
         return list(self._inactive)
@@ -105,6 +122,7 @@ class LineagePolicy:
     """
 
     tracks_access = False
+    queue = None
 
     def __init__(self) -> None:
         self._tick = 0
@@ -260,6 +278,7 @@ class MultiLruPolicy:
     """
 
     tracks_access = True
+    queue = None
     #: a block seen at least LEVEL_THRESHOLDS[i] times goes to level i+1
     LEVEL_THRESHOLDS = (2, 4, 8)
 
@@ -358,6 +377,7 @@ class ArcPolicy:
     """
 
     tracks_access = True
+    queue = None
 
     def __init__(self) -> None:
         self.capacity = 0
@@ -517,6 +537,7 @@ class RankedPolicy:
     """
 
     tracks_access = False
+    queue = None
 
     def __init__(self) -> None:
         self._rank: dict[int, Rank] = {}

@@ -15,6 +15,7 @@ from __future__ import annotations
 import sys
 from array import array
 from collections.abc import Iterable, Sequence
+from operator import length_hint
 
 from kvledger.events.types import BlockInfo, HashKey, Tier
 from kvledger.registry.emitter import BlockTokens, EventEmitter
@@ -72,8 +73,8 @@ class BlockPool:
         # what routers need to name a block themselves: its tokens and (lora, salt)
         self._tokens: list[bytes | None] = [None] * capacity
         self._keys: list[HashKey | None] = [None] * capacity
-        #: whether a block ever came with token ids or a key (else _drop skips clearing them)
-        self._keeps_tokens = False
+        # whether any slot was given tokens or a key: until then an eviction has none to clear
+        self._carries_tokens = False
         self._by_hash: dict[int, int] = {}
         # popped from the end, so slot 0 is handed out first
         self._free = list(range(capacity - 1, -1, -1))
@@ -167,22 +168,24 @@ class BlockPool:
 
         The first miss ends the prefix. Returns the slots; release them when done.
         """
-        by_hash, ref = self._by_hash, self._ref
+        ref, policy = self._ref, self._policy
         slots: list[int] = []
         revived: list[int] = []
-        for seq in sequence_hashes:
-            slot = by_hash.get(seq)
+        queue = policy.queue
+        # a revived block leaves the policy's queue here, or is collected for ``activated``
+        revive = revived.append if queue is None else queue.pop
+        for slot in map(self._by_hash.get, sequence_hashes):  # the lookups called from C
             if slot is None:
                 break
             count = ref[slot]
             if not count:
-                revived.append(slot)
+                revive(slot)
             ref[slot] = count + 1
             slots.append(slot)
         if revived:
-            self._policy.activated(revived)
-        if self._policy.tracks_access and slots:
-            self._policy.accessed(slots)
+            policy.activated(revived)
+        if policy.tracks_access and slots:
+            policy.accessed(slots)
         return slots
 
     def missed(self, sequence_hashes: Sequence[int]) -> None:
@@ -261,49 +264,73 @@ class BlockPool:
             raise ValueError(f"register: {len(slots)} slots for {len(blocks)} blocks")
         if token_ids is not None and len(token_ids) != len(blocks):
             raise ValueError(f"register: {len(token_ids)} token lists for {len(blocks)} blocks")
-        ref, hashes, local_of, parent_of = self._ref, self._hash, self._local, self._parent
-        by_hash = self._by_hash
-        for slot in slots:
-            if hashes[slot] is not None or not ref[slot]:
-                raise ValueError(f"register: {self.tier.name} slot {slot} is not a mutable block")
-        if not blocks:
-            return []
         packed: list[bytes] | None = None
         if token_ids is not None:
             packed = list(map(token_bytes, token_ids))
-            self._keeps_tokens = True
-        if len(blocks) == 1:  # a decode block that filled up: the most frequent call
-            seqs = [blocks[0][0]]
-            new_block = seqs[0] not in by_hash
-        else:
-            seqs = [seq for seq, _ in blocks]
-            new_block = by_hash.keys().isdisjoint(seqs) and len(set(seqs)) == len(seqs)
-        if new_block:
-            # The common case (every block is new): no dedup bookkeeping, one Stored. The
-            # loop is the pool's hottest (every block an engine computes passes here once).
-            # strict=False: the lengths are checked above, and a strict zip's end check costs
-            # as much as the loop for the one block of a decode step.
-            parent = parent_hash
-            for slot, (seq, local) in zip(slots, blocks, strict=False):
-                hashes[slot] = seq
-                local_of[slot] = local
-                parent_of[slot] = parent
-                by_hash[seq] = slot
-                parent = seq
-            parents = [parent_hash, *seqs[:-1]]
-            if packed is not None:
-                self._put_tokens(slots, packed, key)
-            self._policy.registered(slots, seqs, parents)
-            self.emitter.stored(self.tier, parent_hash, blocks, packed, key)
-            return list(slots)
-        out = list(slots)
-        new: list[int] = []
-        new_hashes: list[int] = []
-        new_parents: list[int | None] = []
-        duplicates: list[int] = []
-        run_start, run_parent = -1, parent_hash
-        prev = parent_hash
+        ref, hashes, local_of, parent_of = self._ref, self._hash, self._local, self._parent
+        by_hash = self._by_hash
+        # The common case first: every block is new. This loop is the pool's hottest (every
+        # block an engine computes passes here once), so it checks each slot and names it in
+        # one pass; the first block the pool already holds hands the rest to
+        # _register_known, which first puts back what was named here if a later slot fails.
+        parent = parent_hash
         for i, slot in enumerate(slots):
+            seq, local = blocks[i]
+            if hashes[slot] is not None or not ref[slot]:
+                self._unname(slots[:i], blocks[:i])
+                raise ValueError(f"register: {self.tier.name} slot {slot} is not a mutable block")
+            if by_hash.setdefault(seq, slot) != slot:  # held already: one lookup tells
+                return self._register_known(slots, blocks, parent_hash, packed, key, i)
+            hashes[slot] = seq
+            local_of[slot] = local
+            parent_of[slot] = parent
+            parent = seq
+        if not blocks:
+            return []
+        if packed is not None:
+            self._put_tokens(slots, packed, key)
+        if self._policy.queue is None:  # a queue (LRU) learns of a block when it is released
+            seqs = [seq for seq, _ in blocks]
+            self._policy.registered(slots, seqs, [parent_hash, *seqs[:-1]])
+        self.emitter.stored(self.tier, parent_hash, blocks, packed, key)
+        return list(slots)
+
+    def _unname(self, slots: Sequence[int], blocks: Sequence[tuple[int, int]]) -> None:
+        """Undo what ``register`` named of ``slots`` before it found a slot it must refuse."""
+        by_hash, hashes = self._by_hash, self._hash
+        for slot, (seq, _) in zip(slots, blocks, strict=True):
+            del by_hash[seq]
+            hashes[slot] = None
+
+    def _register_known(
+        self,
+        slots: Sequence[int],
+        blocks: Sequence[tuple[int, int]],
+        parent_hash: int | None,
+        packed: list[bytes] | None,
+        key: HashKey | None,
+        named: int,
+    ) -> list[int]:
+        """``register`` from the first block the pool already holds (at ``named``; the blocks
+        before it were named by ``register``): duplicates are resolved, each run of new blocks
+        is reported as it ends."""
+        ref, hashes, local_of, parent_of = self._ref, self._hash, self._local, self._parent
+        by_hash = self._by_hash
+        for slot in slots[named:]:
+            if hashes[slot] is not None or not ref[slot]:
+                self._unname(slots[:named], blocks[:named])
+                raise ValueError(f"register: {self.tier.name} slot {slot} is not a mutable block")
+        out = list(slots)
+        new = list(slots[:named])
+        new_hashes = [seq for seq, _ in blocks[:named]]
+        new_parents = [parent_hash, *new_hashes[:-1]]
+        if packed is not None:
+            self._put_tokens(new, packed[:named], key)  # (and the rest below)
+        duplicates: list[int] = []
+        run_start, run_parent = (0, parent_hash) if named else (-1, parent_hash)
+        prev = new_hashes[-1] if named else parent_hash
+        for i in range(named, len(slots)):
+            slot = slots[i]
             seq, local = blocks[i]
             existing = by_hash.get(seq)
             if existing is None:
@@ -312,8 +339,7 @@ class BlockPool:
                 local_of[slot] = local
                 parent_of[slot] = prev
                 if packed is not None:
-                    self._tokens[slot] = packed[i]
-                    self._keys[slot] = key
+                    self._put_tokens([slot], [packed[i]], key)
                 new.append(slot)
                 new_hashes.append(seq)
                 new_parents.append(prev)
@@ -358,7 +384,7 @@ class BlockPool:
         self, slots: Sequence[int], tokens: Sequence[bytes | None], key: HashKey | None
     ) -> None:
         own, keys = self._tokens, self._keys
-        self._keeps_tokens = True
+        self._carries_tokens = True
         for slot, block_tokens in zip(slots, tokens, strict=True):
             own[slot] = block_tokens
             keys[slot] = key
@@ -387,7 +413,7 @@ class BlockPool:
             if hashes[slot] is not None or not ref[slot]:
                 raise ValueError(f"register_copies: {self.tier.name} slot {slot} is not mutable")
         if tokens is not None or keys is not None:
-            self._keeps_tokens = True
+            self._carries_tokens = True
         out = list(slots)
         new: list[int] = []
         landed: list[BlockInfo] = []
@@ -471,11 +497,18 @@ class BlockPool:
         evictable, in the order given) and a never-registered one becomes free."""
         ref, hashes, free = self._ref, self._hash, self._free
         order = slots if isinstance(slots, list) else list(slots)
-        inactive: list[int] = []
-        for i, slot in enumerate(order):
+        # Blocks that become inactive go straight into the policy's queue where it has one,
+        # else into a dict (ordered, like the queue) handed to ``released`` at the end.
+        queue = self._policy.queue
+        inactive: dict[int, None] = {} if queue is None else queue
+        # an iterator rather than enumerate: only a failure needs the position, and a list
+        # iterator knows how many items it has left
+        remaining = iter(order)
+        for slot in remaining:
             count = ref[slot] - 1
             if count < 0:
-                self._undo_release(order[:i], inactive)
+                done = len(order) - length_hint(remaining) - 1
+                self._undo_release(order[:done], inactive)
                 raise ValueError(
                     f"release: {self.tier.name} slot {slot} released more often than taken"
                 )
@@ -487,11 +520,11 @@ class BlockPool:
                     else:
                         free.append(slot)
                 else:
-                    inactive.append(slot)
-        if inactive:
-            self._policy.released(inactive)
+                    inactive[slot] = None
+        if queue is None and inactive:
+            self._policy.released(list(inactive))
 
-    def _undo_release(self, done: list[int], inactive: list[int]) -> None:
+    def _undo_release(self, done: list[int], inactive: dict[int, None]) -> None:
         """Put back the references a failed ``release`` already dropped."""
         ref, hashes = self._ref, self._hash
         for slot in reversed(done):
@@ -499,7 +532,7 @@ class BlockPool:
                 if hashes[slot] is None:
                     self._free.remove(slot)
                 else:
-                    inactive.remove(slot)
+                    del inactive[slot]
             ref[slot] += 1
 
     def remove(self, sequence_hashes: Iterable[int]) -> list[int]:
@@ -532,7 +565,7 @@ class BlockPool:
             self._drop(victims)
 
     def _drop(self, slots: list[int]) -> list[int]:
-        by_hash, hashes = self._by_hash, self._hash
+        by_hash, hashes, tokens, keys = self._by_hash, self._hash, self._tokens, self._keys
         gone: list[int] = []
         for slot in slots:
             seq = hashes[slot]
@@ -540,8 +573,7 @@ class BlockPool:
             del by_hash[seq]
             hashes[slot] = None
             gone.append(seq)
-        if self._keeps_tokens:  # a pool that never held token ids has none to drop
-            tokens, keys = self._tokens, self._keys
+        if self._carries_tokens:
             for slot in slots:
                 tokens[slot] = keys[slot] = None
         self._give_back(slots)
@@ -559,6 +591,7 @@ class BlockPool:
         self._parent = [None] * self.capacity
         self._tokens = [None] * self.capacity
         self._keys = [None] * self.capacity
+        self._carries_tokens = False
         self._free = list(range(self.capacity - 1, -1, -1))
         self._unused = self.capacity if self._fresh_first else 0
         self.emitter.cleared(self.tier)

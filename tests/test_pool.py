@@ -6,6 +6,7 @@ import pytest
 
 from kvledger.events.types import AnyEvent, Cleared, Removed, Stored, Tier
 from kvledger.registry.emitter import EventEmitter
+from kvledger.registry.policies import POLICY_NAMES
 from kvledger.registry.pool import BlockPool, PoolBusy, PoolExhausted
 from kvledger.registry.state import RegistryState
 
@@ -44,15 +45,37 @@ def test_register_dedups_and_emits_one_stored_per_new_run() -> None:
     ]
 
 
-def test_release_too_often_changes_nothing() -> None:
-    p, _ = pool(4)
+@pytest.mark.parametrize("policy", POLICY_NAMES)
+def test_release_too_often_changes_nothing(policy: str) -> None:
+    p, _ = pool(4, policy)
+    cached = p.register(p.allocate(1), [(9, 9)], None)
+    p.release(cached)
     slots = p.register(p.allocate(2), [(1, 1), (2, 2)], None)
-    before = (counts(p), [p.refcount(s) for s in range(4)])
+    before = (counts(p), [p.refcount(s) for s in range(4)], p.inactive_slots())
     with pytest.raises(ValueError, match="released more often than taken"):
         p.release([slots[0], slots[1], slots[1]])
-    assert (counts(p), [p.refcount(s) for s in range(4)]) == before
+    assert (counts(p), [p.refcount(s) for s in range(4)], p.inactive_slots()) == before
     p.release(slots)
-    assert counts(p) == (2, 0, 2)
+    assert counts(p) == (1, 0, 3)
+    assert p.inactive_slots() == [*cached, *slots]
+
+
+def test_register_refusal_after_naming_some_blocks_changes_nothing() -> None:
+    """``register`` checks each slot as it names it; a refusal puts back what it named."""
+    p, events = pool(8)
+    held = p.register(p.allocate(1), [(1, 1)], None)
+    fresh = p.allocate(3)
+    for slots, blocks in (
+        ([fresh[0], fresh[1], held[0]], [(2, 2), (3, 3), (4, 4)]),  # all new, one slot taken
+        ([fresh[0], fresh[1], fresh[0]], [(2, 2), (3, 3), (4, 4)]),  # one slot named twice
+        ([fresh[0], fresh[1], held[0]], [(2, 2), (1, 1), (4, 4)]),  # a duplicate, then refused
+    ):
+        before = (counts(p), p.resident_blocks(), [p.refcount(s) for s in range(8)])
+        with pytest.raises(ValueError, match="not a mutable block"):
+            p.register(slots, blocks, None)
+        assert (counts(p), p.resident_blocks(), [p.refcount(s) for s in range(8)]) == before
+    assert p.register(fresh[:2], [(2, 2), (3, 3)], None) == fresh[:2]
+    assert [e.blocks for e in events if isinstance(e, Stored)] == [((1, 1),), ((2, 2), (3, 3))]
 
 
 def test_register_refuses_slots_that_are_not_mutable() -> None:
