@@ -323,7 +323,7 @@ class BlockPool:
         out = list(slots)
         new = list(slots[:named])
         new_hashes = [seq for seq, _ in blocks[:named]]
-        new_parents = [parent_hash, *new_hashes[:-1]]
+        new_parents = [parent_hash, *new_hashes[:-1]] if named else []
         if packed is not None:
             self._put_tokens(new, packed[:named], key)  # (and the rest below)
         duplicates: list[int] = []

@@ -78,6 +78,20 @@ def test_register_refusal_after_naming_some_blocks_changes_nothing() -> None:
     assert [e.blocks for e in events if isinstance(e, Stored)] == [((1, 1),), ((2, 2), (3, 3))]
 
 
+@pytest.mark.parametrize("policy", POLICY_NAMES)
+def test_register_of_a_held_block_then_new_ones(policy: str) -> None:
+    """The first block is held already: the new ones after it get their own parents."""
+    p, events = pool(6, policy)
+    held = p.register(p.allocate(1), [(1, 1)], None)
+    got = p.register(p.allocate(3), [(1, 1), (2, 2), (3, 3)], None)
+    assert got[0] == held[0] and p.refcount(held[0]) == 2
+    assert p.resident_blocks() == {1: (1, None), 2: (2, 1), 3: (3, 2)}
+    assert [(e.parent_hash, e.blocks) for e in events if isinstance(e, Stored)][-1] == (
+        1,
+        ((2, 2), (3, 3)),
+    )
+
+
 def test_register_refuses_slots_that_are_not_mutable() -> None:
     p, events = pool(4)
     slots = p.register(p.allocate(1), [(1, 1)], None)
