@@ -8,7 +8,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -260,49 +260,64 @@ def test_a_slow_subscriber_costs_counted_drops_that_replay_recovers() -> None:
         publisher.close()
 
 
+def _empty_batch(seq: int) -> list[bytes]:
+    """A publisher's frames for batch ``seq`` (no events)."""
+    return [b"kv", seq.to_bytes(8, "big"), msgpack.packb([float(seq), [], None])]
+
+
+def _answer_replay(replies: Any, ident: bytes, first: int) -> None:
+    """Replay batches ``first``..5 and the end marker to the subscriber ``ident``."""
+    for seq in range(first, 6):
+        replies.send_multipart([ident, b"", *_empty_batch(seq)])
+    replies.send_multipart([ident, b"", b"", END_SEQ_VALUE.to_bytes(8, "big"), b""])
+
+
+def _read_past_a_gap(
+    name: str, replay_timeout: float, answer: Callable[[Any], None]
+) -> tuple[list[int], ZmqSubscriber]:
+    """A publisher on ``inproc://name`` sends batches 0, 1 and 5, then goes quiet; ``answer``
+    serves its replay socket from a thread. The batches a subscriber read, and the subscriber."""
+    ctx = zmq.Context.instance()
+    pub = ctx.socket(zmq.PUB)
+    pub.bind(f"inproc://{name}")
+    replies = ctx.socket(zmq.ROUTER)
+    replies.bind(f"inproc://{name}-replay")
+    thread = threading.Thread(target=answer, args=(replies,), daemon=True)
+    thread.start()
+    sub = ZmqSubscriber(
+        f"inproc://{name}",
+        replay_endpoint=f"inproc://{name}-replay",
+        replay_timeout=replay_timeout,
+    )
+    try:
+        with sub:
+            time.sleep(0.2)  # the subscription reaches the publisher
+            for seq in (0, 1, 5):
+                pub.send_multipart(_empty_batch(seq))
+            seen = [seq for seq, _ in sub.batches(timeout=2.0)]
+    finally:
+        thread.join(10)
+        pub.close()
+        replies.close()
+    return seen, sub
+
+
 def test_a_gap_whose_replay_went_unanswered_is_asked_again_when_the_stream_goes_quiet() -> None:
     """A restarted publisher sends one batch and then nothing: the subscriber's first replay
     request gets no answer (as from a publisher killed while it answered), and no later batch
     comes to show the gap again. The subscriber asks again by itself and reads every batch."""
-    ctx = zmq.Context.instance()
-    pub = ctx.socket(zmq.PUB)
-    pub.bind("inproc://kvledger-quiet")
-    replies = ctx.socket(zmq.ROUTER)
-    replies.bind("inproc://kvledger-quiet-replay")
-
-    def frames(seq: int) -> list[bytes]:
-        return [b"kv", seq.to_bytes(8, "big"), msgpack.packb([float(seq), [], None])]
-
     asked: list[int] = []
 
-    def answer() -> None:
+    def answer(replies: Any) -> None:
         for attempt in range(2):  # the first request goes unanswered
             if not replies.poll(5000):
                 return
             ident, _, start = replies.recv_multipart()
             asked.append(int.from_bytes(start, "big"))
             if attempt == 1:
-                for seq in range(asked[-1], 6):
-                    replies.send_multipart([ident, b"", *frames(seq)])
-                replies.send_multipart([ident, b"", b"", END_SEQ_VALUE.to_bytes(8, "big"), b""])
+                _answer_replay(replies, ident, asked[-1])
 
-    thread = threading.Thread(target=answer, daemon=True)
-    thread.start()
-    sub = ZmqSubscriber(
-        "inproc://kvledger-quiet",
-        replay_endpoint="inproc://kvledger-quiet-replay",
-        replay_timeout=0.3,
-    )
-    try:
-        with sub:
-            time.sleep(0.2)  # the subscription reaches the publisher
-            for seq in (0, 1, 5):
-                pub.send_multipart(frames(seq))
-            seen = [seq for seq, _ in sub.batches(timeout=2.0)]
-    finally:
-        thread.join(10)
-        pub.close()
-        replies.close()
+    seen, sub = _read_past_a_gap("kvledger-quiet", 0.3, answer)
     assert seen == [0, 1, 2, 3, 4, 5]
     assert asked == [2, 2] and sub.replay_timeouts == 1 and not sub.gaps
 
@@ -311,22 +326,13 @@ def test_a_replay_slower_than_the_timeout_is_waited_for_longer_each_time() -> No
     """A publisher that takes 1.5x ``replay_timeout`` to answer every replay (one rebuilding a
     long replay from its log on a busy machine): asked as often as the timeout, it would never
     be waited for long enough. The second ask waits twice as long and gets the batches."""
-    ctx = zmq.Context.instance()
-    pub = ctx.socket(zmq.PUB)
-    pub.bind("inproc://kvledger-slow")
-    replies = ctx.socket(zmq.ROUTER)
-    replies.bind("inproc://kvledger-slow-replay")
-    timeout, delay = 0.3, 0.45
-
-    def frames(seq: int) -> list[bytes]:
-        return [b"kv", seq.to_bytes(8, "big"), msgpack.packb([float(seq), [], None])]
-
     asked: list[int] = []
-    done = threading.Event()
+    delay = 0.45
 
-    def answer() -> None:
+    def answer(replies: Any) -> None:
         due: list[tuple[float, bytes, int]] = []  # each request answered `delay` after it came
-        while not done.is_set():
+        deadline = time.monotonic() + 4
+        while time.monotonic() < deadline:
             wait = 50 if not due else max(0, int((due[0][0] - time.monotonic()) * 1000))
             if replies.poll(wait):
                 ident, _, start = replies.recv_multipart()
@@ -334,28 +340,9 @@ def test_a_replay_slower_than_the_timeout_is_waited_for_longer_each_time() -> No
                 due.append((time.monotonic() + delay, ident, asked[-1]))
             while due and due[0][0] <= time.monotonic():
                 _, ident, first = due.pop(0)
-                for seq in range(first, 6):
-                    replies.send_multipart([ident, b"", *frames(seq)])
-                replies.send_multipart([ident, b"", b"", END_SEQ_VALUE.to_bytes(8, "big"), b""])
+                _answer_replay(replies, ident, first)
 
-    thread = threading.Thread(target=answer, daemon=True)
-    thread.start()
-    sub = ZmqSubscriber(
-        "inproc://kvledger-slow",
-        replay_endpoint="inproc://kvledger-slow-replay",
-        replay_timeout=timeout,
-    )
-    try:
-        with sub:
-            time.sleep(0.2)  # the subscription reaches the publisher
-            for seq in (0, 1, 5):
-                pub.send_multipart(frames(seq))
-            seen = [seq for seq, _ in sub.batches(timeout=2.0)]
-    finally:
-        done.set()
-        thread.join(10)
-        pub.close()
-        replies.close()
+    seen, sub = _read_past_a_gap("kvledger-slow", 0.3, answer)
     assert seen == [0, 1, 2, 3, 4, 5]
     assert asked == [2, 2] and sub.replay_timeouts == 1 and not sub.gaps
 
