@@ -360,12 +360,13 @@ class KvledgerHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang sh
         holders in turn until one gives it."""
         if self.publisher is None or not missing:
             return
-        holders = self.publisher.registry.who_has([page_hashes(keys[i])[0] for i in missing])
-        left = {
-            i: [w for w, mask in held.items() if w != self.worker_id and mask & G3_BIT]
-            for i, held in zip(missing, holders, strict=True)
-        }
-        left = {i: workers for i, workers in left.items() if workers}
+        hashes = {i: page_hashes(keys[i]) for i in missing}
+        holders = self.publisher.registry.who_has([hashes[i][0] for i in missing])
+        left: dict[int, list[int]] = {}
+        for i, held in zip(missing, holders, strict=True):
+            workers = [w for w, mask in held.items() if w != self.worker_id and mask & G3_BIT]
+            if workers:
+                left[i] = workers
         while left:
             by_worker: dict[int, list[int]] = {}
             for i, workers in left.items():
@@ -375,7 +376,7 @@ class KvledgerHiCacheStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang sh
                 if peer is None or peer.block_bytes != self.page_bytes:
                     continue
                 targets = None if into is None else [into[i] for i in wanted]
-                got = peer.read_many([page_hashes(keys[i]) for i in wanted], targets)
+                got = peer.read_many([hashes[i] for i in wanted], targets)
                 for i, page in zip(wanted, got, strict=True):
                     pages[i] = page
             left = {i: workers for i, workers in left.items() if pages[i] is None and workers}

@@ -101,11 +101,12 @@ class PeerG3:
         """The slot's bytes into ``target`` (or a new buffer), if its entry is intact, they
         match its checksum, and the entry did not change while they were read."""
         entry = self._entry(slot)
-        if not index.intact(np.frombuffer(entry, dtype=ENTRY))[0]:
+        row = np.frombuffer(entry, dtype=ENTRY)
+        if not index.intact(row)[0]:
             return None
         buf = np.empty(self.block_bytes, dtype=np.uint8) if target is None else target
         got = os.preadv(self._data_fd, [buf.data], HEADER_BYTES + slot * self.slot_bytes)
-        checksum = int(np.frombuffer(entry, dtype=ENTRY)["checksum"][0])
+        checksum = int(row["checksum"][0])
         if (
             got == self.block_bytes
             and xxhash.xxh3_64_intdigest(buf.data) == checksum
