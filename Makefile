@@ -66,8 +66,12 @@ typecheck: dev
 	cd $(VENV) && bin/mypy --config-file ../pyproject.toml -p kvledger
 	cd $(VENV) && bin/mypy --config-file ../pyproject.toml ../tests
 
+# Two workers, each taking whole test files (module fixtures such as a Redis Cluster start
+# once): half the suite's time is spent waiting on the servers and workers its tests start, so
+# two workers fit on two cores. PYTEST_WORKERS=0 runs it in one process.
+PYTEST_WORKERS ?= 2
 pytest: dev
-	$(BIN)/pytest -q
+	$(BIN)/pytest -q -n $(PYTEST_WORKERS) --dist loadfile
 
 bench: $(STAMP)
 	$(BIN)/python bench/hash_bench.py
