@@ -29,6 +29,7 @@ no torch: the G3 recovery that opens a slot file lives in ``kvledger.recovery``.
 from __future__ import annotations
 
 import logging
+import sys
 from collections.abc import Collection, Iterable, Sequence
 from wsgiref.simple_server import WSGIServer
 
@@ -224,6 +225,8 @@ def open_worker(
     Raises what stops a worker from starting, having closed what it opened: a bad setting, a
     worker id another live process holds (``WorkerIdTaken``), a socket it cannot bind.
     """
+    if settings.switch_interval_s is not None:  # the process's, set only when asked for
+        sys.setswitchinterval(settings.switch_interval_s)
     own_log = event_log is None and log_events
     if own_log:
         settings.prepare_log_folder()  # a first run in an empty folder makes kvledger-data/

@@ -18,6 +18,14 @@ from collections.abc import Callable, Sequence
 
 from kvledger.extras import missing_extra
 
+CLI_SWITCH_INTERVAL_S = 0.0005
+"""The switch interval of kvledger's own processes (``kvledger worker``, ``simulate``): the
+log's writer and the publishers are threads beside the engine's, and each of their system
+calls gives the interpreter up and waits up to this long to get it back from an engine thread
+that runs Python without pause. At Python's 5 ms, a publisher of 15k events/s fell seconds
+behind the log; at 0.5 ms it applies within 50 ms p99 (``bench/redis_bench.py``, RESULTS).
+``switch_interval_s`` overrides it; in a library user's process kvledger leaves it alone."""
+
 COMMAND_MODULES = (
     "kvledger.commands.demo",
     "kvledger.commands.worker",
@@ -59,6 +67,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     # out of the collector's generations, the collections a run triggers do not walk it again
     # (1.3% of a `simulate --no-log` run's instructions, all in those walks).
     gc.freeze()
+    # This process is kvledger's (``switch_interval_s``, applied by the builder, overrides it).
+    sys.setswitchinterval(CLI_SWITCH_INTERVAL_S)
     prefix = f"kvledger {args.command}"
     with warnings.catch_warnings():
         warnings.showwarning = _warning_printer(prefix)

@@ -183,6 +183,15 @@ class Settings(BaseModel):
         "connection, a restarting server, a locked file) before the run stops; appends wait "
         "meanwhile, and nothing is lost or written twice",
     )
+    switch_interval_s: float | None = Field(
+        None,
+        gt=0,
+        le=1,
+        allow_inf_nan=False,
+        description="the interpreter's switch interval (sys.setswitchinterval) for a worker "
+        "whose log and views share the process with a busy engine thread, seconds; None "
+        "leaves the process's own (Python's default is 5 ms; kvledger's CLI uses 0.5 ms)",
+    )
     redis_url: str | None = Field(
         None, description="shared registry; every event is also published there when set"
     )

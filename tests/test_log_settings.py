@@ -7,12 +7,15 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from services import manager_settings
 
 from kvledger import BlockManager
+from kvledger.builder import open_worker
+from kvledger.cli import CLI_SWITCH_INTERVAL_S, main
 from kvledger.config import Settings, SettingsError
 from kvledger.events.log import EventLog
 
@@ -46,6 +49,8 @@ def test_block_manager_opens_its_log_with_the_log_settings(
         ("KVLEDGER_EVENT_LOG_MAX_DELAY_S", "0"),
         ("KVLEDGER_EVENT_LOG_MAX_DELAY_S", "nan"),
         ("KVLEDGER_EVENT_LOG_QUEUE_SIZE", "500"),
+        ("KVLEDGER_SWITCH_INTERVAL_S", "0"),
+        ("KVLEDGER_SWITCH_INTERVAL_S", "2"),
     ],
 )
 def test_bad_log_settings_are_named(
@@ -76,3 +81,28 @@ def test_simulate_writes_its_log_with_the_log_settings(tmp_path: Path) -> None:
     bad = {**env, "KVLEDGER_EVENT_LOG_DURABILITY": "sometimes"}
     refused = subprocess.run(cmd, env=bad, capture_output=True, text=True, timeout=120)
     assert refused.returncode != 0 and "KVLEDGER_EVENT_LOG_DURABILITY" in refused.stderr
+
+
+@pytest.fixture
+def python_default_interval() -> Iterator[None]:
+    """The process starts each test at Python's 5 ms and gets its own interval back after."""
+    before = sys.getswitchinterval()
+    sys.setswitchinterval(0.005)
+    try:
+        yield
+    finally:
+        sys.setswitchinterval(before)
+
+
+@pytest.mark.usefixtures("python_default_interval")
+def test_a_worker_changes_the_switch_interval_only_when_its_settings_ask() -> None:
+    open_worker(Settings(), log_events=False).close()
+    assert sys.getswitchinterval() == pytest.approx(0.005)  # a library user's process
+    open_worker(Settings(switch_interval_s=0.002), log_events=False).close()
+    assert sys.getswitchinterval() == pytest.approx(0.002)
+
+
+@pytest.mark.usefixtures("python_default_interval")
+def test_the_cli_runs_its_commands_with_the_short_switch_interval(tmp_path: Path) -> None:
+    assert main(["replay", str(tmp_path / "absent.db")]) != 0  # any command, even a failing one
+    assert sys.getswitchinterval() == pytest.approx(CLI_SWITCH_INTERVAL_S)
