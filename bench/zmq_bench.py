@@ -17,8 +17,10 @@ how fast Dynamo's standalone indexer ingests our stream.
 3. Memory: what keeping token ids costs per live block (tracemalloc over pools holding the same
    blocks with and without tokens), and what the publisher's per-tier view adds.
 4. Emit to send: a producer appends a worker's stream to a SQLite event log at ``--rate``
-   events/s (15k, the engine-on simulation's rate) with a ``ZmqPublisher`` fed by the log's
-   commits; a subscriber in its own process stamps each batch as it arrives. Each event's time
+   events/s (15k, the engine-on simulation's rate) with a publisher fed by the log's commits,
+   in a child process as ``kvledger worker`` runs it (``--zmq-thread``: a ``ZmqPublisher``
+   thread of the producer's process), at the CLI's switch interval (``--switch-interval``);
+   a subscriber in its own process stamps each batch as it arrives. Each event's time
    from its append until a router had it (p50/p99, ``bench/emit_latency.py``; target p99 <=
    the log's ``max_delay`` + 20 ms).
 
@@ -195,14 +197,18 @@ def kvledger_round(events: list[Any]) -> tuple[float, float]:
     return rate
 
 
-def emit_to_send(rate: float, seconds: float, switch_interval: float | None) -> str:
+def emit_to_send(
+    rate: float, seconds: float, switch_interval: float | None, *, thread: bool = False
+) -> str:
     """Append ``rate`` events/s to a log for ``seconds``; each event's time until a subscriber
     in another process received it. ``switch_interval``: the interpreter's for the run (None:
-    kvledger's CLI's)."""
+    kvledger's CLI's). The publisher runs in a child process, as ``kvledger worker`` runs it;
+    with ``thread``, in a thread of this process (``--zmq-thread``)."""
     from emit_latency import delays, paced, summary
 
     from kvledger.cli import CLI_SWITCH_INTERVAL_S
     from kvledger.events.log import EventLog
+    from kvledger.events.shared.zmq_process import ZmqPublisherProcess
     from kvledger.events.shared.zmq_publish import open_publisher
 
     events: list[Any] = []
@@ -215,7 +221,11 @@ def emit_to_send(rate: float, seconds: float, switch_interval: float | None) -> 
     sys.setswitchinterval(interval)
     with tempfile.TemporaryDirectory() as tmp:
         log = EventLog(str(Path(tmp) / "events.db"))
-        publisher = open_publisher("tcp://127.0.0.1:*", log=log, worker_id=0, block_size=BLOCK)
+        publisher: Any = (
+            open_publisher("tcp://127.0.0.1:*", log=log, worker_id=0, block_size=BLOCK)
+            if thread
+            else ZmqPublisherProcess("tcp://127.0.0.1:*", log=log, worker_id=0, block_size=BLOCK)
+        )
         drainer = _drain(publisher.endpoint, len(events), stamp=True)
         try:
             emitted = paced(log.append, events, rate)
@@ -227,7 +237,8 @@ def emit_to_send(rate: float, seconds: float, switch_interval: float | None) -> 
             publisher.close()
             log.close()
     seen = sorted(arrivals)
-    name = f"emit -> ZMQ received (switch interval {interval * 1e3:g} ms)"
+    where = "a thread" if thread else "a child process"
+    name = f"emit -> ZMQ received (publisher in {where}, switch interval {interval * 1e3:g} ms)"
     return summary(name, delays(emitted, seen), got, log.max_delay)
 
 
@@ -441,6 +452,11 @@ def main() -> None:
     p.add_argument("--seconds", type=float, default=4.0, help="emit-to-send: run length")
     p.add_argument("--emit-only", action="store_true", help="only the emit-to-send run")
     p.add_argument(
+        "--zmq-thread",
+        action="store_true",
+        help="emit-to-send with the publisher in a thread of the producer's process",
+    )
+    p.add_argument(
         "--switch-interval",
         type=float,
         default=None,
@@ -459,7 +475,7 @@ def main() -> None:
         return
     if args.emit_only:
         print(f"load average {os.getloadavg()[0]:.2f}")
-        print(emit_to_send(args.rate, args.seconds, args.switch_interval))
+        print(emit_to_send(args.rate, args.seconds, args.switch_interval, thread=args.zmq_thread))
         return
     events = make_events(args.requests)
     kinds: dict[str, int] = {}
@@ -502,7 +518,7 @@ def main() -> None:
         f"({mem['token_payload_bytes']} of them the ids); publisher's per-tier view: "
         f"{mem['publisher_view_bytes_per_block_and_tier']:.0f} bytes per block and tier"
     )
-    print(emit_to_send(args.rate, args.seconds, args.switch_interval))
+    print(emit_to_send(args.rate, args.seconds, args.switch_interval, thread=args.zmq_thread))
     print(f"load average after: {os.getloadavg()[0]:.2f}")
 
 

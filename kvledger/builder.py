@@ -39,6 +39,7 @@ from kvledger.events.log.replay import replay
 from kvledger.events.shared.client import connect
 from kvledger.events.shared.publish import RedisPublisher
 from kvledger.events.shared.registry import SharedRegistry
+from kvledger.events.shared.zmq_process import ZmqPublisherProcess
 from kvledger.events.shared.zmq_publish import ZmqPublisher, open_publisher
 from kvledger.events.types import LogRecord, Lookup, Released, RunInfo, Stored, Tier
 from kvledger.metrics import Metrics
@@ -82,7 +83,7 @@ class Worker:
         self._observe = None if metrics is None else metrics.observe_event
         self._server: WSGIServer | None = None
         self.publisher: RedisPublisher | None = None
-        self.zmq: ZmqPublisher | None = None
+        self.zmq: ZmqPublisher | ZmqPublisherProcess | None = None
         self._folded: RegistryState | None = None
         self._fold_failed = False
         self._closed = False
@@ -287,16 +288,25 @@ def _redis_publisher(settings: Settings, event_log: EventLog | None) -> RedisPub
 
 def _zmq_publisher(
     settings: Settings, event_log: EventLog | None, metrics: Metrics | None
-) -> ZmqPublisher:
+) -> ZmqPublisher | ZmqPublisherProcess:
     """Publish to vLLM-compatible routers on ``zmq_endpoint``, fed by the log's commits;
     replay reads the log."""
     if event_log is None:
         raise ValueError("zmq_endpoint needs the event log: replay and restarts read it")
     assert settings.zmq_endpoint is not None
+    collector = metrics.collector if metrics is not None else None
+    if settings.zmq_process:
+        return ZmqPublisherProcess(
+            settings.zmq_endpoint,
+            log=event_log,
+            worker_id=settings.worker_id,
+            collector=collector,
+            **settings.zmq_options(),
+        )
     return open_publisher(
         settings.zmq_endpoint,
         log=event_log,
         worker_id=settings.worker_id,
-        collector=metrics.collector if metrics is not None else None,
+        collector=collector,
         **settings.zmq_options(),
     )

@@ -243,6 +243,12 @@ class Settings(BaseModel):
     zmq_ring_size: int = Field(
         10_000, gt=0, description="newest ZMQ batches replayed from memory (older: from the log)"
     )
+    zmq_process: bool = Field(
+        False,
+        description="run the ZMQ publisher in a child process fed by the log's commits through "
+        "a pipe, off the engine's interpreter (kvledger worker does; it needs a log another "
+        "process can open)",
+    )
     zmq_curve_secret_key: Path | None = Field(
         None,
         description="the publisher's CurveZMQ secret certificate (zmq.auth's NAME.key_secret): "

@@ -40,6 +40,7 @@ from kvledger.config import Settings
 from kvledger.events.log import EventLog
 from kvledger.events.shared.client import connect
 from kvledger.events.shared.publish import RedisPublisher
+from kvledger.events.shared.zmq_process import ZmqPublisherProcess
 from kvledger.events.shared.zmq_publish import ZmqPublisher
 from kvledger.events.types import (
     AnyEvent,
@@ -258,7 +259,7 @@ class BlockManager:
         return self._g4
 
     @property
-    def zmq_publisher(self) -> ZmqPublisher | None:
+    def zmq_publisher(self) -> ZmqPublisher | ZmqPublisherProcess | None:
         """The ZMQ publisher the ``zmq_endpoint`` setting built (None without it)."""
         return self._worker.zmq
 

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from kvledger import BlockManager, Settings
+from kvledger.events.shared.zmq_process import ZmqPublisherProcess
 from kvledger.events.shared.zmq_publish import ZmqPublisher
 from kvledger.registry.hashing import TokenBlockSequence
 
@@ -119,7 +120,7 @@ def workload(mgrs: dict[int, BlockManager], prompts: list[list[int]], n: int, se
         _publisher(mgr).wait_sent()
 
 
-def _publisher(mgr: BlockManager) -> ZmqPublisher:
+def _publisher(mgr: BlockManager) -> ZmqPublisher | ZmqPublisherProcess:
     publisher = mgr.zmq_publisher
     assert publisher is not None
     return publisher

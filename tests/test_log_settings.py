@@ -96,9 +96,9 @@ def python_default_interval() -> Iterator[None]:
 
 @pytest.mark.usefixtures("python_default_interval")
 def test_a_worker_changes_the_switch_interval_only_when_its_settings_ask() -> None:
-    open_worker(Settings(), log_events=False).close()
+    open_worker(Settings.load(), log_events=False).close()
     assert sys.getswitchinterval() == pytest.approx(0.005)  # a library user's process
-    open_worker(Settings(switch_interval_s=0.002), log_events=False).close()
+    open_worker(Settings.load(switch_interval_s=0.002), log_events=False).close()
     assert sys.getswitchinterval() == pytest.approx(0.002)
 
 

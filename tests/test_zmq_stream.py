@@ -22,6 +22,8 @@ import msgspec  # noqa: E402
 from vllm_schema import vllm_classes  # noqa: E402
 
 from kvledger import BlockManager, Settings  # noqa: E402
+from kvledger.events.log import EventLog  # noqa: E402
+from kvledger.events.shared.zmq_process import ZmqPublisherProcess  # noqa: E402
 from kvledger.events.shared.zmq_publish import ZmqPublisher  # noqa: E402
 from kvledger.events.shared.zmq_subscribe import END_SEQ_VALUE, ZmqSubscriber  # noqa: E402
 from kvledger.events.types import Stored, Tier  # noqa: E402
@@ -65,7 +67,7 @@ def _prompts(n: int, blocks: int = 3) -> list[list[int]]:
     return [[100 * i + t for t in range(BLOCK * blocks)] for i in range(n)]
 
 
-def _publisher(mgr: BlockManager) -> ZmqPublisher:
+def _publisher(mgr: BlockManager) -> ZmqPublisher | ZmqPublisherProcess:
     publisher = mgr.zmq_publisher
     assert publisher is not None
     return publisher
@@ -150,10 +152,11 @@ def test_frames_decode_as_vllm_batches_with_tokens_on_every_tier(
     assert any(isinstance(e, BlockRemoved) for b in batches for e in b.events)  # evictions
 
 
+@pytest.mark.parametrize("zmq_process", [False, True], ids=["thread", "process"])
 def test_replay_reaches_back_through_the_log_and_numbers_continue_after_restart(
-    tmp_path: Path, subscriber_factory: Any
+    tmp_path: Path, zmq_process: bool
 ) -> None:
-    settings = _settings(tmp_path, zmq_ring_size=4)
+    settings = _settings(tmp_path, zmq_ring_size=4, zmq_process=zmq_process)
     with BlockManager(settings) as mgr:
         for tokens in _prompts(5):
             _serve(mgr, tokens)
@@ -408,3 +411,54 @@ def test_bad_input_is_refused_with_a_clear_error(tmp_path: Path) -> None:
         Settings.load(zmq_replay_endpoint="tcp://127.0.0.1:*")
     with pytest.raises(ValueError, match="cannot bind the ZMQ publisher"):
         ZmqPublisher("nonsense://x", worker_id=0, block_size=BLOCK)
+
+
+def test_a_publisher_process_refuses_what_it_cannot_serve_in_one_line(tmp_path: Path) -> None:
+    with EventLog(str(tmp_path / "w.db")) as log:
+        with pytest.raises(ValueError, match="cannot bind the ZMQ publisher"):
+            ZmqPublisherProcess("tcp://no-such-host:*", log=log, worker_id=0, block_size=BLOCK)
+        event = Stored(
+            event_id=0, worker_id=0, dp_rank=0, tier=Tier.G1, ts=1.0, parent_hash=None,
+            blocks=((7, 8),),
+        )  # fmt: skip
+        log.append(event)  # the log still works
+        log.flush()
+        assert log.last_event_id(0) == 0
+
+
+_KILLED_PARENT = """
+import sys
+from kvledger.events.log import EventLog
+from kvledger.events.shared.zmq_process import ZmqPublisherProcess
+log = EventLog(sys.argv[1])
+publisher = ZmqPublisherProcess("tcp://127.0.0.1:*", log=log, worker_id=0, block_size=4)
+print(publisher._child.pid, flush=True)
+sys.stdin.read()
+"""
+
+
+def test_a_publisher_process_ends_with_its_parent_killed(tmp_path: Path) -> None:
+    """SIGKILL of the engine's process closes the pipe: the child sends what it was given and
+    exits, so a restart can bind the endpoint (``test_shared_kill`` restarts at once)."""
+    parent = subprocess.Popen(
+        [sys.executable, "-c", _KILLED_PARENT, str(tmp_path / "w.db")],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert parent.stdout is not None
+    child = int(parent.stdout.readline())
+    parent.kill()
+    parent.wait()
+    deadline = time.monotonic() + 10
+    while Path(f"/proc/{child}").exists() and b"Z" not in _state(child):
+        assert time.monotonic() < deadline, "the publisher's process outlived its parent"
+        time.sleep(0.05)
+
+
+def _state(pid: int) -> bytes:
+    """The process's state letter (Z: exited, waiting to be reaped by init)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_bytes().rsplit(b")", 1)[1].split()[0]
+    except (FileNotFoundError, IndexError):
+        return b"Z"

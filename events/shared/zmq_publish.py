@@ -71,7 +71,8 @@ class ZmqPublisher:
     commits from now on (it must not be called as a sink then), serves replays older than the
     ring from the log, and maps a restart's ``Cleared`` against the log's fold. Without one it
     is a sink called with each event; ``held`` is then what the worker's tiers held before the
-    first event it sees.
+    first event it sees. ``subscribe=False`` leaves the log's commits to the caller, who hands
+    them to ``committed`` (a publisher in a child process, whose log is opened read-only).
     """
 
     def __init__(
@@ -92,6 +93,7 @@ class ZmqPublisher:
         token_ids: TokenIds = "keep",
         curve_secret_key: str | os.PathLike[str] | None = None,
         curve_client_keys: str | os.PathLike[str] | None = None,
+        subscribe: bool = True,
     ) -> None:
         if ring_size < 1:
             raise ValueError(f"ring_size must be positive, got {ring_size}")
@@ -107,7 +109,10 @@ class ZmqPublisher:
         self.block_size = block_size
         self._topic = topic.encode()
         self._log = log
-        self._mapper = VllmMapper(block_size)
+        self._subscribed = subscribe
+        # fed by its caller, it gets events decoded from the log's records, which keep no
+        # tokens of copies: it takes them from the Stored events before, as replay does
+        self._mapper = VllmMapper(block_size, remember_tokens=not subscribe)
         self._folded_up_to = -1  # events at or below it are in the mapper's seed already
         self._ring: deque[tuple[int, bytes]] = deque(maxlen=ring_size)
         self._queue: deque[AnyEvent] = deque()
@@ -119,7 +124,7 @@ class ZmqPublisher:
         self.replays_abandoned = 0
         """Replays stopped because the subscriber that asked had stopped waiting."""
         self._next_seq: int | None = None  # the first live batch's number, once one is sent
-        self._dropped_metric = _dropped_counter(collector)
+        self._dropped_metric = dropped_counter(collector)
         curve = None if curve_secret_key is None else load_curve_secret(curve_secret_key)
         self.curve_public_key: bytes | None = None if curve is None else curve[0]
         # CurveZMQ's authenticator serves a whole context: a publisher that checks its
@@ -180,7 +185,8 @@ class ZmqPublisher:
         if log is not None:
             # subscribe first, then fold what is committed: an event committed in between is
             # both folded and handed over, and skipped by its id
-            log.on_commit(self._committed, worker_id=worker_id)
+            if subscribe:
+                log.on_commit(self.committed, worker_id=worker_id)
             if log.last_event_id(worker_id) >= 0:
                 log.flush()
                 held, self._folded_up_to = logged_holdings(log, worker_id)
@@ -205,16 +211,17 @@ class ZmqPublisher:
             if self._idle:  # waking a busy thread would cost the engine a lock for nothing
                 self._wake.set()
 
-    def _committed(self, batch: Sequence[tuple[AnyEvent, bytes]]) -> None:
-        """The log's writer, after a commit: queue the worker's newly committed events."""
+    def committed(self, batch: Sequence[tuple[AnyEvent, bytes]]) -> None:
+        """The log's writer, after a commit: queue the worker's newly committed events (a
+        publisher in a child process, ``zmq_process``, is handed its parent's commits here)."""
         self._queue.extend(event for event, _record in batch)
         if self._idle:
             self._wake.set()
 
     def close(self, timeout: float = 5.0) -> None:
         """Send what is queued, then close the sockets."""
-        if self._log is not None:
-            self._log.off_commit(self._committed)
+        if self._log is not None and self._subscribed:
+            self._log.off_commit(self.committed)
         self._closing = True
         self._wake.set()
         self._thread.join(timeout)
@@ -435,7 +442,7 @@ def _authenticator(
     return auth
 
 
-def _dropped_counter(collector: object | None) -> Any:
+def dropped_counter(collector: object | None) -> Any:
     if collector is None:
         return None
     from prometheus_client import CollectorRegistry

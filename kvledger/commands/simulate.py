@@ -53,6 +53,7 @@ from kvledger.registry.tiered import OFFLOAD_FILTERS
 if TYPE_CHECKING:  # the log and metrics modules load SQLAlchemy, numpy, prometheus: only
     # a run that uses them pays for importing them (a --no-log run starts twice as fast)
     from kvledger.builder import Worker
+    from kvledger.events.shared.zmq_process import ZmqPublisherProcess
     from kvledger.events.shared.zmq_publish import ZmqPublisher
     from kvledger.metrics import Metrics
 
@@ -309,7 +310,7 @@ class Outcome:
     replay_ok: bool
 
 
-def _bound(publisher: ZmqPublisher) -> str:
+def _bound(publisher: ZmqPublisher | ZmqPublisherProcess) -> str:
     """Where a ZMQ publisher listens, with the ports the system picked for ``:*``."""
     if publisher.replay_endpoint is None:
         return str(publisher.endpoint)

@@ -85,6 +85,12 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument(
         "--zmq-replay-endpoint", metavar="ENDPOINT", help="bind the ZMQ replay socket here"
     )
+    p.add_argument(
+        "--zmq-thread",
+        action="store_true",
+        help="publish ZMQ from a thread of this process, not from a child process fed by the "
+        "log's commits (which keeps it off the worker's interpreter)",
+    )
     p.add_argument("--release-on-exit", action="store_true", help="drop entries when leaving")
     p.set_defaults(func=run)
 
@@ -210,6 +216,7 @@ def _settings(args: argparse.Namespace) -> Settings:
         "redis_linger_s": args.publish_linger,
         "zmq_endpoint": args.zmq_endpoint,
         "zmq_replay_endpoint": args.zmq_replay_endpoint,
+        "zmq_process": None if args.zmq_endpoint is None else not args.zmq_thread,
     }
     settings = Settings.load(**{k: v for k, v in flags.items() if v is not None})
     if settings.redis_url is None:
