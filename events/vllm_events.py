@@ -96,7 +96,7 @@ class VllmMapper:
         #: tier -> sequence hashes stored there and not removed since
         self.held: dict[Tier, set[int]] = {tier: set() for tier in media}
         # block -> its token ids, for copies read back from the durable log (which keeps the
-        # tokens of Stored events only); only when asked, and only while a tier holds it
+        # tokens of Stored events only); only when asked, since it grows with the stream
         self._tokens: dict[int, tuple[int, ...]] | None = {} if remember_tokens else None
 
     def seed(self, held: Mapping[Tier, Iterable[int]]) -> None:
@@ -134,14 +134,10 @@ class VllmMapper:
         if cls is Removed:
             hashes = event.sequence_hashes  # type: ignore[union-attr]
             held.difference_update(hashes)
-            if self._tokens is not None:
-                self._forget(hashes)
             return [self._removed(hashes, medium)]
         if cls is Cleared:
             gone = list(held)
             held.clear()
-            if self._tokens is not None:
-                self._forget(gone)
             if not any(self.held.values()):
                 return [_CLEARED]
             return [self._removed(gone, medium)] if gone else []
@@ -168,16 +164,6 @@ class VllmMapper:
                 self._tokens.update(zip(seqs, tokens, strict=True))
         flat = list(chain.from_iterable(tokens)) if tokens is not None else []
         return [self._stored(seqs, event.parent_hash, flat, medium, key)]
-
-    def _forget(self, hashes: Iterable[int]) -> None:
-        """Drop the remembered tokens of blocks no tier holds any more: what is remembered
-        stays bounded by the live blocks (a publisher fed from log records runs for as long
-        as its worker)."""
-        assert self._tokens is not None
-        tiers = self.held.values()
-        for seq in hashes:
-            if not any(seq in tier for tier in tiers):
-                self._tokens.pop(seq, None)
 
     def _flat(self, tokens: Sequence[Sequence[int]] | None, n_blocks: int) -> list[int]:
         """A chain's token ids in one list; none unless every block's are known."""

@@ -1,29 +1,26 @@
-"""A worker's ZMQ publisher in a child interpreter, fed through a pipe with what its log commits.
+"""A worker's ZMQ publisher whose sockets live in a child interpreter.
 
 Why a process: one event is one ZMQ batch of three frames, and pyzmq gives the interpreter up
 for every frame it sends. Beside an engine thread that runs Python without pause, each of those
 45k sends a second at 15k events/s waits for the interpreter to come back, and a publisher
 thread fell more than a second behind the log (``bench/zmq_bench.py --emit-only``), even at a
-0.1 ms switch interval. The child has an interpreter of its own: the engine's process hands it
-each committed batch's records in one pipe write, from a feeder thread (the log's writer only
-queues them, so a slow child never holds up a commit).
-
-The child runs the same ``ZmqPublisher`` a thread would, on the log opened read-only by its URL
-(every log can be: an in-memory SQLite one is refused by the log itself): it folds the
-log for the mapping of a restart's ``Cleared``, serves replays older than its ring from the log,
-and gets what the parent's log commits after it started. The parent subscribes to its log's
-commits before the child folds the log, so no event falls between the two; one that is in both
-is skipped by its id.
+0.1 ms switch interval. Mapping events to vLLM batches holds the interpreter without giving it
+up, so it stays in the engine's process, on the engine's own event objects, exactly as the
+thread maps them (``BatchMapper``): the log's writer only queues each committed batch, and a
+feeder thread maps it and hands the batches to the child in one pipe write (a slow child never
+holds up a commit). The child sends them, keeps the ring, and serves replays, reading the log
+(opened read-only by its URL, which travels through the pipe with the other settings, never on
+a command line) for anything older than its ring.
 
 When the parent dies (even by SIGKILL) the pipe closes, and the child sends what it was given
 (all of it committed) and exits; a restart's child that finds the endpoint still bound by it
 tries again for a few seconds.
 
 Frames on the child's stdin: a 4-byte big-endian length, then a kind byte and its body:
-``C`` the settings (JSON, first), ``B`` a committed batch (msgpack list of log records), ``W``
-a marker (u64) the child answers once everything before it was sent. The child answers with
-JSON lines on stdout: ``ready`` (the bound endpoints) or ``error``, then ``sent`` for each marker
-and the counters whenever they change.
+``C`` the settings (JSON, first), ``B`` batches (msgpack list of (sequence number, payload,
+payload for replay)), ``W`` a marker (u64) the child answers once everything before it was
+sent. The child answers with JSON lines on stdout: ``ready`` (the bound endpoints) or
+``error``, then ``sent`` for each marker and the counters whenever they change.
 """
 
 from __future__ import annotations
@@ -44,9 +41,15 @@ from typing import IO, Any
 import msgpack
 import zmq
 
-from kvledger.events import codec
 from kvledger.events.log import Committed, EventLog
-from kvledger.events.shared.zmq_publish import ZmqPublisher, dropped_counter
+from kvledger.events.shared.zmq_publish import (
+    BatchMapper,
+    Mapped,
+    TokenIds,
+    ZmqPublisher,
+    dropped_counter,
+)
+from kvledger.events.types import AnyEvent
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +76,9 @@ class ZmqPublisherProcess:
         *,
         log: EventLog,
         worker_id: int,
+        block_size: int,
+        dp_rank: int = 0,
+        token_ids: TokenIds = "keep",
         collector: object | None = None,
         **options: Any,
     ) -> None:
@@ -84,21 +90,28 @@ class ZmqPublisherProcess:
         """Set when the child died or stopped reading (its events stay in the log)."""
         self._log: EventLog | None = log
         self._dropped_metric = dropped_counter(collector)
-        self._queue: deque[bytes] = deque()  # frames for the child
+        self._mapper = BatchMapper(block_size, dp_rank, token_ids)
+        self._queue: deque[AnyEvent | bytes] = deque()  # events to map, and frames
         self._wake = threading.Event()
         self._closing = False
         self._markers: dict[int, threading.Event] = {}
         self._next_marker = 0
         self._lock = threading.Lock()
-        log.flush()
-        # before the child folds the log: a commit in between is in both, and skipped by id
+        # subscribe first, then fold what is committed: an event committed in between is
+        # both folded and handed over, and skipped by its id
         log.on_commit(self._committed, worker_id=worker_id)
+        try:
+            self._mapper.seed_from(log, worker_id)
+        except BaseException:
+            log.off_commit(self._committed)
+            raise
         self._child = subprocess.Popen(
             [sys.executable, "-m", __name__],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
         )
         try:
+            options.update(block_size=block_size, dp_rank=dp_rank, token_ids=token_ids)
             ready = self._start(endpoint, log, worker_id, options)
         except BaseException:
             log.off_commit(self._committed)
@@ -143,7 +156,7 @@ class ZmqPublisherProcess:
     # -- the log's writer: never blocks ------------------------------------------------------
 
     def _committed(self, batch: Sequence[Committed]) -> None:
-        self._queue.append(b"B" + msgpack.packb([record for _event, record in batch]))
+        self._queue.extend(event for event, _record in batch)
         self._wake.set()
 
     # -- the parent's threads -------------------------------------------------------------------
@@ -151,11 +164,21 @@ class ZmqPublisherProcess:
     def _feed(self) -> None:
         stdin = self._child.stdin
         assert stdin is not None
-        queue = self._queue
+        queue, mapped = self._queue, self._mapper.mapped
         try:
             while True:
+                batches: list[Mapped] = []
                 while queue:
-                    _write_frame(stdin, queue.popleft())
+                    item = queue.popleft()
+                    if type(item) is bytes:  # a marker: what came before it goes first
+                        if batches:
+                            _write_frame(stdin, b"B" + msgpack.packb(batches))
+                            batches = []
+                        _write_frame(stdin, item)
+                    elif (one := mapped(item)) is not None:  # type: ignore[arg-type]
+                        batches.append(one)
+                if batches:
+                    _write_frame(stdin, b"B" + msgpack.packb(batches))
                 stdin.flush()
                 if self._closing and not queue:
                     return
@@ -333,8 +356,7 @@ def child_main() -> int:
         while (frame := _read_frame(inp)) is not None:
             kind, body = frame[:1], frame[1:]
             if kind == b"B":
-                records = msgpack.unpackb(body)
-                publisher.committed([(codec.decode(r), r) for r in records])  # type: ignore[misc]
+                publisher.send_mapped(map(tuple, msgpack.unpackb(body)))
                 report()
             elif kind == b"W":
                 publisher.wait_sent(60)

@@ -64,6 +64,49 @@ TOKEN_ID_MODES: tuple[TokenIds, ...] = ("keep", "live_only", "drop")
 _LOOPBACK_HOSTS = ("localhost", "::1", "[::1]", "ip6-localhost")
 
 
+Mapped = tuple[int, bytes, bytes]
+"""One event as a batch: (sequence number, payload sent live, payload kept for replay)."""
+
+
+class BatchMapper:
+    """Turns a worker's events into ZMQ batches: the vLLM mapping (which follows what each tier
+    holds), the dp rank, and where token ids go (``token_ids``)."""
+
+    def __init__(self, block_size: int, dp_rank: int, token_ids: TokenIds) -> None:
+        self.mapper = VllmMapper(block_size)
+        self.dp_rank = dp_rank
+        self.token_ids = token_ids
+        self.folded_up_to = -1
+        """Events at or below it are in the mapper's seed already (skipped)."""
+
+    def seed_from(self, log: Any, worker_id: int) -> None:
+        """Start from the log's fold (a restart maps its ``Cleared`` against what was held)."""
+        if log.last_event_id(worker_id) >= 0:
+            log.flush()
+            held, self.folded_up_to = logged_holdings(log, worker_id)
+            self.mapper.seed(held)
+
+    def mapped(self, event: AnyEvent) -> Mapped | None:
+        """``event`` as a batch; None for one already in the seed."""
+        if event.event_id <= self.folded_up_to:
+            return None
+        mapper, rank, keep = self.mapper, self.dp_rank, self.token_ids
+        kept = event
+        if keep != "keep":
+            kept = without_token_ids(event)
+            if keep == "drop":
+                event = kept
+        try:
+            payload = mapper.payload(event, rank)
+            # only a copy without token ids outlives the moment (live_only); mapping an
+            # event twice is harmless: Stored and copies only add to the mapper's sets
+            stored = payload if kept is event else mapper.payload(kept, rank)
+        except Exception:
+            log.exception("cannot map event %s for vLLM routers; sending an empty batch", event)
+            payload = stored = encode_events([], mapper, ts=event.ts, dp_rank=rank)
+        return event.event_id, payload, stored
+
+
 class ZmqPublisher:
     """Publishes one worker's events on a ZMQ PUB socket.
 
@@ -71,8 +114,9 @@ class ZmqPublisher:
     commits from now on (it must not be called as a sink then), serves replays older than the
     ring from the log, and maps a restart's ``Cleared`` against the log's fold. Without one it
     is a sink called with each event; ``held`` is then what the worker's tiers held before the
-    first event it sees. ``subscribe=False`` leaves the log's commits to the caller, who hands
-    them to ``committed`` (a publisher in a child process, whose log is opened read-only).
+    first event it sees. ``subscribe=False``: the log (opened read-only) serves replays only, and
+    the caller hands over batches mapped elsewhere (``send_mapped``: a publisher in a child
+    process).
     """
 
     def __init__(
@@ -110,12 +154,9 @@ class ZmqPublisher:
         self._topic = topic.encode()
         self._log = log
         self._subscribed = subscribe
-        # fed by its caller, it gets events decoded from the log's records, which keep no
-        # tokens of copies: it takes them from the Stored events before, as replay does
-        self._mapper = VllmMapper(block_size, remember_tokens=not subscribe)
-        self._folded_up_to = -1  # events at or below it are in the mapper's seed already
+        self._mapper = BatchMapper(block_size, dp_rank, token_ids)
         self._ring: deque[tuple[int, bytes]] = deque(maxlen=ring_size)
-        self._queue: deque[AnyEvent] = deque()
+        self._queue: deque[AnyEvent | Mapped | _Marker] = deque()
         self._wake = threading.Event()
         self._idle = False
         self._closing = False
@@ -182,16 +223,13 @@ class ZmqPublisher:
                         bound,
                         "" if token_ids == "drop" else ", prompts' token ids included",
                     )
-        if log is not None:
+        if log is not None and subscribe:
             # subscribe first, then fold what is committed: an event committed in between is
             # both folded and handed over, and skipped by its id
-            if subscribe:
-                log.on_commit(self.committed, worker_id=worker_id)
-            if log.last_event_id(worker_id) >= 0:
-                log.flush()
-                held, self._folded_up_to = logged_holdings(log, worker_id)
-        if held is not None:
-            self._mapper.seed(held)
+            log.on_commit(self._committed, worker_id=worker_id)
+            self._mapper.seed_from(log, worker_id)
+        elif held is not None:
+            self._mapper.mapper.seed(held)
         self._thread = threading.Thread(target=self._run, name="kvledger-zmq-publisher")
         self._thread.daemon = True
         self._thread.start()
@@ -211,17 +249,23 @@ class ZmqPublisher:
             if self._idle:  # waking a busy thread would cost the engine a lock for nothing
                 self._wake.set()
 
-    def committed(self, batch: Sequence[tuple[AnyEvent, bytes]]) -> None:
-        """The log's writer, after a commit: queue the worker's newly committed events (a
-        publisher in a child process, ``zmq_process``, is handed its parent's commits here)."""
+    def _committed(self, batch: Sequence[tuple[AnyEvent, bytes]]) -> None:
+        """The log's writer, after a commit: queue the worker's newly committed events."""
         self._queue.extend(event for event, _record in batch)
+        if self._idle:
+            self._wake.set()
+
+    def send_mapped(self, batches: Iterable[Mapped]) -> None:
+        """Queue batches a ``BatchMapper`` made elsewhere (the engine's process, for a
+        publisher in a child process: ``zmq_process``)."""
+        self._queue.extend(batches)
         if self._idle:
             self._wake.set()
 
     def close(self, timeout: float = 5.0) -> None:
         """Send what is queued, then close the sockets."""
         if self._log is not None and self._subscribed:
-            self._log.off_commit(self.committed)
+            self._log.off_commit(self._committed)
         self._closing = True
         self._wake.set()
         self._thread.join(timeout)
@@ -242,7 +286,7 @@ class ZmqPublisher:
         if self._log is not None:
             self._log.flush()
         done = threading.Event()
-        self._queue.append(_Marker(done))  # type: ignore[arg-type]
+        self._queue.append(_Marker(done))
         self._wake.set()
         return done.wait(timeout)
 
@@ -281,33 +325,20 @@ class ZmqPublisher:
             self._idle = False
 
     def _send_queued(self) -> None:
-        queue, ring, mapper = self._queue, self._ring, self._mapper
-        keep = self.token_ids
+        queue, ring, mapped = self._queue, self._ring, self._mapper.mapped
         send = self._pub.send
-        topic, rank = self._topic, self.dp_rank
+        topic = self._topic
         more = zmq.NOBLOCK | zmq.SNDMORE
         # a bounded pass, so that replay requests and subscriptions are served under load too
         for _ in range(min(len(queue), 4096)):
-            event = queue.popleft()
-            if isinstance(event, _Marker):
-                event.done.set()
+            item = queue.popleft()
+            if isinstance(item, _Marker):
+                item.done.set()
                 continue
-            if event.event_id <= self._folded_up_to:
-                continue  # committed while the publisher started: in the mapper's seed
-            kept = event
-            if keep != "keep":
-                kept = without_token_ids(event)
-                if keep == "drop":
-                    event = kept
-            try:
-                payload = mapper.payload(event, rank)
-                # only a copy without token ids outlives the moment (live_only); mapping an
-                # event twice is harmless: Stored and copies only add to the mapper's sets
-                stored = payload if kept is event else mapper.payload(kept, rank)
-            except Exception:
-                log.exception("cannot map event %s for vLLM routers; sending an empty batch", event)
-                payload = stored = encode_events([], mapper, ts=event.ts, dp_rank=rank)
-            seq = event.event_id
+            batch = item if type(item) is tuple else mapped(item)  # type: ignore[arg-type]
+            if batch is None:
+                continue
+            seq, payload, stored = batch
             if self._next_seq is None:
                 self._next_seq = seq
             ring.append((seq, stored))
