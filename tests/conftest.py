@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.util
 import io
 import os
+import sys
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -25,6 +26,16 @@ from services import PG_HOST, PG_PORT, PG_SERVER_URL, pg_connect, redis_or_skip
 collect_ignore = ["integrations/vllm_harness", "integrations/vllm_e2e"]
 if importlib.util.find_spec("sglang") is None:
     collect_ignore.append("integrations/sglang")
+
+
+@pytest.fixture(autouse=True)
+def _switch_interval_restored() -> Iterator[None]:
+    """``kvledger.cli.main`` and a worker's ``switch_interval_s`` set the interpreter's switch
+    interval, which is the process's: a test that runs them in-process leaves the next test
+    the interval it found."""
+    before = sys.getswitchinterval()
+    yield
+    sys.setswitchinterval(before)
 
 
 @pytest.fixture(scope="session")
