@@ -246,8 +246,7 @@ class Settings(BaseModel):
     zmq_process: bool = Field(
         False,
         description="run the ZMQ publisher in a child process fed by the log's commits through "
-        "a pipe, off the engine's interpreter (kvledger worker does; it needs a log another "
-        "process can open)",
+        "a pipe, off the engine's interpreter (kvledger worker and simulate do)",
     )
     zmq_curve_secret_key: Path | None = Field(
         None,

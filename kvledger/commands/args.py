@@ -201,3 +201,33 @@ def _int(text: str) -> int:
         return int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+
+
+def add_zmq_args(parser: argparse.ArgumentParser) -> None:
+    """The ZMQ stream's flags of ``simulate`` and ``worker``."""
+    parser.add_argument(
+        "--zmq-endpoint",
+        metavar="ENDPOINT",
+        help="publish every event as vLLM KVEventBatch on a ZMQ PUB socket bound here",
+    )
+    parser.add_argument(
+        "--zmq-replay-endpoint", metavar="ENDPOINT", help="bind the ZMQ replay socket here"
+    )
+    parser.add_argument(
+        "--zmq-thread",
+        action="store_true",
+        help="publish from a thread of this process, not from a child process fed by the "
+        "log's commits (which keeps the sends off this process's interpreter)",
+    )
+
+
+def zmq_settings(args: argparse.Namespace) -> dict[str, object]:
+    """The settings ``add_zmq_args``'s flags give (those not given are left to the
+    environment; a replay endpoint without an endpoint is refused by the settings)."""
+    values: dict[str, object] = {}
+    if getattr(args, "zmq_endpoint", None) is not None:
+        values["zmq_endpoint"] = args.zmq_endpoint
+        values["zmq_process"] = not args.zmq_thread
+    if getattr(args, "zmq_replay_endpoint", None) is not None:
+        values["zmq_replay_endpoint"] = args.zmq_replay_endpoint
+    return values

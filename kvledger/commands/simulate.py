@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
 from kvledger.commands.args import (
+    add_zmq_args,
     choices,
     log_location,
     non_negative_int,
@@ -29,6 +30,7 @@ from kvledger.commands.args import (
     port,
     positive_float,
     positive_int,
+    zmq_settings,
 )
 from kvledger.commands.cluster_args import add_cluster_args
 from kvledger.commands.runlog import lookup_recorder, replay_matches
@@ -177,14 +179,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         help="requests arrive X times faster than the trace says (Dynamo's arrival_speedup_ratio)",
     )
     p.add_argument("--metrics-port", type=port, metavar="N", help="serve kvbm_* metrics on N")
-    p.add_argument(
-        "--zmq-endpoint",
-        metavar="ENDPOINT",
-        help="publish every event as vLLM KVEventBatch on a ZMQ PUB socket bound here",
-    )
-    p.add_argument(
-        "--zmq-replay-endpoint", metavar="ENDPOINT", help="bind the ZMQ replay socket here"
-    )
+    add_zmq_args(p)
     p.add_argument(
         "--dump-state",
         metavar="FILE",
@@ -215,12 +210,11 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         ("timing_model", "timing_model"),
         ("admission_rule", "admission_rule"),
         ("speedup_ratio", "speedup_ratio"),
-        ("zmq_endpoint", "zmq_endpoint"),
-        ("zmq_replay_endpoint", "zmq_replay_endpoint"),
     ):
         value = getattr(args, arg, None)
         if value is not None:
             overrides[name] = value
+    overrides.update(zmq_settings(args))
     partial = getattr(args, "partial_blocks", None)
     if partial is not None:
         overrides["cache_partial_blocks"] = partial == "cache"

@@ -21,7 +21,14 @@ from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 from kvledger.builder import open_worker
-from kvledger.commands.args import linger_seconds, log_location, non_negative_int, positive_int
+from kvledger.commands.args import (
+    add_zmq_args,
+    linger_seconds,
+    log_location,
+    non_negative_int,
+    positive_int,
+    zmq_settings,
+)
 from kvledger.config import Settings
 from kvledger.events.log.schema import database_url
 from kvledger.events.shared.publish import RedisPublisher
@@ -77,20 +84,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     )
     p.add_argument("--seed", type=int, default=0, help="workload seed (prefixes are shared)")
     p.add_argument("--linger", action="store_true", help="stay alive until SIGTERM")
-    p.add_argument(
-        "--zmq-endpoint",
-        metavar="ENDPOINT",
-        help="also publish every event as vLLM KVEventBatch on a ZMQ PUB socket bound here",
-    )
-    p.add_argument(
-        "--zmq-replay-endpoint", metavar="ENDPOINT", help="bind the ZMQ replay socket here"
-    )
-    p.add_argument(
-        "--zmq-thread",
-        action="store_true",
-        help="publish ZMQ from a thread of this process, not from a child process fed by the "
-        "log's commits (which keeps it off the worker's interpreter)",
-    )
+    add_zmq_args(p)
     p.add_argument("--release-on-exit", action="store_true", help="drop entries when leaving")
     p.set_defaults(func=run)
 
@@ -214,9 +208,7 @@ def _settings(args: argparse.Namespace) -> Settings:
         "redis_shards": args.shards,
         "redis_lease_s": args.lease_ttl,
         "redis_linger_s": args.publish_linger,
-        "zmq_endpoint": args.zmq_endpoint,
-        "zmq_replay_endpoint": args.zmq_replay_endpoint,
-        "zmq_process": None if args.zmq_endpoint is None else not args.zmq_thread,
+        **zmq_settings(args),
     }
     settings = Settings.load(**{k: v for k, v in flags.items() if v is not None})
     if settings.redis_url is None:
