@@ -4,6 +4,8 @@ RouterIndex)."""
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
 import threading
@@ -432,7 +434,7 @@ from kvledger.events.log import EventLog
 from kvledger.events.shared.zmq_process import ZmqPublisherProcess
 log = EventLog(sys.argv[1])
 publisher = ZmqPublisherProcess("tcp://127.0.0.1:*", log=log, worker_id=0, block_size=4)
-print(publisher._child.pid, flush=True)
+print(publisher.pid, flush=True)
 sys.stdin.read()
 """
 
@@ -450,9 +452,13 @@ def test_a_publisher_process_ends_with_its_parent_killed(tmp_path: Path) -> None
     child = int(parent.stdout.readline())
     parent.kill()
     parent.wait()
+    _wait_gone(child)
+
+
+def _wait_gone(pid: int) -> None:
     deadline = time.monotonic() + 10
-    while Path(f"/proc/{child}").exists() and b"Z" not in _state(child):
-        assert time.monotonic() < deadline, "the publisher's process outlived its parent"
+    while Path(f"/proc/{pid}").exists() and b"Z" not in _state(pid):
+        assert time.monotonic() < deadline, f"process {pid} is still running"
         time.sleep(0.05)
 
 
@@ -462,3 +468,25 @@ def _state(pid: int) -> bytes:
         return Path(f"/proc/{pid}/stat").read_bytes().rsplit(b")", 1)[1].split()[0]
     except (FileNotFoundError, IndexError):
         return b"Z"
+
+
+def test_a_dead_publisher_process_is_reported_and_the_engine_goes_on(tmp_path: Path) -> None:
+    log = EventLog(str(tmp_path / "w.db"))
+    publisher = ZmqPublisherProcess("tcp://127.0.0.1:*", log=log, worker_id=0, block_size=BLOCK)
+    try:
+        os.kill(publisher.pid, signal.SIGKILL)  # the child crashed, or an operator killed it
+        _wait_gone(publisher.pid)
+        for event_id in range(3):
+            log.append(
+                Stored(
+                    event_id=event_id, worker_id=0, dp_rank=0, tier=Tier.G1, ts=1.0,
+                    parent_hash=None, blocks=((7 + event_id, 8),),
+                )
+            )  # fmt: skip
+        assert not publisher.wait_sent(5)  # nothing can be sent: said, not waited on forever
+        assert publisher.error is not None
+        log.flush()
+        assert log.last_event_id(0) == 2  # the log, and so the engine, went on
+    finally:
+        publisher.close(timeout=5)
+        log.close()

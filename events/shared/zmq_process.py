@@ -153,6 +153,11 @@ class ZmqPublisherProcess:
         ready: dict[str, Any] = said["ready"]
         return ready
 
+    @property
+    def pid(self) -> int:
+        """The child's process id."""
+        return self._child.pid
+
     # -- the log's writer: never blocks ------------------------------------------------------
 
     def _committed(self, batch: Sequence[Committed]) -> None:
@@ -217,6 +222,10 @@ class ZmqPublisherProcess:
                 self.worker_id,
                 exc,
             )
+        with self._lock:  # whoever waits for a marker learns it now, not at its timeout
+            waiting, self._markers = list(self._markers.values()), {}
+        for marker in waiting:
+            marker.set()
 
     # -- the engine's side ----------------------------------------------------------------
 
@@ -225,6 +234,8 @@ class ZmqPublisherProcess:
         timeout or when the child is gone."""
         if self._log is not None:
             self._log.flush()
+        if self.error is not None:
+            return False
         done = threading.Event()
         with self._lock:
             marker = self._next_marker
