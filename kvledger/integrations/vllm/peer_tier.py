@@ -117,7 +117,9 @@ def build_peer_parts(
     )
     if worker.restarted:
         worker.emitter.cleared(Tier.G2)
-    agent = RemoteAgent(worker.worker_id)
+    # the devices KVLEDGER_G4_INTERFACE names (else UCX_NET_DEVICES, else loopback), as for
+    # every kvledger agent: what it serves is readable by whoever reaches those devices
+    agent = RemoteAgent(worker.worker_id, devices=worker.builder_worker.settings.g4_interface)
     try:
         agent.register(g2)
         directory = RemoteDirectory(shared.client, shared.namespace, ttl_s=lease_s)

@@ -338,5 +338,33 @@ def test_the_peer_tier_refuses_settings_it_cannot_run_with(tmp_path: Path) -> No
         KvledgerPeerTier(spec, view, "KvledgerPeerTier", num_blocks=0)
 
 
+def test_the_peer_tier_listens_where_kvledger_g4_interface_says(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    redis = pytest.importorskip("redis")
+    try:
+        redis.Redis.from_url(REDIS_URL).ping()
+    except redis.RedisError as exc:
+        pytest.skip(f"no Redis at {REDIS_URL}: {exc}")
+    monkeypatch.setenv("KVLEDGER_G4_INTERFACE", "all")  # every device (the default: lo)
+    spec = MagicMock()
+    spec.kv_events_config.enable_kv_cache_events = False
+    view = memoryview(np.zeros((4, ROW), dtype=np.uint8))
+    tier = KvledgerPeerTier(
+        spec,
+        view,
+        "KvledgerPeerTier",
+        num_blocks=4,
+        worker_id=77,
+        log_url=f"sqlite:///{tmp_path / 'w77.db'}",
+        redis_url=REDIS_URL,
+        redis_namespace=f"kvl-vllm-g4-{uuid.uuid4().hex[:8]}",
+    )
+    try:
+        assert tier.parts.agent.devices is None  # UCX's own default: every device
+    finally:
+        tier.shutdown()
+
+
 if __name__ == "__main__" and sys.argv[1:2] == ["owner"]:
     owner_main(sys.argv[2], Path(sys.argv[3]))
