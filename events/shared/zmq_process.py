@@ -55,7 +55,7 @@ log = logging.getLogger(__name__)
 
 _HEADER = struct.Struct(">I")
 START_TIMEOUT_S = 60.0
-"""How long the parent waits for the child to bind and fold the log."""
+"""How long the parent waits for the child to open the log and bind its sockets."""
 REBIND_FOR_S = 10.0
 """How long a child keeps trying an endpoint still bound (by the child of a killed worker)."""
 
