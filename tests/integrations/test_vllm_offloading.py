@@ -218,11 +218,12 @@ def test_g2_to_kvledger_g3_and_back_through_vllms_scheduler(
 def test_worker_b_reads_worker_as_blocks_over_nixl_as_g4(vllm_run: dict[str, FileOutcome]) -> None:
     # two processes, real Redis and NIXL agents: B's promotions read A's exported blocks
     # byte-identical; a block A drops (or reuses) between B's lookup and read is a miss for
-    # that key and B goes on; each worker's log replays to its state
+    # that key and B goes on; each worker's log replays to its state; the agent listens on
+    # the devices KVLEDGER_G4_INTERFACE names
     outcome = vllm_run.get(PEER_TIER_TESTS)
     if outcome is not None and outcome.skipped and not outcome.passed and not outcome.failed:
         pytest.skip(f"kvledger's G4 tier test did not run: {outcome.skipped[0]}")
-    assert check(vllm_run, PEER_TIER_TESTS).passed == 5
+    assert check(vllm_run, PEER_TIER_TESTS).passed == 6
 
 
 def test_the_vllm_manager_publishes_to_the_shared_registry_and_serves_metrics(
