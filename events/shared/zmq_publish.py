@@ -228,7 +228,7 @@ class ZmqPublisher:
             # both folded and handed over, and skipped by its id
             log.on_commit(self._committed, worker_id=worker_id)
             self._mapper.seed_from(log, worker_id)
-        elif held is not None:
+        if held is not None:
             self._mapper.mapper.seed(held)
         self._thread = threading.Thread(target=self._run, name="kvledger-zmq-publisher")
         self._thread.daemon = True
