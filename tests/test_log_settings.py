@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -84,14 +83,9 @@ def test_simulate_writes_its_log_with_the_log_settings(tmp_path: Path) -> None:
 
 
 @pytest.fixture
-def python_default_interval() -> Iterator[None]:
-    """The process starts each test at Python's 5 ms and gets its own interval back after."""
-    before = sys.getswitchinterval()
+def python_default_interval() -> None:
+    """The test starts at Python's 5 ms (conftest gives the process its own back after)."""
     sys.setswitchinterval(0.005)
-    try:
-        yield
-    finally:
-        sys.setswitchinterval(before)
 
 
 @pytest.mark.usefixtures("python_default_interval")
