@@ -61,6 +61,26 @@ def unpack_hashes(blob: bytes) -> tuple[int, ...]:
     return struct.unpack(f">{len(blob) // 8}Q", blob)
 
 
+def pack_stream_entry(records: Sequence[bytes]) -> bytes:
+    """The events of one apply call as one stream entry: their log records in one msgpack array.
+
+    One entry per call, not per event: an XADD costs Redis about as much as the index update of
+    a one-block event, and a router reads and acknowledges the call's events together anyway."""
+    packed: bytes = msgpack.packb(list(records))
+    return packed
+
+
+def unpack_stream_entry(entry: bytes) -> list[bytes]:
+    """The log records of a stream entry (``pack_stream_entry``)."""
+    try:
+        records = msgpack.unpackb(entry)
+    except (ValueError, msgpack.UnpackException) as exc:
+        raise WireFormatError(f"a stream entry is one msgpack array of records: {exc}") from None
+    if not isinstance(records, list) or not all(type(r) is bytes for r in records):
+        raise WireFormatError(f"a stream entry is an array of records (bytes), got {records!r:.80}")
+    return records
+
+
 def hash_key(seq: int) -> bytes:
     """One hash as the 8 bytes the stream record and the Redis keys use."""
     return seq.to_bytes(8, "big")

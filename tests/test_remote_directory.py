@@ -145,6 +145,7 @@ def test_one_key_space_names_every_key_of_a_namespace(client: redis.Redis, names
         keys.count,
         keys.workers,
         keys.stream,
+        keys.stream_size,
         keys.sweep,
         keys.fence,
         keys.tips,

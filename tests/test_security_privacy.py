@@ -26,6 +26,7 @@ from kvledger.events.shared import SharedRegistry
 from kvledger.events.shared.subscribe import decode_stream_record
 from kvledger.events.shared.zmq_subscribe import ZmqSubscriber
 from kvledger.events.types import Stored
+from kvledger.events.wire import unpack_stream_entry
 
 pytestmark = [pytest.mark.redis, pytest.mark.usefixtures("clean_env")]
 BLOCK = 4
@@ -98,7 +99,9 @@ def run_manager(tmp_path: Path, namespace: str, token_ids: str) -> dict[str, Any
         list[tuple[bytes, dict[bytes, bytes]]],
         client.xrange(SharedRegistry(client, namespace).stream_keys[0]),
     )
-    records = [fields[b"r"] for _, fields in stream if b"r" in fields]
+    records = [
+        r for _, fields in stream if b"e" in fields for r in unpack_stream_entry(fields[b"e"])
+    ]
     return {
         "live": live_batches,
         "replay": replay_batches,

@@ -31,7 +31,7 @@ from worker_kills import kill_rounds, worker_command
 
 from kvledger.events.log import EventLog
 from kvledger.events.shared import SharedRegistry, StreamSubscriber, connect
-from kvledger.events.shared.subscribe import decode_stream_record
+from kvledger.events.shared.subscribe import decode_stream_entry
 from kvledger.events.types import AnyEvent, Tier
 from kvledger.registry.index import RouterIndex, holders_from_state
 from kvledger.registry.state import RegistryState
@@ -139,9 +139,9 @@ def _run_workers(
     for stream in reg.stream_keys:
         entries = cast(list[tuple[bytes, dict[bytes, bytes]]], reg.client.xrange(stream))
         for _id, fields in entries:
-            if b"r" in fields:
-                event = decode_stream_record(fields[b"r"])
-                seen.setdefault(event.worker_id, []).append(event.event_id)
+            if b"e" in fields:
+                for event in decode_stream_entry(fields[b"e"]):
+                    seen.setdefault(event.worker_id, []).append(event.event_id)
             else:
                 baselines.append((stream, fields.get(b"w", b"?")))
     expected = {w: list(range(last[w] + 1)) for w in WORKERS}

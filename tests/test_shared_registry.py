@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import cast
 
+import msgpack
 import pytest
 import redis
 from event_streams import prompt_pool, worker_events
@@ -25,7 +26,7 @@ from kvledger.events import codec
 from kvledger.events.log import EventLog
 from kvledger.events.shared.publish import RedisPublisher
 from kvledger.events.shared.registry import SharedRegistry
-from kvledger.events.shared.subscribe import StreamSubscriber, decode_stream_record
+from kvledger.events.shared.subscribe import StreamSubscriber, decode_stream_entry
 from kvledger.events.types import AnyEvent, BlockInfo, Cleared, Lookup, Tier
 from kvledger.registry.emitter import EventEmitter
 from kvledger.registry.hashing import TokenBlockSequence
@@ -46,8 +47,7 @@ def _stream_ids(reg: SharedRegistry) -> dict[int, list[int]]:
     out: dict[int, list[int]] = {}
     entries = cast(list[tuple[bytes, dict[bytes, bytes]]], reg.client.xrange(reg.stream_key))
     for _id, fields in entries:
-        if b"r" in fields:
-            event = decode_stream_record(fields[b"r"])
+        for event in decode_stream_entry(fields[b"e"]) if b"e" in fields else ():
             out.setdefault(event.worker_id, []).append(event.event_id)
     return out
 
@@ -248,6 +248,61 @@ def test_subscriber_feeds_a_router_index_and_acks(registry: SharedRegistry) -> N
     sub.poll()
     assert index.holders() == registry.snapshot()
     assert all(w == 1 for w, _dp in index.workers())
+
+
+def test_subscriber_reads_entries_of_one_event_as_earlier_versions_wrote(
+    registry: SharedRegistry,
+) -> None:
+    """A router upgraded before its workers still reads their stream: an entry whose ``r``
+    field holds one record, beside the entries of whole apply calls (``e``)."""
+    events = worker_events(3, 6, 30, prompt_pool(3))
+    for event in events[:10]:
+        registry.client.xadd(registry.stream_key, {"w": "6", "r": codec.encode(event)})
+    registry.client.hset(registry.keys.applied, "6", "9")
+    registry.client.hset(registry.keys.count, "6", "10")
+    registry.apply(6, events[10:])
+    index = RouterIndex()
+    sub = StreamSubscriber(
+        registry,
+        "routers",
+        "r1",
+        on_event=index.apply,
+        on_purge=index.remove_worker,
+        on_baseline=index.apply_baseline,
+    )
+    assert sub.poll() == 11  # ten entries of one event, then one of the other twenty
+    assert index.holders() == holders_from_state(RegistryState.from_events(events))
+
+
+def test_the_stream_keeps_about_stream_maxlen_events() -> None:
+    """The bound is in events though an entry holds a call's events: ~11,000 events in calls
+    of eight keep 4,000 of them, give or take what Redis trims at once (a node of 100
+    entries)."""
+    reg = SharedRegistry(
+        redis_or_skip(), f"t-{uuid.uuid4().hex[:12]}", stream_maxlen=4000, events_per_call=8
+    )
+    try:
+        events = worker_events(4, 2, 12_000, prompt_pool(4))
+        for i in range(0, len(events), 1000):
+            reg.apply(2, events[i : i + 1000])
+        end = events[-1].event_id + 1
+        kept = len(_stream_ids(reg)[2])
+        assert end > 8000 and 4000 <= kept <= 4000 + 100 * 8, (end, kept)
+        assert _stream_ids(reg)[2] == list(range(end - kept, end))  # the newest
+    finally:
+        reg.delete_namespace()
+
+
+def test_a_malformed_stream_entry_is_an_error_that_names_it() -> None:
+    for entry, match in (
+        (b"\xc1", "one msgpack array of records"),
+        (msgpack.packb({"a": 1}), "an array of records"),
+        (msgpack.packb([b"x", 3]), "an array of records"),
+    ):
+        with pytest.raises(codec.CodecError, match=match):
+            decode_stream_entry(entry)
+    with pytest.raises(codec.CodecError):  # an array of records, one of them damaged
+        decode_stream_entry(msgpack.packb([b"\xc1"]))
 
 
 def test_publisher_catches_up_from_the_log(registry: SharedRegistry, tmp_path: Path) -> None:

@@ -18,7 +18,7 @@ from services import redis_or_skip
 
 from kvledger.events.log import EventLog
 from kvledger.events.shared.registry import SharedRegistry
-from kvledger.events.shared.subscribe import decode_stream_record
+from kvledger.events.shared.subscribe import decode_stream_entry
 from kvledger.events.types import AnyEvent
 from kvledger.registry.index import holders_from_state
 from kvledger.registry.state import RegistryState
@@ -103,8 +103,8 @@ def test_three_workers_equal_their_logs_even_across_a_flush(
     seen: dict[int, list[int]] = {}
     entries = cast(list[tuple[bytes, dict[bytes, bytes]]], reg.client.xrange(reg.stream_key))
     for _id, fields in entries:
-        event = decode_stream_record(fields[b"r"])
-        seen.setdefault(event.worker_id, []).append(event.event_id)
+        for event in decode_stream_entry(fields[b"e"]):
+            seen.setdefault(event.worker_id, []).append(event.event_id)
     for w, report in reports.items():  # the stream after the flush: each event exactly once
         assert seen[w] == list(range(int(report["last_event_id"]) + 1))
     for proc in procs.values():

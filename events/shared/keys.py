@@ -17,8 +17,8 @@ The shared registry, its publishers and subscribers, and the G4 directory
 
 Kept by the shared registry in every shard (``registry.py`` says what each holds):
 
-- ``idx``, ``gens``, ``held``, ``applied``, ``count``, ``workers``, ``events``, ``sweep``,
-  ``fence``, ``tips``
+- ``idx``, ``gens``, ``held``, ``applied``, ``count``, ``workers``, ``events``,
+  ``events:size``, ``sweep``, ``fence``, ``tips``
 - ``lease:<worker>``            string with a TTL, refreshed by every apply and by heartbeats
 
 and in shard 0 only:
@@ -115,6 +115,12 @@ class KeySpace:
     @property
     def stream(self) -> str:
         return self.prefix + "events"
+
+    @property
+    def stream_size(self) -> str:
+        """Hash: ``mean``, the recent mean events per stream entry, which turns the stream's
+        length bound in events into one in entries."""
+        return self.prefix + "events:size"
 
     @property
     def sweep(self) -> str:

@@ -85,7 +85,7 @@ from kvledger.events.types import (
     Tier,
     without_token_ids,
 )
-from kvledger.events.wire import encode_baseline, hash_key, pack_hashes
+from kvledger.events.wire import encode_baseline, hash_key, pack_hashes, pack_stream_entry
 from kvledger.registry.columns import BlockColumns
 from kvledger.registry.index import prefix_depths
 
@@ -168,6 +168,9 @@ class SharedRegistry:
         self.prefix = keys.prefix
         self.lease_ttl_ms = int(lease_ttl_s * 1000)
         self.stream_maxlen = stream_maxlen
+        """About how many events each shard's stream keeps (Redis trims whole nodes of it).
+        An entry holds one apply call's events, so the bound in entries follows their recent
+        mean size (``events:size``)."""
         self.sweep_slice = sweep_slice
         """Blocks of a running stale-entry sweep each apply cleans (0: only ``sweep`` does)."""
         self.token_ids = token_ids
@@ -361,7 +364,7 @@ class SharedRegistry:
             clears, groups = reduced[a, b][shard]
             tip = record_tip(records[b - 1]) if b > a else 0
             first = parsed[a][0] if b > a else 0
-            carried = records[a:b] if shard == home else ()
+            carried = (pack_stream_entry(records[a:b]),) if shard == home and b > a else ()
             return self._apply_call(
                 shard, wid, token, "", tip, first, b - a, clears, groups, carried
             )
@@ -386,7 +389,7 @@ class SharedRegistry:
         k = self.shard_keys[shard]
         keys = [
             k.applied, k.count, k.stream, k.workers, k.lease(wid), k.held, k.index,
-            k.generations, k.sweep, k.fence, k.tips,
+            k.generations, k.sweep, k.fence, k.tips, k.stream_size,
         ]  # fmt: skip
         args: list[Arg] = [
             k.prefix, wid, self.stream_maxlen, self.lease_ttl_ms, self.sweep_slice,

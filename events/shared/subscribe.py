@@ -20,7 +20,7 @@ import redis
 from kvledger.events import codec
 from kvledger.events.shared.registry import SharedRegistry
 from kvledger.events.types import AnyEvent, Baseline, Lookup, Released, RunInfo
-from kvledger.events.wire import decode_baseline
+from kvledger.events.wire import WireFormatError, decode_baseline, unpack_stream_entry
 
 
 class StreamSubscriber:
@@ -61,8 +61,9 @@ class StreamSubscriber:
                 raise
 
     def poll(self, count: int = 1000, block_ms: int | None = None) -> int:
-        """Apply and acknowledge up to ``count`` new entries per stream; returns how many were
-        handled. With several streams, ``block_ms`` waits on one of them (in turn) only when
+        """Apply and acknowledge up to ``count`` new entries per stream; returns how many
+        entries were handled (each holds one apply call's events, a purge notice, or a
+        baseline). With several streams, ``block_ms`` waits on one of them (in turn) only when
         none had anything."""
         handled = sum(self._read(stream, count, None) for stream in self.streams)
         if handled or block_ms is None:
@@ -98,9 +99,11 @@ class StreamSubscriber:
         for stream, entries in reply or ():
             ids: list[bytes] = []
             for entry_id, fields in entries:
-                record = fields.get(b"r")
-                if record is not None:
-                    self.on_event(decode_stream_record(record))
+                if b"e" in fields:
+                    for event in decode_stream_entry(fields[b"e"]):
+                        self.on_event(event)
+                elif b"r" in fields:  # one event an entry, as earlier versions wrote
+                    self.on_event(decode_stream_record(fields[b"r"]))
                 elif b"b" in fields:
                     self.on_baseline(decode_baseline(fields[b"b"]))
                 elif b"purged" in fields:
@@ -110,6 +113,15 @@ class StreamSubscriber:
                 self.client.xack(stream, self.group, *ids)
                 handled += len(ids)
         return handled
+
+
+def decode_stream_entry(entry: bytes) -> list[AnyEvent]:
+    """The events of one apply call's stream entry (``wire.pack_stream_entry``), in id order."""
+    try:
+        records = unpack_stream_entry(entry)
+    except WireFormatError as exc:
+        raise codec.CodecError(str(exc)) from None
+    return [decode_stream_record(record) for record in records]
 
 
 def decode_stream_record(record: bytes) -> AnyEvent:

@@ -4,15 +4,17 @@
 -- needs the stored value: one HMGET slot, a mask edit, one HSET/HDEL slot. Cutting hashes out
 -- of records and finding each block's last change cost more in Lua than the whole index
 -- update does.
--- KEYS: applied, count, events, workers, lease, held, idx, gens, sweep, fence, tips (gens and
+-- KEYS: applied, count, events, workers, lease, held, idx, gens, sweep, fence, tips,
+--       events:size (gens and
 --       sweep are named from the prefix below; declaring them lets Redis Cluster hold the call
 --       back while the shard's slot is half migrated, instead of running it on half the keys)
 -- ARGV: prefix, worker id, stream maxlen, lease ttl ms, sweep slice, the writer's fencing token
 --       (0: unclaimed), mode ('' a run of events; 'b' a baseline: the worker's fold at event
 --       `first`, applied right after a purge), the checksum of the last record (the tip),
 --       first event id, events n, Cleared count per tier (4), groups g, g x (set mask, clear
---       mask, blocks), the records to append to the stream (all n in the worker's home shard,
---       none in the others), and per group its blocks' 8-byte hashes in one string
+--       mask, blocks), what to append to the stream (in the worker's home shard the n records
+--       in one string, wire.pack_stream_entry, or a baseline's record per tier; none in the
+--       others), and per group its blocks' 8-byte hashes in one string
 -- Returns {applied, repeated, last applied id, gap}: gap is the first event id when it does not
 -- follow the last applied one, -2 when the batch starts inside what was applied (the caller
 -- sends the rest again), -3 when a newer claim of the worker id fenced this writer off, -4
@@ -190,10 +192,15 @@ if applied > 0 then
       call('HINCRBY', KEYS[6], field, delta[t])
     end
   end
-  local field = mode == 'b' and 'b' or 'r'
+  local field = mode == 'b' and 'b' or 'e'
   if carried > 0 then
     for i = rec0 + 1, rec0 + carried do call('XADD', KEYS[3], '*', 'w', wid, field, ARGV[i]) end
-    call('XTRIM', KEYS[3], 'MAXLEN', '~', maxlen)
+    -- maxlen counts events, and an entry holds a call's events: the stream keeps as many
+    -- entries as maxlen events fill at the recent mean size of an entry.
+    local mean = tonumber(call('HGET', KEYS[12], 'mean') or '0')
+    mean = mean > 0 and mean + (nrec / carried - mean) / 64 or nrec / carried
+    call('HSET', KEYS[12], 'mean', string.format('%.3f', mean))
+    call('XTRIM', KEYS[3], 'MAXLEN', '~', math.ceil(tonumber(maxlen) / mean))
   end
   if mode == 'b' then
     last = first
