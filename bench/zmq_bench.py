@@ -231,6 +231,7 @@ def emit_to_send(
             emitted = paced(log.append, events, rate)
             got = len(emitted) / (emitted[-1] - emitted[0])
             publisher.wait_sent(60)
+            committed = [(n - 1, at) for n, at in log.commit_times]
             out, _ = drainer.communicate(timeout=60)
             arrivals = [tuple(a) for a in json.loads(out.strip().splitlines()[-1])]
         finally:
@@ -239,7 +240,12 @@ def emit_to_send(
     seen = sorted(arrivals)
     where = "a thread" if thread else "a child process"
     name = f"emit -> ZMQ received (publisher in {where}, switch interval {interval * 1e3:g} ms)"
-    return summary(name, delays(emitted, seen), got, log.max_delay)
+    return "\n".join(
+        (
+            summary("emit -> committed (log)", delays(emitted, committed), got, log.max_delay),
+            summary(name, delays(emitted, seen), got, log.max_delay),
+        )
+    )
 
 
 def vllm_batches(events: list[Any]) -> list[Any]:
