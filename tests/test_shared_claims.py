@@ -25,14 +25,15 @@ from pathlib import Path
 import pytest
 from event_streams import prompt_pool, worker_events
 from services import REDIS_URL, manager_settings, redis_or_skip
+from stream_router import stream_router
 from worker_kills import holders_of, log_holders, wait_for, worker_command
 
 from kvledger.events.log import EventLog
-from kvledger.events.shared import SharedRegistry, StreamSubscriber
+from kvledger.events.shared import SharedRegistry
 from kvledger.events.shared.claims import ClaimLost, Holder, WorkerIdTaken
 from kvledger.events.shared.publish import RedisPublisher
 from kvledger.events.types import AnyEvent
-from kvledger.registry.index import RouterIndex, holders_from_state
+from kvledger.registry.index import holders_from_state
 from kvledger.registry.state import RegistryState
 
 pytestmark = [pytest.mark.redis]
@@ -54,19 +55,6 @@ def _publish(reg: SharedRegistry, log: EventLog, worker: int, events: list[AnyEv
     publisher = RedisPublisher(reg, worker, log=log).start()
     log.append_many(events)
     assert publisher.stop(drain_timeout=20), publisher.error
-
-
-def _router(reg: SharedRegistry) -> tuple[RouterIndex, StreamSubscriber]:
-    index = RouterIndex()
-    sub = StreamSubscriber(
-        reg,
-        f"r-{uuid.uuid4().hex[:6]}",
-        "r",
-        on_event=index.apply,
-        on_purge=index.remove_worker,
-        on_baseline=index.apply_baseline,
-    )
-    return index, sub
 
 
 # -- claims -----------------------------------------------------------------------------
@@ -158,7 +146,7 @@ def test_a_log_restored_from_a_backup_replaces_the_registry_entries(
     shutil.copy(path, backup)
     with EventLog(str(path)) as log:
         _publish(registry, log, 3, events[60:])
-    index, sub = _router(registry)
+    index, sub = stream_router(registry, f"r-{uuid.uuid4().hex[:6]}", "r")
     sub.poll()
     assert index.holders() == _fold(events, 3)
     shutil.copy(backup, path)  # the log goes back to event 59; Redis is at the last one

@@ -27,13 +27,14 @@ from event_streams import prompt_pool, worker_events
 from redis.crc import key_slot
 from redis_cluster import LocalCluster
 from services import REDIS_URL
+from stream_router import stream_router
 from worker_kills import kill_rounds, worker_command
 
 from kvledger.events.log import EventLog
-from kvledger.events.shared import SharedRegistry, StreamSubscriber, connect
+from kvledger.events.shared import SharedRegistry, connect
 from kvledger.events.shared.subscribe import decode_stream_entry
 from kvledger.events.types import AnyEvent, Tier
-from kvledger.registry.index import RouterIndex, holders_from_state
+from kvledger.registry.index import holders_from_state
 from kvledger.registry.state import RegistryState
 from kvledger.tiers.remote.directory import AgentCard, BlockEntry, Region, RemoteDirectory
 
@@ -180,15 +181,7 @@ def test_three_workers_on_a_cluster_equal_their_logs(
     assert len(masters) == SHARDS  # the shards sit on three different masters
     hashes = list(reg.snapshot())
     assert dict(zip(hashes, reg.who_has(hashes), strict=True)) == reg.snapshot()
-    router = RouterIndex()
-    subscriber = StreamSubscriber(
-        reg,
-        "routers",
-        "r1",
-        on_event=router.apply,
-        on_purge=router.remove_worker,
-        on_baseline=router.apply_baseline,
-    )
+    router, subscriber = stream_router(reg)
     while subscriber.poll(block_ms=10):
         pass
     assert router.holders() == reg.snapshot()  # a router fed from the shards' streams

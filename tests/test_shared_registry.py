@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 from services import REDIS_URL, redis_or_skip
+from stream_router import stream_router
 
 from kvledger.events import codec
 from kvledger.events.log import EventLog
@@ -212,33 +213,21 @@ def test_subscriber_feeds_a_router_index_and_acks(registry: SharedRegistry) -> N
     streams = {w: worker_events(4, w, 40, prompts) for w in (1, 2)}
     for w, events in streams.items():
         registry.apply(w, events)
-    index = RouterIndex()
-    fails = {"left": 1}
 
-    def flaky(event: AnyEvent) -> None:
-        if fails["left"]:
-            fails["left"] -= 1
-            raise RuntimeError("router crashed")
-        index.apply(event)
+    def crash(_what: object) -> None:
+        raise RuntimeError("router crashed")
 
     crashing = StreamSubscriber(
         registry,
         "routers",
         "r1",
-        on_event=flaky,
-        on_purge=index.remove_worker,
-        on_baseline=index.apply_baseline,
+        on_event=crash,
+        on_purge=crash,
+        on_baseline=crash,
     )
     with pytest.raises(RuntimeError):
         crashing.poll()
-    sub = StreamSubscriber(
-        registry,
-        "routers",
-        "r2",
-        on_event=index.apply,
-        on_purge=index.remove_worker,
-        on_baseline=index.apply_baseline,
-    )
+    index, sub = stream_router(registry, consumer="r2")
     assert sub.claim_pending() > 0  # r1's unacknowledged entries
     while sub.poll(count=7):
         pass
@@ -261,15 +250,7 @@ def test_subscriber_reads_entries_of_one_event_as_earlier_versions_wrote(
     registry.client.hset(registry.keys.applied, "6", "9")
     registry.client.hset(registry.keys.count, "6", "10")
     registry.apply(6, events[10:])
-    index = RouterIndex()
-    sub = StreamSubscriber(
-        registry,
-        "routers",
-        "r1",
-        on_event=index.apply,
-        on_purge=index.remove_worker,
-        on_baseline=index.apply_baseline,
-    )
+    index, sub = stream_router(registry)
     assert sub.poll() == 11  # ten entries of one event, then one of the other twenty
     assert index.holders() == holders_from_state(RegistryState.from_events(events))
 
