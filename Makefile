@@ -4,7 +4,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: run test dev lint typecheck pytest services vllm-venv sglang-venv bench clean
+.PHONY: run test setup dev lint typecheck pytest services vllm-venv sglang-venv bench clean
 
 run: $(STAMP)
 	$(BIN)/kvledger --help
@@ -13,7 +13,13 @@ run: $(STAMP)
 	    --log sqlite:///kvledger-data/run.db --dump-state kvledger-data/run.state
 	$(BIN)/kvledger replay kvledger-data/run.db --verify kvledger-data/run.state
 
-test: $(STAMP) services vllm-venv sglang-venv lint typecheck pytest
+# The environments are set up side by side (the vLLM one does not need the project's), then
+# checked and tested in turn: on two cores this takes minutes off a fresh machine's run.
+test:
+	$(MAKE) --no-print-directory -j3 --output-sync=target setup
+	$(MAKE) --no-print-directory lint typecheck pytest
+
+setup: $(STAMP) services vllm-venv sglang-venv
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
