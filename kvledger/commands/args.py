@@ -12,6 +12,11 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # for the annotations only: pyzmq loads only for a run that publishes
+    from kvledger.events.shared.zmq_process import ZmqPublisherProcess
+    from kvledger.events.shared.zmq_publish import ZmqPublisher
 
 
 def non_negative_int(text: str) -> int:
@@ -231,3 +236,12 @@ def zmq_settings(args: argparse.Namespace) -> dict[str, object]:
     if getattr(args, "zmq_replay_endpoint", None) is not None:
         values["zmq_replay_endpoint"] = args.zmq_replay_endpoint
     return values
+
+
+def publishing_line(publisher: ZmqPublisher | ZmqPublisherProcess) -> str:
+    """The line a command prints once its ZMQ publisher is bound: the endpoints with the ports
+    the system picked for ``:*``, where subscribers must connect."""
+    where = str(publisher.endpoint)
+    if publisher.replay_endpoint is not None:
+        where += f" (replay: {publisher.replay_endpoint})"
+    return f"publishing KV events on {where}"

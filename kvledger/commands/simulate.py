@@ -30,6 +30,7 @@ from kvledger.commands.args import (
     port,
     positive_float,
     positive_int,
+    publishing_line,
     zmq_settings,
 )
 from kvledger.commands.cluster_args import add_cluster_args
@@ -55,8 +56,6 @@ from kvledger.registry.tiered import OFFLOAD_FILTERS
 if TYPE_CHECKING:  # the log and metrics modules load SQLAlchemy, numpy, prometheus: only
     # a run that uses them pays for importing them (a --no-log run starts twice as fast)
     from kvledger.builder import Worker
-    from kvledger.events.shared.zmq_process import ZmqPublisherProcess
-    from kvledger.events.shared.zmq_publish import ZmqPublisher
     from kvledger.metrics import Metrics
 
 POLICIES = POLICY_NAMES
@@ -304,13 +303,6 @@ class Outcome:
     replay_ok: bool
 
 
-def _bound(publisher: ZmqPublisher | ZmqPublisherProcess) -> str:
-    """Where a ZMQ publisher listens, with the ports the system picked for ``:*``."""
-    if publisher.replay_endpoint is None:
-        return str(publisher.endpoint)
-    return f"{publisher.endpoint} (replay: {publisher.replay_endpoint})"
-
-
 def simulate(args: argparse.Namespace, note: Callable[[str], None]) -> Outcome:
     settings = settings_from_args(args)
     requests, workload = load_workload(args, settings)
@@ -335,7 +327,7 @@ def simulate(args: argparse.Namespace, note: Callable[[str], None]) -> Outcome:
             settings = settings.model_copy(update={"event_log_url": url})
         worker = open_worker(settings, metrics=metrics, redis=False)
         if worker.zmq is not None:
-            note(f"publishing KV events on {_bound(worker.zmq)}")
+            note(publishing_line(worker.zmq))
     elif settings.zmq_endpoint is not None:
         raise ValueError("--zmq-endpoint needs the event log (replay serves from it)")
     log = None if worker is None else worker.event_log

@@ -27,6 +27,7 @@ from kvledger.commands.args import (
     log_location,
     non_negative_int,
     positive_int,
+    publishing_line,
     zmq_settings,
 )
 from kvledger.config import Settings
@@ -100,12 +101,7 @@ def run(args: argparse.Namespace) -> int:
     publisher = worker.publisher
     assert publisher is not None  # a worker always has a Redis URL here
     if worker.zmq is not None:
-        replay = worker.zmq.replay_endpoint
-        # the ports the system picked for tcp://127.0.0.1:*, where subscribers must connect
-        _note(
-            f"publishing KV events on {worker.zmq.endpoint}"
-            + (f" (replay: {replay})" if replay else "")
-        )
+        _note(publishing_line(worker.zmq))
     drained = False
     drain_timeout = 10.0
     try:
