@@ -13,11 +13,12 @@ run: $(STAMP)
 	    --log sqlite:///kvledger-data/run.db --dump-state kvledger-data/run.state
 	$(BIN)/kvledger replay kvledger-data/run.db --verify kvledger-data/run.state
 
-# The environments are set up side by side (the vLLM one does not need the project's), then
-# checked and tested in turn: on two cores this takes minutes off a fresh machine's run.
+# The environments are set up side by side (the vLLM one does not need the project's), and
+# ruff and mypy run as soon as the project's is ready, while the vLLM one is still building;
+# then the tests. On two cores this takes minutes off a fresh machine's run.
 test:
-	$(MAKE) --no-print-directory -j3 --output-sync=target setup
-	$(MAKE) --no-print-directory lint typecheck pytest
+	$(MAKE) --no-print-directory -j3 --output-sync=target setup lint typecheck
+	$(MAKE) --no-print-directory pytest
 
 setup: $(STAMP) services vllm-venv sglang-venv
 
@@ -35,7 +36,7 @@ $(STAMP): pyproject.toml | $(BIN)/python
 	@touch $(STAMP)
 
 # Re-link the editable install after adding a module (strict editable mode links files one by one).
-dev: | $(BIN)/python
+dev: $(STAMP)
 	$(BIN)/python -m pip install -q --no-deps -e . --config-settings editable_mode=strict
 
 services:
