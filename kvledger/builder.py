@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import logging
 import sys
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from wsgiref.simple_server import WSGIServer
 
 from kvledger.config import Settings
@@ -294,19 +294,13 @@ def _zmq_publisher(
     if event_log is None:
         raise ValueError("zmq_endpoint needs the event log: replay and restarts read it")
     assert settings.zmq_endpoint is not None
-    collector = metrics.collector if metrics is not None else None
-    if settings.zmq_process:
-        return ZmqPublisherProcess(
-            settings.zmq_endpoint,
-            log=event_log,
-            worker_id=settings.worker_id,
-            collector=collector,
-            **settings.zmq_options(),
-        )
-    return open_publisher(
+    start: Callable[..., ZmqPublisher | ZmqPublisherProcess] = (
+        ZmqPublisherProcess if settings.zmq_process else open_publisher
+    )
+    return start(
         settings.zmq_endpoint,
         log=event_log,
         worker_id=settings.worker_id,
-        collector=collector,
+        collector=metrics.collector if metrics is not None else None,
         **settings.zmq_options(),
     )
