@@ -432,27 +432,38 @@ _KILLED_PARENT = """
 import sys
 from kvledger.events.log import EventLog
 from kvledger.events.shared.zmq_process import ZmqPublisherProcess
+from kvledger.events.types import Stored, Tier
 log = EventLog(sys.argv[1])
 publisher = ZmqPublisherProcess("tcp://127.0.0.1:*", log=log, worker_id=0, block_size=4)
 print(publisher.pid, flush=True)
-sys.stdin.read()
+i = 0
+while True:  # an engine at work: the child is handed batches until the kill
+    log.append(Stored(event_id=i, worker_id=0, dp_rank=0, tier=Tier.G1, ts=1.0,
+                      parent_hash=None, blocks=((2 * i + 1, 2 * i + 2),)))
+    i += 1
 """
 
 
 def test_a_publisher_process_ends_with_its_parent_killed(tmp_path: Path) -> None:
     """SIGKILL of the engine's process closes the pipe: the child sends what it was given and
-    exits, so a restart can bind the endpoint (``test_shared_kill`` restarts at once)."""
+    exits, so a restart can bind the endpoint (``test_shared_kill`` restarts at once), and it
+    prints no traceback for the parent it can no longer tell (the stderr it shares with it)."""
     parent = subprocess.Popen(
         [sys.executable, "-c", _KILLED_PARENT, str(tmp_path / "w.db")],
-        stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
     )
-    assert parent.stdout is not None
+    assert parent.stdout is not None and parent.stderr is not None
     child = int(parent.stdout.readline())
+    time.sleep(0.5)  # batches flow to the child
     parent.kill()
     parent.wait()
     _wait_gone(child)
+    said = parent.stderr.read()  # the child's end is closed once it has exited
+    assert "Traceback" not in said and "BrokenPipeError" not in said, said
+    with EventLog(str(tmp_path / "w.db")) as log:
+        assert log.last_event_id(0) > 0  # the parent was killed while appending
 
 
 def _wait_gone(pid: int) -> None:

@@ -316,8 +316,12 @@ def child_main() -> int:
     inp, out = sys.stdin.buffer, sys.stdout
 
     def say(message: dict[str, Any]) -> None:
-        out.write(json.dumps(message) + "\n")
-        out.flush()
+        try:
+            out.write(json.dumps(message) + "\n")
+            out.flush()
+        except BrokenPipeError:  # the parent is gone (killed): nobody is left to tell, and
+            # the interpreter's last flush at exit must not fail on it either
+            os.dup2(os.open(os.devnull, os.O_WRONLY), out.fileno())
 
     first = _read_frame(inp)
     if first is None or first[:1] != b"C":
