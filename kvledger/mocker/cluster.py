@@ -101,33 +101,18 @@ class ClusterEngine(MockEngine):
                 self.on_step_end(clock.now_ms)
         return self.finished - before
 
-    def run_alone(
-        self, sequences: Sequence[_Sequence], progress: Callable[[int], None] | None = None
-    ) -> None:
+    def run_alone(self, sequences: Sequence[_Sequence], finished: Callable[[int], None]) -> None:
         """Run ``sequences`` (this worker's, in arrival order) to the end, as ``MockEngine.run``
-        runs a trace: for a worker whose requests do not depend on what the others do."""
-        pending = deque(sequences)
-        waiting, running, stats, steady = self.waiting, self.running, self.stats, self._steady
-        clock = self.clock
-        bs = self.config.block_size
-        while pending or waiting or running:
-            while pending and pending[0].req.arrival_ms <= clock.now_ms:
-                waiting.append(pending.popleft())
-            if not waiting and not running:
-                clock.now_ms = pending[0].req.arrival_ms
-                continue
-            if (
-                steady is not None
-                and not waiting
-                and not steady.active
-                and self._decode_ahead(steady, pending[0].req.arrival_ms if pending else None)
-            ):
-                continue
-            done = len(self._step(waiting, running, stats, bs))
-            if done:
-                self.finished += done
-                if progress is not None:
-                    progress(done)
+        runs a trace: for a worker whose requests do not depend on what the others do.
+        ``finished`` hears how many requests ended, step by step."""
+
+        def count(done: int) -> None:
+            self.finished += done
+            finished(done)
+
+        self._run_to_end(
+            deque(sequences), self.waiting, self.running, self.stats, self._steady, count
+        )
 
     def _finish(self, done: list[_Sequence], running: list[_Sequence]) -> None:
         super()._finish(done, running)

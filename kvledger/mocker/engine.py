@@ -250,19 +250,46 @@ class MockEngine:
             self._sim_start_ms = pending[0].req.arrival_ms
             self.clock.start(self._sim_start_ms)
         self._wall_start = time.monotonic()
-        waiting: deque[_Sequence] = deque()
-        running: list[_Sequence] = []
-        finished = 0
         steady = self._steady = (
             SteadyDecoders(bs, naming=not self.config.cache_partial_blocks)
             if self.decode_ahead
             else None
         )
+        finished = 0
+
+        def count(done: int) -> None:
+            nonlocal finished
+            for _ in range(done):
+                finished += 1
+                if progress is not None:
+                    progress(finished)
+                if sample_every and finished % sample_every == 0:
+                    stats.timeline.append((finished, stats.hit_rate, occupancy(self.cache)))
+
+        self._run_to_end(pending, deque(), [], stats, steady, count)
+        stats.extra.update(self._summary())
+        return stats
+
+    def _run_to_end(
+        self,
+        pending: deque[_Sequence],
+        waiting: deque[_Sequence],
+        running: list[_Sequence],
+        stats: SimStats,
+        steady: SteadyDecoders[_Sequence] | None,
+        finished: Callable[[int], None],
+    ) -> None:
+        """Admit ``pending`` (in arrival order) as the clock reaches each, and step until
+        every sequence is done; ``finished`` hears how many ended at each step that ended any.
+        ``run`` and a cluster's worker whose requests are all known (``ClusterEngine``) share
+        it."""
+        clock = self.clock
+        bs = self.config.block_size
         while pending or waiting or running:
-            while pending and pending[0].req.arrival_ms <= self.clock.now_ms:
+            while pending and pending[0].req.arrival_ms <= clock.now_ms:
                 waiting.append(pending.popleft())
             if not waiting and not running:
-                self.clock.now_ms = pending[0].req.arrival_ms
+                clock.now_ms = pending[0].req.arrival_ms
                 self._pace()
                 continue
             if (
@@ -273,14 +300,8 @@ class MockEngine:
             ):
                 continue
             done = self._step(waiting, running, stats, bs)
-            for _ in done:
-                finished += 1
-                if progress is not None:
-                    progress(finished)
-                if sample_every and finished % sample_every == 0:
-                    stats.timeline.append((finished, stats.hit_rate, occupancy(self.cache)))
-        stats.extra.update(self._summary())
-        return stats
+            if done:
+                finished(len(done))
 
     def _sequence(self, index: int, req: TraceRequest) -> _Sequence:
         bs = self.config.block_size
