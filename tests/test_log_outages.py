@@ -6,6 +6,7 @@ written twice; past ``event_log_retry_s`` the run stops with one line.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import subprocess
 import sys
@@ -20,7 +21,8 @@ import sqlalchemy as sa
 from event_streams import prompt_pool, worker_events
 from services import PrivatePostgres, hold_write_lock, pg_connect, skip_without_postgres
 
-from kvledger.events.log import EventLog, EventLogError
+from kvledger.events.log import AsyncEventLog, EventLog, EventLogError
+from kvledger.events.types import AnyEvent
 
 KVLEDGER = [sys.executable, "-m", "kvledger.cli"]
 
@@ -188,3 +190,91 @@ def test_a_lock_held_past_the_limit_fails_in_one_line(tmp_path: Path) -> None:
         db.dispose()
         with pytest.raises(EventLogError):
             log.close()
+
+
+# -- the asyncio log: the same policy (core.Outage) in its writer task ------------------------
+
+
+@pytest.mark.postgres
+def test_the_asyncio_log_rides_out_terminated_connections(pg_database_url: str) -> None:
+    """pg_terminate_backend of the asyncio log's connection, twice between appends: every
+    event is stored once and reads back in order."""
+    name = f"kvlog_{uuid.uuid4().hex[:8]}"
+    url = pg_database_url.replace("postgresql+psycopg://", "postgresql+psycopg_async://")
+    events = worker_events(1, 0, 3_000, prompt_pool(1))
+
+    def terminate() -> int:
+        with pg_connect() as admin:
+            killed = admin.execute(
+                "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
+                "WHERE application_name = %s",
+                (name,),
+            ).fetchone()
+        return int(killed[0]) if killed else 0
+
+    async def run() -> tuple[list[AnyEvent], int, int]:
+        terminated = 0
+        async with AsyncEventLog(f"{url}?application_name={name}", retry_for=30) as log:
+            for part in range(3):
+                await log.append_many(events[part * 1_000 : (part + 1) * 1_000])
+                await log.flush()
+                if part < 2:
+                    terminated += await asyncio.to_thread(terminate)
+            read = [event async for event in log.read()]
+            return read, terminated, log.outages
+
+    read, terminated, outages = asyncio.run(run())
+    assert read == events  # none lost, none twice, in order
+    assert terminated >= 2 and outages >= 1  # its connection went, and it got the server back
+    rows, distinct, top = _rows(pg_database_url)
+    assert rows == distinct == top == len(events)
+
+
+def test_the_asyncio_log_waits_for_a_locked_sqlite_file(tmp_path: Path) -> None:
+    path = tmp_path / "events.db"
+    events = worker_events(1, 0, 200, prompt_pool(1))
+
+    async def run() -> tuple[list[AnyEvent], float, int]:
+        async with AsyncEventLog(f"sqlite+aiosqlite:///{path}", retry_for=30) as log:
+            await log.append_many(events[:50])
+            await log.flush()
+            db, conn = hold_write_lock(f"sqlite:///{path}")
+            release = threading.Timer(7.0, lambda: (conn.rollback(), conn.close()))
+            release.start()
+            started = time.monotonic()
+            await log.append_many(events[50:])
+            await log.flush()
+            waited = time.monotonic() - started
+            await asyncio.to_thread(release.join)
+            db.dispose()
+            return [event async for event in log.read()], waited, log.outages
+
+    read, waited, outages = asyncio.run(run())
+    assert waited > 5  # held up by the lock, then through
+    assert outages == 1
+    assert read == events
+
+
+def test_the_asyncio_log_gives_up_past_the_limit_in_one_line(tmp_path: Path) -> None:
+    path = tmp_path / "events.db"
+    events = worker_events(1, 0, 40, prompt_pool(1))
+
+    async def run() -> str:
+        log = await AsyncEventLog(f"sqlite+aiosqlite:///{path}", retry_for=1).open()
+        db, conn = hold_write_lock(f"sqlite:///{path}")
+        try:
+            await log.append_many(events)
+            with pytest.raises(EventLogError) as failed:
+                await log.flush()
+            return str(failed.value)
+        finally:
+            conn.rollback()
+            conn.close()
+            db.dispose()
+            with pytest.raises(EventLogError):
+                await log.close()
+
+    message = asyncio.run(run())
+    assert "unreachable for" in message and "database is locked" in message
+    assert f"{len(events)} appended events were not stored" in message
+    assert "\n" not in message

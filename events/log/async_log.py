@@ -13,15 +13,16 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Iterable
 from time import monotonic
+from typing import Any
 
 import sqlalchemy as sa
-from sqlalchemy.ext.asyncio import AsyncEngine
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from kvledger.events.codec import decode
 from kvledger.events.log import reader
-from kvledger.events.log.core import EventLogError, LogCore
+from kvledger.events.log.core import RETRY_FOR, EventLogError, LogCore, Outage, not_yet_committed
 from kvledger.events.log.database import Durability, open_async_database
-from kvledger.events.log.rows import InsertStatements, max_params
+from kvledger.events.log.rows import InsertStatements, Row, max_params
 from kvledger.events.log.schema import SchemaError, check_schema, shown_url
 from kvledger.events.types import AnyEvent, LogRecord, Lookup, Released, RunInfo
 
@@ -41,6 +42,7 @@ class AsyncEventLog(LogCore):
         max_delay: float = 0.05,
         create: bool = True,
         token_ids: bool = True,
+        retry_for: float = RETRY_FOR,
     ) -> None:
         super().__init__(
             batch_size=batch_size,
@@ -48,6 +50,7 @@ class AsyncEventLog(LogCore):
             max_delay=max_delay,
             durability=durability,
             token_ids=token_ids,
+            retry_for=retry_for,
         )
         self.url = url
         self.create = create
@@ -148,41 +151,61 @@ class AsyncEventLog(LogCore):
         self._raise_writer_failure()
 
     async def _run_writer(self) -> None:
+        """The writer task: commit what is queued until closed, riding out a database it
+        loses as ``EventLog``'s writer does (``core.Outage``): the batch that failed is
+        committed first on the new connection, less the rows the database already holds."""
         cond = self._cond()
         backlog = self._backlog
+        outage = Outage(self.url, self.retry_for)
+        batch: list[Row] = []  # taken from the backlog, not yet known to be committed
         try:
-            async with self._db.connect() as conn:
-                statements = InsertStatements(
-                    conn.dialect.paramstyle, max_params(conn.dialect.name)
-                )
-                while True:
-                    async with cond:
-                        while not self._closing:
-                            wait = backlog.writer_wait(monotonic())
-                            if wait == 0.0:
-                                break
-                            with contextlib.suppress(TimeoutError):
-                                await asyncio.wait_for(cond.wait(), wait)
-                        batch = backlog.take()
-                        closing = self._closing
-                    if batch:
-                        for sql, params in statements(batch):
-                            await conn.exec_driver_sql(sql, params)
-                        await conn.commit()
-                        async with cond:
-                            backlog.done(len(batch), monotonic())
-                            cond.notify_all()
-                    elif closing:
-                        return
+            while True:
+                try:
+                    async with self._db.connect() as conn:
+                        statements = InsertStatements(
+                            conn.dialect.paramstyle, max_params(conn.dialect.name)
+                        )
+                        if batch:  # the batch the outage interrupted
+                            newest = {w: await _newest_id(conn, w) for w in {r[0] for r in batch}}
+                            await _commit(conn, statements(not_yet_committed(batch, newest)))
+                            await self._committed(cond, len(batch))
+                            batch = []
+                        if outage.ended():
+                            self.outages += 1
+                        while True:
+                            async with cond:
+                                while not self._closing:
+                                    wait = backlog.writer_wait(monotonic())
+                                    if wait == 0.0:
+                                        break
+                                    with contextlib.suppress(TimeoutError):
+                                        await asyncio.wait_for(cond.wait(), wait)
+                                batch = backlog.take()
+                                closing = self._closing
+                            if batch:
+                                await _commit(conn, statements(batch))
+                                await self._committed(cond, len(batch))
+                                batch = []
+                            elif closing:
+                                return
+                except Exception as exc:
+                    pause = outage.failed(exc)
+                    async with cond:  # a close() wakes the wait; the outage is retried all the same
+                        with contextlib.suppress(TimeoutError):
+                            await asyncio.wait_for(cond.wait(), pause)
         except BaseException as exc:
             self._error = exc
             async with cond:
                 cond.notify_all()
 
+    async def _committed(self, cond: asyncio.Condition, rows: int) -> None:
+        async with cond:
+            self._backlog.done(rows, monotonic())
+            cond.notify_all()
+
     async def _last_committed_id(self, worker: int) -> int:
         async with self._db.connect() as conn:
-            value = await conn.scalar(reader.last_id_query(worker))
-        return -1 if value is None else int(value)
+            return await _newest_id(conn, worker)
 
     async def last_event_id(self, worker_id: int) -> int:
         known = self._known_last_id(worker_id)
@@ -208,6 +231,17 @@ class AsyncEventLog(LogCore):
                 event = decode(payload, position)
                 if not isinstance(event, Lookup | Released | RunInfo):  # transitions only
                     yield event
+
+
+async def _commit(conn: AsyncConnection, statements: Iterable[tuple[str, tuple[Any, ...]]]) -> None:
+    for sql, params in statements:
+        await conn.exec_driver_sql(sql, params)
+    await conn.commit()
+
+
+async def _newest_id(conn: AsyncConnection, worker: int) -> int:
+    value = await conn.scalar(reader.last_id_query(worker))
+    return -1 if value is None else int(value)
 
 
 def _upgrade(conn: sa.Connection, url: str) -> None:

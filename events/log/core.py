@@ -1,6 +1,7 @@
-"""What the threaded and the asyncio event log share, with no I/O and no locking: the backlog
-of uncommitted rows and the bound that makes ``append`` wait, the counters read from it, each
-worker's next event id, and the errors an append or the writer ends in.
+"""What the threaded and the asyncio event log share, with no database I/O and no locking: the
+backlog of uncommitted rows and the bound that makes ``append`` wait, the counters read from it,
+each worker's next event id, how a writer rides out a database it lost (``Outage``), and the
+errors an append or the writer ends in.
 
 Each log holds this state under its own lock (a ``threading.Lock`` or an ``asyncio.Condition``)
 and does the database work itself; ``LogCore`` keeps the counts and says what to do next.
@@ -8,6 +9,7 @@ and does the database work itself; ``LogCore`` keeps the counts and says what to
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 from collections.abc import Mapping, Sequence
 from operator import itemgetter
@@ -19,6 +21,8 @@ from kvledger.events.log.database import Durability
 from kvledger.events.log.rows import Row, to_row, to_row_without_tokens
 from kvledger.events.log.schema import shown_url
 from kvledger.events.types import lookup_stream
+
+log = logging.getLogger(__name__)
 
 
 class EventLogError(RuntimeError):
@@ -209,6 +213,10 @@ _LASTING = (
 full disk): reported at once, not retried."""
 
 
+def _one_line(text: object) -> str:
+    return "; ".join(line.strip() for line in str(text).splitlines() if line.strip())
+
+
 def is_outage(exc: BaseException) -> bool:
     """Whether ``exc`` means the database is out of reach for now (a dropped connection, a
     server restarting, a locked SQLite file), so that the writer tries again: PEP 249's
@@ -223,11 +231,79 @@ def is_outage(exc: BaseException) -> bool:
 def outage_failure(exc: BaseException, url: str, seconds: float) -> EventLogError:
     """The writer gave up on a database it lost: one line, the driver's words."""
     cause, category = _category(exc)
-    text = "; ".join(line.strip() for line in str(cause).splitlines() if line.strip())
+    text = _one_line(cause)
     return EventLogError(
         f"the event log {shown_url(url)} was unreachable for {seconds:.0f} s "
         f"({category}: {text}); giving up"
     )
+
+
+RETRY_FOR = 60.0
+"""Default of ``retry_for``: how long a writer keeps trying a database it lost."""
+FIRST_PAUSE = 0.05
+LAST_PAUSE = 2.0
+"""A writer's pause between tries of a lost database: doubled from the first to the last."""
+
+
+def check_retry_for(retry_for: float) -> float:
+    if not retry_for >= 0:
+        raise ValueError(f"retry_for must be 0 or more seconds, got {retry_for}")
+    return retry_for
+
+
+class Outage:
+    """A writer's spell without its database, one policy for both writers: a lost database
+    (``is_outage``) is tried again after a pause that doubles from ``FIRST_PAUSE`` to
+    ``LAST_PAUSE``, for up to ``retry_for`` seconds, with one warning when it is lost and one
+    when it is back; past the limit, ``outage_failure``'s one line."""
+
+    def __init__(self, url: str, retry_for: float) -> None:
+        self.url = url
+        self.retry_for = retry_for
+        self.since: float | None = None
+        self._pause = FIRST_PAUSE
+
+    def failed(self, exc: Exception) -> float:
+        """The writer's try failed with ``exc``: the seconds to wait before the next one.
+        Raises ``exc`` itself where it is no outage, and ``outage_failure`` past the limit."""
+        if not is_outage(exc):
+            raise exc
+        now = monotonic()
+        if self.since is None:
+            self.since = now
+            log.warning(
+                "the event log %s is unreachable (%s); retrying for up to %g s, appends "
+                "wait meanwhile",
+                shown_url(self.url),
+                _one_line(exc),
+                self.retry_for,
+            )
+        if now - self.since >= self.retry_for:
+            raise outage_failure(exc, self.url, now - self.since) from exc
+        pause = min(self._pause, self.since + self.retry_for - now)
+        self._pause = min(self._pause * 2, LAST_PAUSE)
+        return pause
+
+    def ended(self) -> bool:
+        """The database answered again: True (and the warning saying so) when that ends an
+        outage."""
+        if self.since is None:
+            return False
+        log.warning(
+            "the event log %s is reachable again after %.1f s; nothing was lost",
+            shown_url(self.url),
+            monotonic() - self.since,
+        )
+        self.since, self._pause = None, FIRST_PAUSE
+        return True
+
+
+def not_yet_committed(batch: list[Row], newest: Mapping[int, int]) -> list[Row]:
+    """The rows of ``batch`` a database does not hold, given each of its workers' newest
+    committed id there (``newest``): a connection can drop after the server committed and
+    before it said so. Each worker's rows in a batch are its next ids in order, so what the
+    database holds of them is a prefix."""
+    return [row for row in batch if row[1] > newest[row[0]]]
 
 
 def writer_failure(exc: BaseException, lost: int) -> EventLogError:
@@ -237,7 +313,7 @@ def writer_failure(exc: BaseException, lost: int) -> EventLogError:
     if isinstance(exc, EventLogError):
         return EventLogError(f"{exc}; {lost} appended events were not stored")
     cause, category = _category(exc)
-    text = "; ".join(line.strip() for line in str(cause).splitlines() if line.strip())
+    text = _one_line(cause)
     hint = ""
     if category == "IntegrityError":
         hint = " (is another process logging as the same worker id?)"
@@ -283,7 +359,13 @@ class LogCore:
         max_delay: float,
         durability: Durability,
         token_ids: bool = True,
+        retry_for: float = RETRY_FOR,
     ) -> None:
+        self.retry_for = check_retry_for(retry_for)
+        """How long the writer keeps trying a database it lost (a dropped connection, a
+        restarting server, a locked file) before it gives up; appends wait meanwhile."""
+        self.outages = 0
+        """Times the writer lost the database and got it back."""
         self.token_ids = token_ids
         """False: ``Stored`` events are stored without their token ids (prompts stay out)."""
         self._to_row = to_row if token_ids else to_row_without_tokens

@@ -29,7 +29,7 @@ import sqlalchemy as sa
 
 from kvledger.events.log import checkpoints, reader
 from kvledger.events.log.checkpoints import Checkpoint
-from kvledger.events.log.core import LogCore, is_outage, outage_failure
+from kvledger.events.log.core import RETRY_FOR, LogCore, Outage, not_yet_committed
 from kvledger.events.log.database import Durability, open_database, open_read_only
 from kvledger.events.log.reader import READ_CHUNK, LogSummary
 from kvledger.events.log.rows import InsertStatements, Row, copy_rows, max_params
@@ -50,9 +50,6 @@ Committed = tuple[AnyEvent, bytes]
 """A committed transition and its record, the bytes the log stored (``codec.encode``)."""
 CommitSink = Callable[[Sequence[Committed]], object]
 """Called by the writer with each committed batch's transitions (``EventLog.on_commit``)."""
-
-RETRY_FOR = 60.0
-"""Default of ``retry_for``: how long the writer keeps trying a database it lost."""
 
 _LOOKUP_TYPES = (Lookup, Released, RunInfo)
 
@@ -100,14 +97,13 @@ class EventLog(LogCore):
         retry_for: float = RETRY_FOR,
         token_ids: bool = True,
     ) -> None:
-        if not retry_for >= 0:
-            raise ValueError(f"retry_for must be 0 or more seconds, got {retry_for}")
         super().__init__(
             batch_size=batch_size,
             queue_size=queue_size,
             max_delay=max_delay,
             durability=durability,
             token_ids=token_ids,
+            retry_for=retry_for,
         )
         self.url = database_url(url)
         parsed = sa.make_url(self.url)
@@ -116,11 +112,6 @@ class EventLog(LogCore):
             if not path.is_file():
                 raise FileNotFoundError(f"no event log at {path}")
         self.read_only = read_only
-        self.retry_for = retry_for
-        """How long the writer keeps trying a database it lost (a dropped connection, a
-        restarting server, a locked file) before it gives up; appends wait meanwhile."""
-        self.outages = 0
-        """Times the writer lost the database and got it back."""
         self.writable = True
         """False when a read-only log lies where it cannot be written (no checkpoints then)."""
         if read_only and parsed.get_backend_name() == "sqlite":
@@ -323,18 +314,17 @@ class EventLog(LogCore):
         """
         batch: list[Row] = []  # taken from the backlog, not yet known to be committed
         events: list[LogRecord] = []  # their events, for the commit sinks (a tail of batch)
-        down_since: float | None = None
-        pause = _FIRST_PAUSE
+        outage = Outage(self.url, self.retry_for)
         while True:
             try:
                 with _Writer(self._db) as writer:
                     if batch:  # the batch the outage interrupted
-                        writer.commit(self._not_yet_committed(batch))
+                        newest = {w: self._last_committed_id(w) for w in {r[0] for r in batch}}
+                        writer.commit(not_yet_committed(batch, newest))
                         self._committed(batch, events)
                         batch, events = [], []
-                    if down_since is not None:
-                        self._back_after_outage(down_since)
-                        down_since, pause = None, _FIRST_PAUSE
+                    if outage.ended():
+                        self.outages += 1
                     while True:
                         batch, events, closing = self._next_batch()
                         if batch:
@@ -344,23 +334,9 @@ class EventLog(LogCore):
                         elif closing:
                             return
             except Exception as exc:
-                if not is_outage(exc):
-                    raise
-                now = monotonic()
-                if down_since is None:
-                    down_since = now
-                    log.warning(
-                        "the event log %s is unreachable (%s); retrying for up to %g s, appends "
-                        "wait meanwhile",
-                        shown_url(self.url),
-                        _one_line(exc),
-                        self.retry_for,
-                    )
-                if now - down_since >= self.retry_for:
-                    raise outage_failure(exc, self.url, now - down_since) from exc
+                pause = outage.failed(exc)
                 with self._lock:  # a close() wakes the wait; the outage is retried all the same
-                    self._wake_writer.wait(min(pause, down_since + self.retry_for - now))
-                pause = min(pause * 2, _LAST_PAUSE)
+                    self._wake_writer.wait(pause)
 
     def _next_batch(self) -> tuple[list[Row], list[LogRecord], bool]:
         """Wait until a commit is due (or the log closes), hand the append buffers' events
@@ -394,21 +370,6 @@ class EventLog(LogCore):
         with self._lock:
             self._backlog.done(len(batch), monotonic())
             self._committed_cv.notify_all()
-
-    def _not_yet_committed(self, batch: list[Row]) -> list[Row]:
-        """The rows of ``batch`` the database does not hold yet. Each worker's rows in a batch
-        are its next ids in order, so what the database holds of them is a prefix, read off
-        the worker's newest committed id."""
-        newest = {worker: self._last_committed_id(worker) for worker in {r[0] for r in batch}}
-        return [row for row in batch if row[1] > newest[row[0]]]
-
-    def _back_after_outage(self, down_since: float) -> None:
-        self.outages += 1
-        log.warning(
-            "the event log %s is reachable again after %.1f s; nothing was lost",
-            shown_url(self.url),
-            monotonic() - down_since,
-        )
 
     @property
     def queue_depth(self) -> int:
@@ -632,11 +593,6 @@ class EventLog(LogCore):
         )
 
 
-_FIRST_PAUSE = 0.05
-_LAST_PAUSE = 2.0
-"""The writer's pause between tries of a lost database: doubled from the first to the last."""
-
-
 class _Writer:
     """The writer's connection: the driver's own connection and one cursor for its life
     (every call that releases the GIL costs a hand-off, see ``InsertStatements``, and
@@ -704,10 +660,6 @@ class _Writer:
             with contextlib.suppress(Exception):  # the connection may be gone already
                 self.dbapi.rollback()
             raise
-
-
-def _one_line(exc: BaseException) -> str:
-    return "; ".join(line.strip() for line in str(exc).splitlines() if line.strip())
 
 
 _open_logs: weakref.WeakSet[EventLog] = weakref.WeakSet()
