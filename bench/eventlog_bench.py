@@ -23,9 +23,9 @@ chunks of 10k rows into the registry's arrays: its time grows with the log, its 
 the registry's live blocks (bounded by the workload's pool), not with the log.
 
 PostgreSQL (with ``--pg-url``, a server's database): our EventLog, appending one by one and
-in 10k batches (its writer COPYs each batch), against raw psycopg ``executemany`` of the
-pre-encoded rows in batches of 10k, each batch committed, into the same table; every round
-in fresh schemas.
+in 10k batches (its writer COPYs each batch), and the asyncio log (``AsyncEventLog``) in 10k
+batches, against raw psycopg ``executemany`` of the pre-encoded rows in batches of 10k, each
+batch committed, into the same table; every round in fresh schemas.
 
     .venv/bin/python bench/eventlog_bench.py [--events 200000] [--repeat 3] [--dir DIR]
         [--rate 15000] [--lag-seconds 5] [--kills 5]
@@ -35,6 +35,7 @@ in fresh schemas.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import bisect
 import mmap
 import os
@@ -55,7 +56,7 @@ from typing import Any
 
 import msgpack
 
-from kvledger.events.log import EventLog
+from kvledger.events.log import AsyncEventLog, EventLog
 from kvledger.events.log.replay import replay, replay_report
 from kvledger.events.log.rows import to_row
 from kvledger.events.types import BlockInfo, LogRecord, Lookup, Released, RunInfo, Tier
@@ -168,6 +169,21 @@ def our_append_many(path: Path | str, events: list[LogRecord]) -> float:
         log.append_many(events[start : start + BATCH])
     log.close()
     return time.perf_counter() - t0
+
+
+def our_async_append_many(url: str, events: list[LogRecord]) -> float:
+    """``AsyncEventLog.append_many`` in batches of ``BATCH`` on a loop of its own, until its
+    close has committed the last."""
+
+    async def run() -> float:
+        log = await AsyncEventLog(url, batch_size=BATCH).open()
+        t0 = time.perf_counter()
+        for start in range(0, len(events), BATCH):
+            await log.append_many(events[start : start + BATCH])
+        await log.close()
+        return time.perf_counter() - t0
+
+    return asyncio.run(run())
 
 
 def our_replay(path: Path, last_id: int, *, as_dicts: bool = False) -> float:
@@ -301,12 +317,13 @@ def pg_rounds(
     schemas: list[str] = []
     try:
         for _ in range(repeat):
-            made = [pg_schema(url) for _ in range(3)]
+            made = [pg_schema(url) for _ in range(4)]
             schemas += [schema for schema, _ in made]
             round_ = {
                 "pg_raw": pg_raw_append(url, made[0][0], rows),
                 "pg_one": our_append(made[1][1], events),
                 "pg_many": our_append_many(made[2][1], events),
+                "pg_async": our_async_append_many(made[3][1], events),
             }
             for name, seconds in round_.items():
                 times.setdefault(name, []).append(seconds)
@@ -529,6 +546,8 @@ def main() -> None:
              spread("pg_one", "pg_raw"))  # fmt: skip
         line("append  PostgreSQL EventLog.append_many (COPY):", min(pg_times["pg_many"]), pg_raw,
              spread("pg_many", "pg_raw"))  # fmt: skip
+        line("append  PostgreSQL AsyncEventLog.append_many:", min(pg_times["pg_async"]), pg_raw,
+             spread("pg_async", "pg_raw"))  # fmt: skip
     if lag_line:
         print(lag_line)
     if kill_line:

@@ -143,3 +143,13 @@ def copy_rows(cursor: Any, batch: list[Row]) -> None:
         write_row = copy.write_row
         for row in batch:
             write_row(row)
+
+
+async def copy_rows_async(cursor: Any, batch: list[Row]) -> None:
+    """``copy_rows`` on a psycopg 3 ``AsyncCursor`` (``AsyncEventLog``'s writer): the rows
+    are buffered by psycopg and sent as the buffer fills, so an ``await`` a row is cheap."""
+    async with cursor.copy(COPY_SQL) as copy:
+        copy.set_types(COPY_TYPES)
+        write_row = copy.write_row
+        for row in batch:
+            await write_row(row)
