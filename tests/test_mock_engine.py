@@ -174,6 +174,16 @@ def test_a_request_larger_than_g1_is_refused_with_its_size() -> None:
         eng.run([request(0, [1, 2, 3, 4], output=10)])
 
 
+def test_a_late_request_larger_than_g1_is_refused_before_the_run_starts() -> None:
+    """Requests are hashed as they arrive, but checked against G1 before the first step: a
+    run that cannot finish never half-runs."""
+    eng, events = engine(g1=4)
+    trace = [request(0, [1]), request(10, [2]), request(20, [1, 2, 3, 4], output=10)]
+    with pytest.raises(ValueError, match=r"request 2 needs 5 G1 blocks .* G1 holds 4"):
+        eng.run(trace)
+    assert events == []
+
+
 @pytest.mark.parametrize(
     ("field", "value", "named"),
     [

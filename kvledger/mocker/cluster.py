@@ -101,17 +101,19 @@ class ClusterEngine(MockEngine):
                 self.on_step_end(clock.now_ms)
         return self.finished - before
 
-    def run_alone(self, sequences: Sequence[_Sequence], finished: Callable[[int], None]) -> None:
-        """Run ``sequences`` (this worker's, in arrival order) to the end, as ``MockEngine.run``
-        runs a trace: for a worker whose requests do not depend on what the others do.
-        ``finished`` hears how many requests ended, step by step."""
+    def run_alone(
+        self, requests: Sequence[tuple[int, TraceRequest]], finished: Callable[[int], None]
+    ) -> None:
+        """Run ``requests`` (this worker's, as (index, request) in arrival order) to the end,
+        as ``MockEngine.run`` runs a trace: for a worker whose requests do not depend on what
+        the others do. ``finished`` hears how many requests ended, step by step."""
 
         def count(done: int) -> None:
             self.finished += done
             finished(done)
 
         self._run_to_end(
-            deque(sequences), self.waiting, self.running, self.stats, self._steady, count
+            deque(requests), self.waiting, self.running, self.stats, self._steady, count
         )
 
     def _finish(self, done: list[_Sequence], running: list[_Sequence]) -> None:
@@ -230,14 +232,13 @@ class Cluster:
         engines = [w.engine for w in workers]
         first = engines[0]
         arrivals = list(iter_arrivals(list(requests)))
-        sequences = [first._sequence(i, req) for i, req in enumerate(arrivals)]
-        first._check_fits(sequences)
+        first._check_fits(arrivals)
         bs = first.config.block_size
         placement: list[int] = []
         behind: list[int] = []
         started = time.perf_counter()
-        if sequences:
-            t0 = sequences[0].req.arrival_ms
+        if arrivals:
+            t0 = arrivals[0].arrival_ms
             epoch = time.time() - t0 / 1e3
             for engine in engines:
                 engine.begin(t0)
@@ -249,11 +250,11 @@ class Cluster:
         if router.stateless and feed is None and not self.sim_speedup:
             # nothing a worker does changes where requests go: route them all, then run each
             # worker alone (what each one does is the same as interleaved, only cheaper)
-            mine: list[list[_Sequence]] = [[] for _ in engines]
-            for s in sequences:
-                worker = router.route(s.index, [], s.req.input_length)
+            mine: list[list[tuple[int, TraceRequest]]] = [[] for _ in engines]
+            for index, req in enumerate(arrivals):
+                worker = router.route(index, [], req.input_length)
                 placement.append(worker)
-                mine[worker].append(s)
+                mine[worker].append((index, req))
             finished = [0]
 
             def tick(n: int) -> None:
@@ -268,22 +269,23 @@ class Cluster:
         wall0 = time.monotonic()
         track = self._index_last_ids is not None
         done = 0
-        for s in sequences:
-            now = s.req.arrival_ms
+        for index, req in enumerate(arrivals):
+            now = req.arrival_ms
             for engine in engines:
                 if engine.waiting or engine.running:
                     done += engine.advance(now)
             if progress is not None and done:
                 progress(done)
             if self.sim_speedup:
-                self._pace(wall0, now - sequences[0].req.arrival_ms)
+                self._pace(wall0, now - arrivals[0].arrival_ms)
             self._deliver(now)
             if feed is not None:
                 feed.catch_up(now)
             if track:
                 behind.append(self._behind())
-            full = s.req.input_length // bs
-            worker = router.route(s.index, s.seq[:full], s.req.input_length)
+            s = first._sequence(index, req)  # its blocks hashed as it arrives
+            full = req.input_length // bs
+            worker = router.route(index, s.seq[:full], req.input_length)
             placement.append(worker)
             engines[worker].submit(s)
         for engine in engines:

@@ -241,13 +241,12 @@ class MockEngine:
         progress: Callable[[int], None] | None = None,
         sample_every: int = 0,
     ) -> SimStats:
-        arrivals = deque(iter_arrivals(list(requests)))
+        arrivals = list(iter_arrivals(list(requests)))
         bs = self.config.block_size
-        pending = deque(self._sequence(i, req) for i, req in enumerate(arrivals))
-        self._check_fits(pending)
+        self._check_fits(arrivals)
         stats = SimStats()
-        if pending:
-            self._sim_start_ms = pending[0].req.arrival_ms
+        if arrivals:
+            self._sim_start_ms = arrivals[0].arrival_ms
             self.clock.start(self._sim_start_ms)
         self._wall_start = time.monotonic()
         steady = self._steady = (
@@ -266,37 +265,42 @@ class MockEngine:
                 if sample_every and finished % sample_every == 0:
                     stats.timeline.append((finished, stats.hit_rate, occupancy(self.cache)))
 
-        self._run_to_end(pending, deque(), [], stats, steady, count)
+        self._run_to_end(deque(enumerate(arrivals)), deque(), [], stats, steady, count)
         stats.extra.update(self._summary())
         return stats
 
     def _run_to_end(
         self,
-        pending: deque[_Sequence],
+        pending: deque[tuple[int, TraceRequest]],
         waiting: deque[_Sequence],
         running: list[_Sequence],
         stats: SimStats,
         steady: SteadyDecoders[_Sequence] | None,
         finished: Callable[[int], None],
     ) -> None:
-        """Admit ``pending`` (in arrival order) as the clock reaches each, and step until
-        every sequence is done; ``finished`` hears how many ended at each step that ended any.
-        ``run`` and a cluster's worker whose requests are all known (``ClusterEngine``) share
-        it."""
+        """Queue ``pending`` requests (index, request; in arrival order) as the clock reaches
+        each, and step until every one is done; ``finished`` hears how many ended at each step
+        that ended any. ``run`` and a cluster's worker whose requests are all known
+        (``ClusterEngine``) share it.
+
+        A request's blocks are hashed when it arrives, not before the run: a long trace starts
+        stepping at once and holds the hashes of what has arrived, not of the whole trace
+        (100,000 built-in requests: seconds before the first step, and 1.4 GB)."""
         clock = self.clock
         bs = self.config.block_size
+        sequence = self._sequence
         while pending or waiting or running:
-            while pending and pending[0].req.arrival_ms <= clock.now_ms:
-                waiting.append(pending.popleft())
+            while pending and pending[0][1].arrival_ms <= clock.now_ms:
+                waiting.append(sequence(*pending.popleft()))
             if not waiting and not running:
-                clock.now_ms = pending[0].req.arrival_ms
+                clock.now_ms = pending[0][1].arrival_ms
                 self._pace()
                 continue
             if (
                 steady is not None
                 and not waiting
                 and not steady.active
-                and self._decode_ahead(steady, pending[0].req.arrival_ms if pending else None)
+                and self._decode_ahead(steady, pending[0][1].arrival_ms if pending else None)
             ):
                 continue
             done = self._step(waiting, running, stats, bs)
@@ -315,16 +319,19 @@ class MockEngine:
             return s
         return _Sequence(index, req, seq, local, max(1, req.output_length))
 
-    def _check_fits(self, sequences: Iterable[_Sequence]) -> None:
-        """A request whose whole KV exceeds G1 could never finish: refuse it up front."""
+    def _check_fits(self, requests: Iterable[TraceRequest]) -> None:
+        """A request whose whole KV exceeds G1 could never finish: refuse it up front (the
+        requests in arrival order, as ``iter_arrivals`` gives them, so that the index named is
+        the sequence's)."""
         g1 = self.cache.tiered.g1.capacity
         bs = self.config.block_size
-        for s in sequences:
-            need = -(-(s.req.input_length + s.output_length) // bs)
+        for index, req in enumerate(requests):
+            output = max(1, req.output_length)  # as ``_sequence`` counts it
+            need = -(-(req.input_length + output) // bs)
             if need > g1:
                 raise ValueError(
-                    f"request {s.index} needs {need} G1 blocks of {bs} tokens "
-                    f"(input {s.req.input_length} + output {s.output_length} tokens) but G1 "
+                    f"request {index} needs {need} G1 blocks of {bs} tokens "
+                    f"(input {req.input_length} + output {output} tokens) but G1 "
                     f"holds {g1}; raise --g1-blocks or use a smaller trace"
                 )
 
