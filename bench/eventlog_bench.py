@@ -51,6 +51,7 @@ import tempfile
 import time
 import uuid
 import zlib
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -123,18 +124,26 @@ CREATE TABLE events (
 """
 
 
-def raw_append(path: Path, rows: list[tuple[int, int, str, int, float, bytes]]) -> float:
+RAW_INSERT = "INSERT INTO events (worker, event_id, kind, tier, ts, payload) VALUES (?,?,?,?,?,?)"
+
+
+def raw_append(
+    path: Path,
+    rows: Sequence[tuple[object, ...]],
+    ddl: str = RAW_DDL,
+    sql: str = RAW_INSERT,
+    batch: int = BATCH,
+) -> float:
+    """Seconds to ``executemany`` ``rows`` into a fresh WAL file, ``batch`` rows a commit
+    (another table with ``ddl`` and ``sql``: ``row_layout_probe.py``'s run rows)."""
     conn = sqlite3.connect(path)
     conn.execute("PRAGMA journal_mode=WAL")
     conn.execute("PRAGMA synchronous=NORMAL")
-    conn.execute(RAW_DDL)
+    conn.execute(ddl)
     conn.commit()
     t0 = time.perf_counter()
-    for start in range(0, len(rows), BATCH):
-        conn.executemany(
-            "INSERT INTO events (worker, event_id, kind, tier, ts, payload) VALUES (?,?,?,?,?,?)",
-            rows[start : start + BATCH],
-        )
+    for start in range(0, len(rows), batch):
+        conn.executemany(sql, rows[start : start + batch])
         conn.commit()
     elapsed = time.perf_counter() - t0
     conn.close()

@@ -31,11 +31,10 @@ import struct
 import tempfile
 import time
 import zlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 
-import msgpack
-from eventlog_bench import BATCH, RAW_DDL, workload
+from eventlog_bench import BATCH, raw_append, raw_read, workload
 
 from kvledger.events.log.replay import fold_chunk
 from kvledger.events.log.rows import Row, to_row
@@ -47,9 +46,6 @@ CREATE TABLE events (
     last_event_id BIGINT NOT NULL, ts FLOAT NOT NULL, payload BLOB NOT NULL,
     CONSTRAINT uq_events_worker_event_id UNIQUE (worker, event_id))
 """
-PER_EVENT_INSERT = (
-    "INSERT INTO events (worker, event_id, kind, tier, ts, payload) VALUES (?,?,?,?,?,?)"
-)
 RUN_INSERT = "INSERT INTO events (worker, event_id, last_event_id, ts, payload) VALUES (?,?,?,?,?)"
 RunRow = tuple[int, int, int, float, bytes]
 _LENGTH = struct.Struct("<I")
@@ -76,33 +72,6 @@ def split(blob: bytes) -> list[bytes]:
         out.append(blob[at + 4 : at + 4 + size])
         at += 4 + size
     return out
-
-
-def write(path: Path, ddl: str, sql: str, rows: Sequence[tuple[object, ...]], batch: int) -> float:
-    """Seconds to ``executemany`` ``rows`` into a fresh WAL file, ``batch`` rows a commit."""
-    conn = sqlite3.connect(path)
-    conn.execute("PRAGMA journal_mode=WAL")
-    conn.execute("PRAGMA synchronous=NORMAL")
-    conn.execute(ddl)
-    conn.commit()
-    start = time.perf_counter()
-    for at in range(0, len(rows), batch):
-        conn.executemany(sql, rows[at : at + batch])
-        conn.commit()
-    elapsed = time.perf_counter() - start
-    conn.close()
-    return elapsed
-
-
-def read_per_event(path: Path) -> float:
-    conn = sqlite3.connect(path)
-    unpackb = msgpack.unpackb
-    start = time.perf_counter()
-    for _id, _ts, payload in conn.execute("SELECT id, ts, payload FROM events ORDER BY id"):
-        unpackb(payload, use_list=False)
-    elapsed = time.perf_counter() - start
-    conn.close()
-    return elapsed
 
 
 def read_runs(path: Path) -> float:
@@ -151,13 +120,13 @@ def main() -> None:
             per_event = Path(tmp) / f"per-event-{round_}.db"
             runs = Path(tmp) / f"runs-{round_}.db"
             keep("to_row", timed(lambda: [to_row(e) for e in events]))
-            keep("write per event", write(per_event, RAW_DDL, PER_EVENT_INSERT, rows, BATCH))
+            keep("write per event", raw_append(per_event, rows))
             start = time.perf_counter()
             grouped = run_rows(rows, args.run)
             keep("join", time.perf_counter() - start)
             per_commit = max(1, BATCH // args.run)
-            keep("write runs", write(runs, RUN_DDL, RUN_INSERT, grouped, per_commit))
-            keep("read per event", read_per_event(per_event))
+            keep("write runs", raw_append(runs, grouped, RUN_DDL, RUN_INSERT, per_commit))
+            keep("read per event", raw_read(per_event))
             keep("read runs", read_runs(runs))
             keep("fold", fold(memory))
 

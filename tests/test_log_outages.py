@@ -71,6 +71,17 @@ def _wait_rows(url: str, at_least: int, proc: subprocess.Popen[str]) -> None:
         time.sleep(0.05)
 
 
+def _terminate(application_name: str) -> int:
+    """pg_terminate_backend of every connection named ``application_name``: how many."""
+    with pg_connect() as admin:
+        killed = admin.execute(
+            "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
+            "WHERE application_name = %s",
+            (application_name,),
+        ).fetchone()
+    return int(killed[0]) if killed else 0
+
+
 @pytest.fixture
 def pg_database_url() -> Iterator[str]:
     skip_without_postgres()
@@ -96,13 +107,7 @@ def test_terminated_connections_lose_nothing(pg_database_url: str, tmp_path: Pat
     terminated = 0
     for wanted in (2_000, 8_000, 16_000):
         _wait_rows(pg_database_url, wanted, proc)
-        with pg_connect() as admin:
-            killed = admin.execute(
-                "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
-                "WHERE application_name = %s",
-                (name,),
-            ).fetchone()
-        terminated += int(killed[0]) if killed else 0
+        terminated += _terminate(name)
     _out, err = proc.communicate(timeout=300)
     assert proc.returncode == 0, err
     assert terminated >= 3
@@ -200,26 +205,17 @@ def test_the_asyncio_log_rides_out_terminated_connections(pg_database_url: str) 
     """pg_terminate_backend of the asyncio log's connection, twice between appends: every
     event is stored once and reads back in order."""
     name = f"kvlog_{uuid.uuid4().hex[:8]}"
-    url = pg_database_url.replace("postgresql+psycopg://", "postgresql+psycopg_async://")
     events = worker_events(1, 0, 3_000, prompt_pool(1))
-
-    def terminate() -> int:
-        with pg_connect() as admin:
-            killed = admin.execute(
-                "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
-                "WHERE application_name = %s",
-                (name,),
-            ).fetchone()
-        return int(killed[0]) if killed else 0
 
     async def run() -> tuple[list[AnyEvent], int, int]:
         terminated = 0
-        async with AsyncEventLog(f"{url}?application_name={name}", retry_for=30) as log:
+        url = f"{pg_database_url}?application_name={name}"  # psycopg's async driver, by itself
+        async with AsyncEventLog(url, retry_for=30) as log:
             for part in range(3):
                 await log.append_many(events[part * 1_000 : (part + 1) * 1_000])
                 await log.flush()
                 if part < 2:
-                    terminated += await asyncio.to_thread(terminate)
+                    terminated += await asyncio.to_thread(_terminate, name)
             read = [event async for event in log.read()]
             return read, terminated, log.outages
 
