@@ -252,8 +252,12 @@ def open_worker(
             )
         if redis and settings.redis_url is not None:
             worker.publisher = _redis_publisher(settings, event_log)
+            if metrics is not None:
+                metrics.watch_view("redis", worker.publisher)
         if zmq and settings.zmq_endpoint is not None:
             worker.zmq = _zmq_publisher(settings, event_log, metrics)
+            if metrics is not None:
+                metrics.watch_view("zmq", worker.zmq)
     except BaseException:
         worker.close(drain_timeout=0)
         raise

@@ -42,6 +42,13 @@ class PoolView(Protocol):
     def num_inactive(self) -> int: ...
 
 
+class ViewProgress(Protocol):
+    """What ``watch_view`` reads of a view's publisher (``RedisPublisher``, the ZMQ ones)."""
+
+    @property
+    def behind(self) -> int: ...
+
+
 class LogView(Protocol):
     """What ``watch_log`` reads of an event log (``EventLog`` and ``AsyncEventLog`` have it)."""
 
@@ -138,6 +145,13 @@ class Metrics:
             "Seconds append spent waiting for the log's writer",
             registry=r,
         )
+        self.view_behind = Gauge(
+            "kvbm_view_behind_events",
+            "Events committed to the log that a view of it has not taken yet: the shared "
+            "registry (view=redis) or the ZMQ stream (view=zmq)",
+            ["view"],
+            registry=r,
+        )
         self.alloc_latency = Histogram(
             "kvbm_alloc_latency_seconds",
             "Time to place a request's blocks on G1 (match, onboard, allocate, register)",
@@ -206,6 +220,11 @@ class Metrics:
         self.log_commit_lag.set_function(lambda: log.commit_lag)
         self.log_backpressure_waits.set_function(lambda: log.backpressure_waits)
         self.log_backpressure_seconds.set_function(lambda: log.backpressure_seconds)
+
+    def watch_view(self, name: str, view: ViewProgress) -> None:
+        """Read how far ``view`` (a publisher fed by the log's commits) is behind the log at
+        every scrape: 0 while it keeps up, growing while Redis is down or a publisher lags."""
+        self.view_behind.labels(name).set_function(lambda: view.behind)
 
     # -- exposing -------------------------------------------------------------------------
 

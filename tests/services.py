@@ -13,6 +13,7 @@ import shutil
 import socket
 import subprocess
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +57,44 @@ def redis_or_skip(url: str = REDIS_URL, **kwargs: Any) -> redis.Redis:
     except redis.ConnectionError:
         pytest.skip(f"no Redis at {url} (run .ci/services)")
     return client
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now (for a server a test starts, or
+    an address that refuses connections)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def start_redis(port: int, workdir: Path) -> subprocess.Popen[bytes]:
+    """A private ``redis-server`` on 127.0.0.1:``port`` that keeps nothing on disk, returned
+    once it answers (a test may stop, kill or restart it without touching the shared one)."""
+    proc = subprocess.Popen(
+        [
+            shutil.which("redis-server") or "redis-server",
+            "--port",
+            str(port),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dir",
+            str(workdir),
+        ],
+        stdout=subprocess.DEVNULL,
+    )
+    client = redis.Redis(port=port)
+    for _ in range(100):
+        try:
+            client.ping()
+            return proc
+        except redis.ConnectionError:
+            time.sleep(0.05)
+    proc.kill()
+    raise RuntimeError("private redis-server did not start")
 
 
 def hold_write_lock(url: str) -> tuple[Any, Any]:

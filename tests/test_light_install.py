@@ -14,7 +14,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tomllib
@@ -23,7 +22,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from services import REDIS_URL, redis_or_skip
+from services import REDIS_URL, free_port, redis_or_skip
 
 from kvledger.events.log.replay import replay
 from kvledger.events.shared.registry import SharedRegistry
@@ -84,13 +83,6 @@ def _run(
     return done
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
 def test_the_light_install_has_no_torch(light: Path, tmp_path: Path) -> None:
     missing = _run(light, "python", "-c", "import torch", cwd=tmp_path, check=False)
     assert missing.returncode == 1 and "No module named 'torch'" in missing.stderr
@@ -119,7 +111,7 @@ def test_what_holds_bytes_says_which_extra_to_install(light: Path, tmp_path: Pat
             "tiers hold KV bytes in torch tensors): pip install 'kvledger[torch]'"
         )
     # a PostgreSQL log without its driver: the command's one line, not a traceback
-    url = f"postgresql+psycopg://postgres@127.0.0.1:{_free_port()}/kvledger"
+    url = f"postgresql+psycopg://postgres@127.0.0.1:{free_port()}/kvledger"
     done = _run(light, "kvledger", "replay", url, cwd=tmp_path, check=False)
     assert done.returncode == 2, done.stderr
     last = done.stderr.strip().splitlines()[-1]  # argparse's usage lines come first
@@ -177,8 +169,8 @@ def test_a_router_index_fed_over_zmq_equals_the_workers_log(
     """A light worker publishes to the shared registry and over ZMQ; a light router folds the
     stream into a ``RouterIndex`` (catching up through the replay socket), and ``kvledger
     tail`` reads the same stream: each view is the fold of the worker's log."""
-    endpoint = f"tcp://127.0.0.1:{_free_port()}"
-    replay_endpoint = f"tcp://127.0.0.1:{_free_port()}"
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    replay_endpoint = f"tcp://127.0.0.1:{free_port()}"
     log = tmp_path / "worker.db"
     worker = subprocess.Popen(
         [

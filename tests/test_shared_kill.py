@@ -8,13 +8,12 @@ its new events as repeats; ZMQ routers kept events whose ids the restart reused.
 
 from __future__ import annotations
 
-import socket
 import uuid
 from functools import partial
 from pathlib import Path
 
 import pytest
-from services import REDIS_URL, redis_or_skip
+from services import REDIS_URL, free_port, redis_or_skip
 from worker_kills import ZmqRouter, kill_rounds, worker_command
 
 from kvledger.events.shared.registry import SharedRegistry
@@ -23,16 +22,10 @@ pytestmark = [pytest.mark.redis, pytest.mark.slow]
 ROUNDS = 20
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def test_registry_and_zmq_router_equal_the_log_after_each_kill(tmp_path: Path) -> None:
     registry = SharedRegistry(redis_or_skip(), f"kill-{uuid.uuid4().hex[:8]}")
     log = tmp_path / "w.db"
-    pub, rep = f"tcp://127.0.0.1:{_free_port()}", f"tcp://127.0.0.1:{_free_port()}"
+    pub, rep = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
     command = partial(
         worker_command,
         REDIS_URL,

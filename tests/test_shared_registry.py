@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import random
 import shutil
-import socket
-import subprocess
 import time
 import uuid
 from collections.abc import Iterator
@@ -20,7 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from redis.backoff import NoBackoff
 from redis.retry import Retry
-from services import REDIS_URL, redis_or_skip
+from services import REDIS_URL, free_port, redis_or_skip, start_redis
 from stream_router import stream_router
 
 from kvledger.events import codec
@@ -301,46 +299,12 @@ def test_publisher_catches_up_from_the_log(registry: SharedRegistry, tmp_path: P
     log.close()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _start_redis(port: int, workdir: Path) -> subprocess.Popen[bytes]:
-    proc = subprocess.Popen(
-        [
-            shutil.which("redis-server") or "redis-server",
-            "--port",
-            str(port),
-            "--bind",
-            "127.0.0.1",
-            "--save",
-            "",
-            "--appendonly",
-            "no",
-            "--dir",
-            str(workdir),
-        ],
-        stdout=subprocess.DEVNULL,
-    )
-    client = redis.Redis(port=port)
-    for _ in range(100):
-        try:
-            client.ping()
-            return proc
-        except redis.ConnectionError:
-            time.sleep(0.05)
-    proc.kill()
-    raise RuntimeError("private redis-server did not start")
-
-
 @pytest.mark.skipif(shutil.which("redis-server") is None, reason="needs the redis-server binary")
 def test_publisher_survives_a_redis_restart(tmp_path: Path) -> None:
     """A private Redis is killed mid-run and started again empty: publishing never blocks the
     engine, and afterwards the registry is whole again, with no event applied twice."""
-    port = _free_port()
-    server = _start_redis(port, tmp_path)
+    port = free_port()
+    server = start_redis(port, tmp_path)
     try:
         reg = SharedRegistry(
             redis.Redis(
@@ -365,7 +329,7 @@ def test_publisher_survives_a_redis_restart(tmp_path: Path) -> None:
         for event in stream[150:300]:  # Redis is gone: the engine carries on
             sink(event)
         time.sleep(0.5)  # long enough for the publisher to notice (redis-py retries first)
-        server = _start_redis(port, tmp_path)
+        server = start_redis(port, tmp_path)
         for event in stream[300:]:
             sink(event)
         log.flush()

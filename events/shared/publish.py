@@ -325,6 +325,12 @@ class RedisPublisher:
         self.resets += 1
         return blocks
 
+    @property
+    def behind(self) -> int:
+        """Events committed to the worker's log that the shared registry has not applied yet
+        (``kvbm_view_behind_events{view="redis"}``)."""
+        return max(0, self.last_seen_id - self.applied_id)
+
     def wait_applied(self, timeout: float) -> bool:
         """Wait until every event so far is applied (with a log: every event appended to it
         so far, after flushing it); False on timeout."""

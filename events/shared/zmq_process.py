@@ -56,6 +56,8 @@ log = logging.getLogger(__name__)
 _HEADER = struct.Struct(">I")
 START_TIMEOUT_S = 60.0
 """How long the parent waits for the child to open the log and bind its sockets."""
+REPORT_EVERY_S = 0.2
+"""How often the child tells the parent its counters when they changed."""
 REBIND_FOR_S = 10.0
 """How long a child keeps trying an endpoint still bound (by the child of a killed worker)."""
 
@@ -85,6 +87,10 @@ class ZmqPublisherProcess:
         self.worker_id = worker_id
         self.published = 0
         self.dropped = 0
+        self.last_seen_id = -1
+        """The newest committed event handed to this publisher."""
+        self.sent_id = -1
+        """The newest event the child sent or dropped, or the parent skipped (in the seed)."""
         self.replays_abandoned = 0
         self.error: BaseException | None = None
         """Set when the child died or stopped reading (its events stay in the log)."""
@@ -162,7 +168,15 @@ class ZmqPublisherProcess:
 
     def _committed(self, batch: Sequence[Committed]) -> None:
         self._queue.extend(event for event, _record in batch)
+        if batch:
+            self.last_seen_id = batch[-1][0].event_id
         self._wake.set()
+
+    @property
+    def behind(self) -> int:
+        """Events committed to the worker's log that the child has not sent (or dropped)
+        yet (``kvbm_view_behind_events{view="zmq"}``)."""
+        return max(0, self.last_seen_id - self.sent_id)
 
     # -- the parent's threads -------------------------------------------------------------------
 
@@ -182,6 +196,8 @@ class ZmqPublisherProcess:
                         _write_frame(stdin, item)
                     elif (one := mapped(item)) is not None:  # type: ignore[arg-type]
                         batches.append(one)
+                    else:  # in the seed already: nothing to send
+                        self.sent_id = max(self.sent_id, item.event_id)  # type: ignore[union-attr]
                 if batches:
                     _write_frame(stdin, b"B" + msgpack.packb(batches))
                 stdin.flush()
@@ -207,6 +223,7 @@ class ZmqPublisherProcess:
                     self._dropped_metric.inc(dropped - self.dropped)
                 self.dropped = dropped
                 self.replays_abandoned = said.get("replays_abandoned", self.replays_abandoned)
+                self.sent_id = max(self.sent_id, said.get("sent_id", -1))
                 marker = self._markers.pop(said["sent"], None) if "sent" in said else None
             if marker is not None:
                 marker.set()
@@ -314,14 +331,16 @@ def _open(settings: dict[str, Any], opened: EventLog) -> ZmqPublisher:
 def child_main() -> int:
     """Run a publisher for the parent on the other end of stdin/stdout."""
     inp, out = sys.stdin.buffer, sys.stdout
+    saying = threading.Lock()  # the main thread and the reporter's
 
     def say(message: dict[str, Any]) -> None:
-        try:
-            out.write(json.dumps(message) + "\n")
-            out.flush()
-        except BrokenPipeError:  # the parent is gone (killed): nobody is left to tell, and
-            # the interpreter's last flush at exit must not fail on it either
-            os.dup2(os.open(os.devnull, os.O_WRONLY), out.fileno())
+        with saying:
+            try:
+                out.write(json.dumps(message) + "\n")
+                out.flush()
+            except BrokenPipeError:  # the parent is gone (killed): nobody is left to tell, and
+                # the interpreter's last flush at exit must not fail on it either
+                os.dup2(os.open(os.devnull, os.O_WRONLY), out.fileno())
 
     first = _read_frame(inp)
     if first is None or first[:1] != b"C":
@@ -350,23 +369,39 @@ def child_main() -> int:
             }
         }
     )
-    counters = (0, 0, 0)
+    counters = (0, 0, 0, -1)
 
     def report(extra: dict[str, Any] | None = None) -> None:
         nonlocal counters
-        now = (publisher.published, publisher.dropped, publisher.replays_abandoned)
+        now = (
+            publisher.published,
+            publisher.dropped,
+            publisher.replays_abandoned,
+            publisher.sent_id,
+        )
         if now != counters or extra:
             counters = now
-            published, dropped, abandoned = now
+            published, dropped, abandoned, sent_id = now
             say(
                 {
                     "published": published,
                     "dropped": dropped,
                     "replays_abandoned": abandoned,
+                    "sent_id": sent_id,
                     **(extra or {}),
                 }
             )
 
+    done = threading.Event()
+
+    def report_while_running() -> None:
+        """The sender thread sends after a frame's ``report``: its progress (``sent_id``, the
+        parent's ``behind``) reaches the parent this way, also when no frame follows."""
+        while not done.wait(REPORT_EVERY_S):
+            report()
+
+    reporter = threading.Thread(target=report_while_running, name="kvledger-zmq-reporter")
+    reporter.start()
     try:
         while (frame := _read_frame(inp)) is not None:
             kind, body = frame[:1], frame[1:]
@@ -377,6 +412,8 @@ def child_main() -> int:
                 publisher.wait_sent(60)
                 report({"sent": int.from_bytes(body, "big")})
     finally:
+        done.set()
+        reporter.join()
         publisher.close()  # sends what it was given: all of it is committed
         report()
         opened.close()

@@ -162,6 +162,10 @@ class ZmqPublisher:
         self._closing = False
         self.dropped = 0
         self.published = 0
+        self.last_seen_id = -1
+        """The newest committed event handed to this publisher."""
+        self.sent_id = -1
+        """The newest event sent, dropped or skipped (already in the seed)."""
         self.replays_abandoned = 0
         """Replays stopped because the subscriber that asked had stopped waiting."""
         self._next_seq: int | None = None  # the first live batch's number, once one is sent
@@ -252,6 +256,8 @@ class ZmqPublisher:
     def _committed(self, batch: Sequence[tuple[AnyEvent, bytes]]) -> None:
         """The log's writer, after a commit: queue the worker's newly committed events."""
         self._queue.extend(event for event, _record in batch)
+        if batch:
+            self.last_seen_id = batch[-1][0].event_id
         if self._idle:
             self._wake.set()
 
@@ -279,6 +285,12 @@ class ZmqPublisher:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    @property
+    def behind(self) -> int:
+        """Events committed to the worker's log that this publisher has not sent (or dropped)
+        yet (``kvbm_view_behind_events{view="zmq"}``)."""
+        return max(0, self.last_seen_id - self.sent_id)
 
     def wait_sent(self, timeout: float = 5.0) -> bool:
         """Wait until every event so far has been sent (or dropped); False on timeout. With a
@@ -337,6 +349,7 @@ class ZmqPublisher:
                 continue
             batch = item if type(item) is tuple else mapped(item)  # type: ignore[arg-type]
             if batch is None:
+                self.sent_id = item.event_id  # type: ignore[union-attr]
                 continue
             seq, payload, stored = batch
             if self._next_seq is None:
@@ -352,6 +365,7 @@ class ZmqPublisher:
                 self.dropped += 1
                 if self._dropped_metric is not None:
                     self._dropped_metric.inc()
+            self.sent_id = seq  # a batch's sequence number is its event's id
 
     def _drain_subscriptions(self) -> None:
         """Read the subscriptions XPUB reports; on a new one, send the newest batch again.
