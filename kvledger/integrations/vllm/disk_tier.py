@@ -36,7 +36,6 @@ done on the scheduler thread (vLLM's rule), only bytes move on the I/O threads.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import time
 from collections.abc import Iterable, Sequence
@@ -55,7 +54,6 @@ from vllm.v1.kv_offload.base import (
     OffloadKey,
     ReqContext,
     RequestOffloadingContext,
-    ScheduleEndContext,
     get_offload_group_idx,
 )
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
@@ -63,7 +61,7 @@ from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, Tra
 from kvledger.events.files import private_folder
 from kvledger.events.types import AnyEvent, BlockInfo, Cleared, Offloaded, Removed, Tier
 from kvledger.integrations.vllm.keys import RequestChunks, key_hash
-from kvledger.integrations.vllm.tier_worker import TierWorker, open_tier_worker, release
+from kvledger.integrations.vllm.tier_worker import TierJobs, TierWorker, open_tier_worker, release
 from kvledger.recovery import open_g3
 from kvledger.registry.policies import POLICY_NAMES, make_policy
 from kvledger.registry.pool import BlockPool
@@ -158,7 +156,7 @@ class _Job:
     failed: bool = False  # refused at submission
 
 
-class KvledgerDiskTier(SecondaryTierManager):  # type: ignore[misc]  # vLLM is untyped here
+class KvledgerDiskTier(TierJobs, SecondaryTierManager):  # type: ignore[misc]  # vLLM is untyped here
     """kvledger's G3 file under vLLM's CPU tier (see the module docstring for settings)."""
 
     medium: ClassVar[Medium] = Medium.STORAGE
@@ -243,14 +241,12 @@ class KvledgerDiskTier(SecondaryTierManager):  # type: ignore[misc]  # vLLM is u
             for group in getattr(offloading_spec.config, "groups", ())
         }
         self._chunk_tokens: dict[int, int] = chunk_tokens
-        try:
-            self.worker.attach(self.pool, self._on_event)
-        except BaseException:
-            self._io.shutdown()
-            if parts.owned:
-                self.disk.close()
-                release(self.worker)
-            raise
+        self._observer = self._on_event
+        self._owns_parts = parts.owned
+        self._attach()
+
+    def _close_parts(self) -> None:
+        self.disk.close()
 
     # -- events ------------------------------------------------------------------------------
 
@@ -360,13 +356,6 @@ class KvledgerDiskTier(SecondaryTierManager):  # type: ignore[misc]  # vLLM is u
 
     # -- completions -------------------------------------------------------------------------
 
-    def get_finished_jobs(self) -> Iterable[JobResult]:
-        done = [job for job in self._jobs.values() if job.future is None or job.future.done()]
-        results = [self._finish(job) for job in done]
-        for job in done:
-            del self._jobs[job.job_id]
-        return results
-
     def _finish(self, job: _Job) -> JobResult:
         if job.failed:
             return JobResult(job.job_id, False)
@@ -399,33 +388,3 @@ class KvledgerDiskTier(SecondaryTierManager):  # type: ignore[misc]  # vLLM is u
         if not job.skipped and not bad:
             return JobResult(job.job_id, True, None, seconds, nbytes)
         return JobResult(job.job_id, False, tuple(good) if good else None, seconds, nbytes)
-
-    def has_pending_work(self) -> bool:
-        return bool(self._jobs)
-
-    def drain_jobs(self) -> None:
-        for job in list(self._jobs.values()):
-            if job.future is not None:
-                with contextlib.suppress(Exception):  # reported by get_finished_jobs
-                    job.future.result()
-
-    def on_schedule_end(self, context: ScheduleEndContext) -> None:
-        self.worker.step()
-
-    # -- kvledger's view -----------------------------------------------------------------------
-
-    def flush_log(self) -> None:
-        """Wait until every event so far is durable in the log."""
-        self.worker.flush()
-
-    def shutdown(self) -> None:
-        self.drain_jobs()
-        for job in list(self._jobs.values()):
-            self._finish(job)
-        self._jobs.clear()
-        self._io.shutdown(wait=True)
-        self.worker.detach(self.pool, self._on_event)
-        self.worker.step()
-        if self.parts.owned:
-            self.disk.close()
-            release(self.worker)

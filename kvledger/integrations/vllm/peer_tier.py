@@ -31,7 +31,6 @@ kvledger's), ``lease_s`` (the directory entries' lease, default 10).
 
 from __future__ import annotations
 
-import contextlib
 import time
 from collections.abc import Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -44,7 +43,6 @@ from vllm.v1.kv_offload.base import (
     OffloadKey,
     ReqContext,
     RequestOffloadingContext,
-    ScheduleEndContext,
 )
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
@@ -53,6 +51,7 @@ from kvledger.events.types import BlockInfo, Tier
 from kvledger.integrations.vllm.disk_tier import row_shape, rows_of
 from kvledger.integrations.vllm.keys import RequestChunks, key_hash
 from kvledger.integrations.vllm.tier_worker import (
+    TierJobs,
     TierWorker,
     open_tier_worker,
     register_runs,
@@ -148,7 +147,7 @@ class _Job:
     failed: bool = False
 
 
-class KvledgerPeerTier(SecondaryTierManager):  # type: ignore[misc]  # vLLM is untyped here
+class KvledgerPeerTier(TierJobs, SecondaryTierManager):  # type: ignore[misc]  # vLLM is untyped here
     """Other workers' blocks over NIXL, and this worker's exported pool (see the module
     docstring for settings)."""
 
@@ -226,14 +225,12 @@ class KvledgerPeerTier(SecondaryTierManager):  # type: ignore[misc]  # vLLM is u
         # every lookup, and vLLM would promote (and fail) it forever instead of recomputing it
         self._failed: dict[int, float] = {}
         self._failed_for_s = lease_s
-        try:
-            self.worker.attach(self.pool, parts.exporter)
-        except BaseException:
-            self._io.shutdown()
-            if parts.owned:
-                parts.close()
-                release(self.worker)
-            raise
+        self._observer = parts.exporter
+        self._owns_parts = parts.owned
+        self._attach()
+
+    def _close_parts(self) -> None:
+        self.parts.close()
 
     # -- lookups -----------------------------------------------------------------------------
 
@@ -331,16 +328,12 @@ class KvledgerPeerTier(SecondaryTierManager):  # type: ignore[misc]  # vLLM is u
 
     # -- completions -------------------------------------------------------------------------
 
-    def get_finished_jobs(self) -> Iterable[JobResult]:
+    def get_finished_jobs(self) -> list[JobResult]:
         if self.fetcher.holding:
             reclaimed = self.fetcher.reclaim()
             if reclaimed:
                 self.pool.release(reclaimed)
-        done = [job for job in self._jobs.values() if job.future is None or job.future.done()]
-        results = [self._finish(job) for job in done]
-        for job in done:
-            del self._jobs[job.job_id]
-        return results
+        return super().get_finished_jobs()
 
     def _finish(self, job: _Job) -> JobResult:
         if job.failed:
@@ -396,30 +389,3 @@ class KvledgerPeerTier(SecondaryTierManager):  # type: ignore[misc]  # vLLM is u
             self._failed = {h: t for h, t in self._failed.items() if t > now}
         for block in hashes:
             self._failed[block] = now + self._failed_for_s
-
-    def has_pending_work(self) -> bool:
-        return bool(self._jobs)
-
-    def drain_jobs(self) -> None:
-        for job in list(self._jobs.values()):
-            if job.future is not None:
-                with contextlib.suppress(Exception):  # reported by get_finished_jobs
-                    job.future.result()
-
-    def on_schedule_end(self, context: ScheduleEndContext) -> None:
-        self.worker.step()
-
-    def flush_log(self) -> None:
-        self.worker.flush()
-
-    def shutdown(self) -> None:
-        self.drain_jobs()
-        for job in list(self._jobs.values()):
-            self._finish(job)
-        self._jobs.clear()
-        self._io.shutdown(wait=True)
-        self.worker.detach(self.pool, self.parts.exporter)
-        self.worker.step()
-        if self.parts.owned:
-            self.parts.close()
-            release(self.worker)

@@ -18,9 +18,12 @@ publisher is: other processes only ever see what the log holds.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Protocol
 
 from kvledger.builder import KnownBlocks, Worker, open_worker
 from kvledger.config import Settings
@@ -30,7 +33,7 @@ from kvledger.events.types import AnyEvent, Tier
 from kvledger.registry.pool import BlockPool
 from kvledger.registry.state import RegistryState
 
-__all__ = ["TierWorker", "open_tier_worker", "register_runs", "release"]
+__all__ = ["TierJobs", "TierWorker", "open_tier_worker", "register_runs", "release"]
 
 log = logging.getLogger(__name__)
 
@@ -194,3 +197,84 @@ def register_runs(
             run = hashes[start:i]
             pool.register(slots[start:i], [(h, h) for h in run], parents[start])
             start = i
+
+
+class Job(Protocol):
+    """What ``TierJobs`` reads of a tier's job in flight."""
+
+    job_id: int
+    future: Future[Any] | None
+
+
+class TierJobs:
+    """What kvledger's two tiers under vLLM's tiering layer (``KvledgerDiskTier``,
+    ``KvledgerPeerTier``) do alike as vLLM's ``SecondaryTierManager``: their jobs run on the
+    tier's I/O threads and are finished when vLLM asks for them, each scheduler step hands the
+    worker's events on, and a shutdown finishes every job, stops observing the pool and gives
+    the worker back (closing the tier's parts where the tier built them).
+
+    A tier sets ``worker``, ``pool``, ``_io``, ``_jobs``, ``_observer`` (what it attaches to
+    the worker for its pool's events) and ``_owns_parts``, then calls ``_attach``; it defines
+    ``_finish`` (a done job as vLLM's result) and ``_close_parts``.
+    """
+
+    worker: TierWorker
+    pool: BlockPool
+    _io: ThreadPoolExecutor
+    _jobs: dict[int, Any]
+    _observer: Observer
+    _owns_parts: bool
+
+    def _finish(self, job: Any) -> Any:
+        raise NotImplementedError
+
+    def _close_parts(self) -> None:
+        raise NotImplementedError
+
+    def _attach(self) -> None:
+        """Observe the pool's events; where that fails, nothing the tier opened stays open."""
+        try:
+            self.worker.attach(self.pool, self._observer)
+        except BaseException:
+            self._io.shutdown()
+            if self._owns_parts:
+                self._close_parts()
+                release(self.worker)
+            raise
+
+    def get_finished_jobs(self) -> list[Any]:
+        done: list[Job] = [
+            job for job in self._jobs.values() if job.future is None or job.future.done()
+        ]
+        results = [self._finish(job) for job in done]
+        for job in done:
+            del self._jobs[job.job_id]
+        return results
+
+    def has_pending_work(self) -> bool:
+        return bool(self._jobs)
+
+    def drain_jobs(self) -> None:
+        for job in list(self._jobs.values()):
+            if job.future is not None:
+                with contextlib.suppress(Exception):  # reported by get_finished_jobs
+                    job.future.result()
+
+    def on_schedule_end(self, context: object) -> None:
+        self.worker.step()
+
+    def flush_log(self) -> None:
+        """Wait until every event so far is durable in the log."""
+        self.worker.flush()
+
+    def shutdown(self) -> None:
+        self.drain_jobs()
+        for job in list(self._jobs.values()):
+            self._finish(job)
+        self._jobs.clear()
+        self._io.shutdown(wait=True)
+        self.worker.detach(self.pool, self._observer)
+        self.worker.step()
+        if self._owns_parts:
+            self._close_parts()
+            release(self.worker)
