@@ -197,7 +197,8 @@ class ZmqPublisherProcess:
                     elif (one := mapped(item)) is not None:  # type: ignore[arg-type]
                         batches.append(one)
                     else:  # in the seed already: nothing to send
-                        self.sent_id = max(self.sent_id, item.event_id)  # type: ignore[union-attr]
+                        with self._lock:  # (the reader raises it too)
+                            self.sent_id = max(self.sent_id, item.event_id)  # type: ignore[union-attr]
                 if batches:
                     _write_frame(stdin, b"B" + msgpack.packb(batches))
                 stdin.flush()
@@ -331,7 +332,9 @@ def _open(settings: dict[str, Any], opened: EventLog) -> ZmqPublisher:
 def child_main() -> int:
     """Run a publisher for the parent on the other end of stdin/stdout."""
     inp, out = sys.stdin.buffer, sys.stdout
-    saying = threading.Lock()  # the main thread and the reporter's
+    # the main thread and the reporter's: a report reads the counters and says them in one
+    # hold, so the parent never gets an older count after a newer one
+    saying = threading.RLock()
 
     def say(message: dict[str, Any]) -> None:
         with saying:
@@ -373,24 +376,25 @@ def child_main() -> int:
 
     def report(extra: dict[str, Any] | None = None) -> None:
         nonlocal counters
-        now = (
-            publisher.published,
-            publisher.dropped,
-            publisher.replays_abandoned,
-            publisher.sent_id,
-        )
-        if now != counters or extra:
-            counters = now
-            published, dropped, abandoned, sent_id = now
-            say(
-                {
-                    "published": published,
-                    "dropped": dropped,
-                    "replays_abandoned": abandoned,
-                    "sent_id": sent_id,
-                    **(extra or {}),
-                }
+        with saying:
+            now = (
+                publisher.published,
+                publisher.dropped,
+                publisher.replays_abandoned,
+                publisher.sent_id,
             )
+            if now != counters or extra:
+                counters = now
+                published, dropped, abandoned, sent_id = now
+                say(
+                    {
+                        "published": published,
+                        "dropped": dropped,
+                        "replays_abandoned": abandoned,
+                        "sent_id": sent_id,
+                        **(extra or {}),
+                    }
+                )
 
     done = threading.Event()
 
