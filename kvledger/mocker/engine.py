@@ -148,6 +148,12 @@ class StepRecord(NamedTuple):
     prefill_tokens: int
 
 
+def _output_tokens(req: TraceRequest) -> int:
+    """Tokens a request generates: at least one, the first, which its last prefill step
+    samples (a trace row with output length 0 still gets it)."""
+    return max(1, req.output_length)
+
+
 @dataclass(slots=True, eq=False)
 class _Sequence:
     """One request's progress through the engine."""
@@ -285,7 +291,8 @@ class MockEngine:
 
         A request's blocks are hashed when it arrives, not before the run: a long trace starts
         stepping at once and holds the hashes of what has arrived, not of the whole trace
-        (100,000 built-in requests: seconds before the first step, and 1.4 GB)."""
+        (100,000 built-in requests spent about 5 s hashing before the first step; at 20,000,
+        peak memory went from 285 to 216 MB)."""
         clock = self.clock
         bs = self.config.block_size
         sequence = self._sequence
@@ -314,10 +321,10 @@ class MockEngine:
             # The partial last block fills up with generated tokens, so once full it is this
             # request's alone: name it like a decode block (it is registered only when full).
             del seq[-1], local[-1]
-            s = _Sequence(index, req, seq, local, max(1, req.output_length))
+            s = _Sequence(index, req, seq, local, _output_tokens(req))
             self._grow_hashes(s, len(seq) + 1)
             return s
-        return _Sequence(index, req, seq, local, max(1, req.output_length))
+        return _Sequence(index, req, seq, local, _output_tokens(req))
 
     def _check_fits(self, requests: Iterable[TraceRequest]) -> None:
         """A request whose whole KV exceeds G1 could never finish: refuse it up front (the
@@ -326,7 +333,7 @@ class MockEngine:
         g1 = self.cache.tiered.g1.capacity
         bs = self.config.block_size
         for index, req in enumerate(requests):
-            output = max(1, req.output_length)  # as ``_sequence`` counts it
+            output = _output_tokens(req)
             need = -(-(req.input_length + output) // bs)
             if need > g1:
                 raise ValueError(
