@@ -347,6 +347,29 @@ def test_each_worker_logs_its_own_events_and_the_router_index_is_their_fold(
     assert all(w["replay_matches"] for w in outcome.summary["per_worker"])
 
 
+def test_without_a_log_the_router_index_folds_the_same_events(tmp_path: Path) -> None:
+    """A worker with no log hands the memory feed its Stored and Removed as fields, not
+    events (``FoldingEmitter``), its copies to G2 as events: the run and the router's index
+    come out as with a log, whose events the feed takes as built."""
+    requests = workload()
+    settings = dynamo_settings(g2_blocks=128)
+    logged = run_one(
+        settings, ClusterOptions(3, "kv"), requests, log_dir=tmp_path / "run", note=quiet
+    )
+    bare = run_one(settings, ClusterOptions(3, "kv"), requests, log_dir=None, note=quiet)
+    assert logged.index is not None and bare.index is not None
+    assert bare.index.holders() == logged.index.holders() != {}
+    assert bare.index.last_event_id == logged.index.last_event_id
+    for summary in (logged.summary, bare.summary):
+        summary["cluster"].pop("wall_s")
+        summary["cluster"].pop("log")
+        summary["cluster"].pop("replay_matches")
+        for worker in summary["per_worker"]:
+            for key in ("log", "replay_matches"):
+                worker.pop(key, None)
+    assert bare.summary == logged.summary
+
+
 def fold_logs(folder: Path) -> RouterIndex:
     index = RouterIndex()
     for path in sorted(folder.glob("worker-*.db")):
