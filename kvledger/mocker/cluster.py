@@ -272,7 +272,8 @@ class Cluster:
         for index, req in enumerate(arrivals):
             now = req.arrival_ms
             for engine in engines:
-                if engine.waiting or engine.running:
+                # a worker whose step runs past this arrival has no step to start before it
+                if (engine.waiting or engine.running) and engine.clock.now_ms < now:
                     done += engine.advance(now)
             if progress is not None and done:
                 progress(done)
