@@ -2,11 +2,17 @@
 --cluster-enabled yes``, made with ``redis-cli --cluster create``, in a temporary folder.
 
 Used by the cluster tests and by ``bench/redis_bench.py --cluster``. Ports come from 17000-17099
-(their cluster bus ports are +10000), the first six that are free when it starts.
+(their cluster bus ports are +10000), the first six that are free when it starts. Two processes
+starting a cluster at once (the suite's two pytest workers) would both see the same ports free
+and start their nodes on them; the nodes of the second fail to bind, and the first's answered
+for them, so the second's ``--cluster create`` mixed two clusters and timed out waiting for
+``cluster_state:ok``. So the ports are chosen and bound under a lock that every process takes
+(a file lock in the temporary folder), and each node must answer with its own process id.
 """
 
 from __future__ import annotations
 
+import fcntl
 import shutil
 import signal
 import socket
@@ -20,6 +26,7 @@ import redis
 
 PORTS = range(17000, 17100)
 BUS_OFFSET = 10000
+LOCK = Path(tempfile.gettempdir()) / "kvledger-redis-cluster.lock"
 
 
 def available() -> str | None:
@@ -63,17 +70,21 @@ class LocalCluster:
         return redis.RedisCluster.from_url(self.url)
 
     def start(self) -> LocalCluster:
-        ports = [p for p in PORTS if _free(p)][: self.size]
-        if len(ports) < self.size:
-            raise RuntimeError(f"fewer than {self.size} free ports in {PORTS}")
         try:
-            self._start(ports)
+            with LOCK.open("a") as lock:
+                fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+                ports = [p for p in PORTS if _free(p)][: self.size]
+                if len(ports) < self.size:
+                    raise RuntimeError(f"fewer than {self.size} free ports in {PORTS}")
+                self._launch(ports)
+            self._create(ports)
         except BaseException:
             self.stop()
             raise
         return self
 
-    def _start(self, ports: list[int]) -> None:
+    def _launch(self, ports: list[int]) -> None:
+        """Start a node on each port and wait until each answers as itself."""
         for port in ports:
             self.procs[port] = subprocess.Popen(
                 [
@@ -87,9 +98,15 @@ class LocalCluster:
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.DEVNULL,
             )  # fmt: skip
-        for port in ports:
+        for port, proc in self.procs.items():
             node = self._node(port)
-            self._wait(node.ping, f"node {port} to start")
+
+            def answers(node: redis.Redis = node, pid: int = proc.pid) -> bool:
+                return int(node.info("server")["process_id"]) == pid
+
+            self._wait(answers, f"node {port} (process {proc.pid}) to start")
+
+    def _create(self, ports: list[int]) -> None:
         subprocess.run(
             ["redis-cli", "--cluster", "create", *(f"127.0.0.1:{p}" for p in ports),
              "--cluster-replicas", str(self.replicas_per_master), "--cluster-yes"],
