@@ -37,7 +37,7 @@ from kvledger.events.types import (
     Stored,
     Tier,
 )
-from kvledger.registry.state import EventOrderError, RegistryState, take_next
+from kvledger.registry.state import RegistryState, take_next
 
 WorkerKey: TypeAlias = tuple[int, int]
 """(worker_id, dp_rank): what a router routes to."""
@@ -215,7 +215,15 @@ class RouterIndex:
             place = self._place(event.worker_id, event.dp_rank, event.tier)
         bit, where = place
         if isinstance(event, Stored):
-            self._stored(bit, where, event.parent_hash, event.blocks)
+            if event.blocks:
+                seqs = [seq for seq, _ in event.blocks]
+                locals_ = [local for _, local in event.blocks]
+                parent = event.parent_hash
+                # the usual case first: a chain new to everyone
+                if not self._node_of.keys().isdisjoint(seqs) or not self._grow(
+                    bit, where, parent, seqs, locals_
+                ):
+                    self._store(bit, where, parent, seqs, locals_)
         elif isinstance(event, Offloaded | Onboarded):
             self._store_infos(bit, where, event.blocks)
         elif isinstance(event, Removed):
@@ -225,48 +233,6 @@ class RouterIndex:
         else:  # pragma: no cover - the union above is exhaustive
             raise TypeError(f"not an event: {event!r}")
         return True
-
-    def fold_stored(
-        self,
-        worker_id: int,
-        dp_rank: int,
-        tier: Tier,
-        event_id: int,
-        parent_hash: int | None,
-        blocks: Sequence[tuple[int, int]],
-    ) -> None:
-        """``apply`` of a ``Stored`` given by its fields: an emitter in this process can hand
-        them over without building the event (an 8-worker simulation spent ~5% of its time
-        building events only to read these fields back). ``event_id`` must be the worker's
-        next one: such a feed has no repeats."""
-        self._take_next(worker_id, event_id)
-        place = self._places.get((worker_id, dp_rank, tier))
-        bit, where = place if place is not None else self._place(worker_id, dp_rank, tier)
-        self._stored(bit, where, parent_hash, blocks)
-
-    def fold_removed(
-        self,
-        worker_id: int,
-        dp_rank: int,
-        tier: Tier,
-        event_id: int,
-        sequence_hashes: Sequence[int],
-    ) -> None:
-        """``apply`` of a ``Removed`` given by its fields (see ``fold_stored``)."""
-        self._take_next(worker_id, event_id)
-        place = self._places.get((worker_id, dp_rank, tier))
-        bit, where = place if place is not None else self._place(worker_id, dp_rank, tier)
-        self._drop(bit, where, sequence_hashes)
-
-    def _take_next(self, worker_id: int, event_id: int) -> None:
-        """Record ``event_id`` as ``worker_id``'s last; anything but the next id is refused."""
-        last = self.last_event_id.get(worker_id, -1)
-        if event_id != last + 1:
-            raise EventOrderError(
-                f"worker {worker_id}: event {event_id} follows {last}; a folded event must be "
-                "the next one"
-            )
-        self.last_event_id[worker_id] = event_id
 
     def apply_baseline(self, baseline: Baseline) -> None:
         """Take a worker's whole holding on one tier (the shared registry replaced its entries
@@ -305,24 +271,6 @@ class RouterIndex:
         place = self._places[(worker_id, dp_rank, tier)] = (bit, set())
         self._where[bit] = place[1]
         return place
-
-    def _stored(
-        self,
-        bit: int,
-        where: set[_Node],
-        parent: int | None,
-        blocks: Sequence[tuple[int, int]],
-    ) -> None:
-        """Hold a Stored chain of ``(sequence hash, local hash)`` blocks under ``parent``."""
-        if not blocks:
-            return
-        seqs = [seq for seq, _ in blocks]
-        locals_ = [local for _, local in blocks]
-        # the usual case first: a chain new to everyone
-        if not self._node_of.keys().isdisjoint(seqs) or not self._grow(
-            bit, where, parent, seqs, locals_
-        ):
-            self._store(bit, where, parent, seqs, locals_)
 
     def _store_infos(self, bit: int, where: set[_Node], infos: Sequence[BlockInfo]) -> None:
         """Hold blocks that each name their parent, as chains where one is the next's parent."""

@@ -348,9 +348,9 @@ def test_each_worker_logs_its_own_events_and_the_router_index_is_their_fold(
 
 
 def test_without_a_log_the_router_index_folds_the_same_events(tmp_path: Path) -> None:
-    """A worker with no log hands the memory feed its Stored and Removed as fields, not
-    events (``FoldingEmitter``), its copies to G2 as events: the run and the router's index
-    come out as with a log, whose events the feed takes as built."""
+    """The memory feed takes a worker's events as they are emitted, alone or beside the
+    worker's log (``worker_sink``): the run and the router's index come out the same with a
+    log per worker as without one (copies to G2 included)."""
     requests = workload()
     settings = dynamo_settings(g2_blocks=128)
     logged = run_one(

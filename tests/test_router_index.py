@@ -95,28 +95,6 @@ def test_repeats_are_ignored_and_gaps_refused() -> None:
     assert fresh.apply(events[2], strict=False)
 
 
-def test_folding_an_events_fields_is_applying_it() -> None:
-    """``fold_stored`` and ``fold_removed`` (an in-process feed that builds no events) leave
-    the index as ``apply`` of the same events does, and take only the next id."""
-    events = worker_events(5, worker_id=3, ops=60, prompts=prompt_pool(5))
-    applied = RouterIndex.from_events(events)
-    folded = RouterIndex()
-    for e in events:
-        if isinstance(e, Stored):
-            folded.fold_stored(e.worker_id, e.dp_rank, e.tier, e.event_id, e.parent_hash, e.blocks)
-        elif isinstance(e, Removed):
-            folded.fold_removed(e.worker_id, e.dp_rank, e.tier, e.event_id, e.sequence_hashes)
-        else:
-            folded.apply(e)
-    assert folded.holders() == applied.holders() != {}
-    assert folded.last_event_id == applied.last_event_id
-    last = folded.last_event_id[3]
-    with pytest.raises(EventOrderError, match="must be the next one"):
-        folded.fold_removed(3, 0, Tier.G1, last, [1])  # a repeat
-    with pytest.raises(EventOrderError, match="must be the next one"):
-        folded.fold_stored(3, 0, Tier.G1, last + 2, None, [(1, 1)])  # a gap
-
-
 @settings(max_examples=40, deadline=None)
 @given(seed=st.integers(0, 10_000), ops=st.integers(1, 80), workers=st.integers(1, 3))
 def test_index_agrees_with_registry_fold(seed: int, ops: int, workers: int) -> None:

@@ -215,17 +215,13 @@ def run_one(
                 log = logged.event_log
                 logs.append(logged)
                 urls.append(url)
-            emitter: CountingEmitter
-            if isinstance(feed, MemoryFeed) and logged is None:
-                emitter = feed.emitter(wid, clock)  # only the router reads its events
-            else:
-                feed_sink = feed.publisher(wid, log) if feed is not None else None
-                emitter = CountingEmitter(
-                    worker_sink(None if logged is None else logged.sink, feed_sink),
-                    worker_id=wid,
-                    dp_rank=0,
-                    clock=clock,
-                )
+            feed_sink = feed.publisher(wid, log) if feed is not None else None
+            emitter = CountingEmitter(
+                worker_sink(None if logged is None else logged.sink, feed_sink),
+                worker_id=wid,
+                dp_rank=0,
+                clock=clock,
+            )
             cache = SimulatedCache(tiered_pools(settings, emitter))
             if logged is not None:
                 previous = logged.last_event_id

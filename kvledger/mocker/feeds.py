@@ -27,14 +27,11 @@ import math
 import time
 import uuid
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence
-from functools import partial
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from kvledger.events.types import AnyEvent, HashKey, Tier
+from kvledger.events.types import AnyEvent
 from kvledger.mocker.routing import FEEDS
-from kvledger.mocker.stats import CountingEmitter
-from kvledger.registry.emitter import BlockTokens
 from kvledger.registry.index import RouterIndex
 
 if TYPE_CHECKING:
@@ -44,8 +41,6 @@ if TYPE_CHECKING:
     from kvledger.events.shared.zmq_subscribe import ZmqSubscriber
 
 Sink = Callable[[AnyEvent], None]
-Fold = Callable[[], object]
-"""One event's change to the router's index, applied when called."""
 
 
 def worker_sink(log_sink: Sink | None, feed_sink: Sink | None) -> Sink | None:
@@ -77,28 +72,27 @@ class _Holding:
     """Events that reached the router's side and wait until they are due: each is applied
     once simulated time reaches when it happened plus ``delay_ms``. Kept per worker, in the
     order each worker emitted them (the index needs that order, and a worker's events are
-    due in that order too), in batches that fall due together. An event is held as its
-    ``Fold``: the memory feed's workers build none (``FoldingEmitter``)."""
+    due in that order too), in batches that fall due together."""
 
     def __init__(self, index: RouterIndex, delay_ms: float, epoch: Callable[[], float]) -> None:
         self.index = index
         self.delay_ms = delay_ms
         self._epoch = epoch  # Unix seconds at simulated time 0
-        self._held: dict[int, deque[tuple[float, list[Fold]]]] = {}
+        self._held: dict[int, deque[tuple[float, list[AnyEvent]]]] = {}
 
     def take(self, event: AnyEvent) -> None:
         """An event that happened at its ``ts``."""
         if self.delay_ms:
             due = (event.ts - self._epoch()) * 1e3 + self.delay_ms
-            self._queue(event.worker_id).append((due, [partial(self.index.apply, event)]))
+            self._queue(event.worker_id).append((due, [event]))
         else:
             self.index.apply(event)
 
-    def take_at(self, worker_id: int, folds: list[Fold], at_ms: float) -> None:
+    def take_at(self, worker_id: int, events: list[AnyEvent], at_ms: float) -> None:
         """``worker_id``'s events that came out at simulated ``at_ms`` (the list is kept)."""
-        self._queue(worker_id).append((at_ms + self.delay_ms, folds))
+        self._queue(worker_id).append((at_ms + self.delay_ms, events))
 
-    def _queue(self, worker_id: int) -> deque[tuple[float, list[Fold]]]:
+    def _queue(self, worker_id: int) -> deque[tuple[float, list[AnyEvent]]]:
         queue = self._held.get(worker_id)
         if queue is None:
             queue = self._held[worker_id] = deque()
@@ -106,51 +100,11 @@ class _Holding:
 
     def release(self, now_ms: float) -> None:
         """Apply what is due by ``now_ms``."""
+        apply = self.index.apply
         for held in self._held.values():
             while held and held[0][0] <= now_ms:
-                for fold in held.popleft()[1]:
-                    fold()
-
-
-class FoldingEmitter(CountingEmitter):
-    """A worker's emitter whose only reader is the router's index in this process (the
-    memory feed, no log): a ``Stored`` or ``Removed`` goes to ``folds`` as the index's fold
-    of its fields, never built as an event (building them was ~5% of an 8-worker run). The
-    rarer events (copies between tiers, ``Cleared``) are built and go to ``sink``, into the
-    same ``folds``, so the index still takes every event in id order."""
-
-    __slots__ = ("_index", "_folds")
-
-    def __init__(self, index: RouterIndex, folds: list[Fold], sink: Sink, **kwargs: Any) -> None:
-        super().__init__(sink, **kwargs)
-        self._index = index
-        self._folds = folds
-
-    def stored(
-        self,
-        tier: Tier,
-        parent_hash: int | None,
-        blocks: Sequence[tuple[int, int]],
-        token_ids: Sequence[BlockTokens] | None = None,
-        key: HashKey | None = None,
-    ) -> None:
-        self.stored_blocks[tier] += len(blocks)
-        if blocks:
-            eid = self.next_event_id
-            self.next_event_id = eid + 1
-            fold = self._index.fold_stored
-            self._folds.append(
-                partial(fold, self.worker_id, self.dp_rank, tier, eid, parent_hash, tuple(blocks))
-            )
-
-    def removed(self, tier: Tier, sequence_hashes: Iterable[int]) -> None:
-        hashes = tuple(sequence_hashes)
-        self.removed_blocks[tier] += len(hashes)
-        if hashes:
-            eid = self.next_event_id
-            self.next_event_id = eid + 1
-            fold = self._index.fold_removed
-            self._folds.append(partial(fold, self.worker_id, self.dp_rank, tier, eid, hashes))
+                for event in held.popleft()[1]:
+                    apply(event)
 
 
 class MemoryFeed:
@@ -169,28 +123,16 @@ class MemoryFeed:
     ) -> None:
         self.index = index
         self._holding = _Holding(index, delay_ms, epoch)
-        self._in_step: dict[int, list[Fold]] = {}
+        self._in_step: dict[int, list[AnyEvent]] = {}
 
     def publisher(self, worker_id: int, log: EventLog | None) -> Sink:
-        folds = self._in_step.setdefault(worker_id, [])
-        apply = self.index.apply
-
-        def take(event: AnyEvent) -> None:
-            folds.append(partial(apply, event))
-
-        return take
-
-    def emitter(self, worker_id: int, clock: Callable[[], float]) -> FoldingEmitter:
-        """The emitter of a worker with no log, whose events only this feed reads."""
-        folds = self._in_step.setdefault(worker_id, [])
-        sink = self.publisher(worker_id, None)
-        return FoldingEmitter(self.index, folds, sink, worker_id=worker_id, clock=clock)
+        return self._in_step.setdefault(worker_id, []).append
 
     def step_ended(self, worker_id: int, now_ms: float) -> None:
-        folds = self._in_step[worker_id]
-        if folds:
-            self._holding.take_at(worker_id, folds.copy(), now_ms)
-            folds.clear()
+        events = self._in_step[worker_id]
+        if events:
+            self._holding.take_at(worker_id, events.copy(), now_ms)
+            events.clear()
 
     def catch_up(self, now_ms: float) -> None:
         self._holding.release(now_ms)
