@@ -224,7 +224,7 @@ class KvledgerDiskTier(TierJobs, SecondaryTierManager):  # type: ignore[misc]  #
                 f"{tier_type}: the G3 file holds {parts.disk.shape.block_bytes}-byte blocks,"
                 f" vLLM's CPU tier {shape.block_bytes}-byte chunks"
             )
-        self.parts = parts
+        self.parts: DiskTierParts = parts
         self.worker = parts.worker
         self.disk = parts.disk
         self.pool = parts.pool
@@ -242,7 +242,6 @@ class KvledgerDiskTier(TierJobs, SecondaryTierManager):  # type: ignore[misc]  #
         }
         self._chunk_tokens: dict[int, int] = chunk_tokens
         self._observer = self._on_event
-        self._owns_parts = parts.owned
         self._attach()
 
     def _close_parts(self) -> None:

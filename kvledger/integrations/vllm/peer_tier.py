@@ -210,7 +210,7 @@ class KvledgerPeerTier(TierJobs, SecondaryTierManager):  # type: ignore[misc]  #
                 f"{tier_type}: the exported pool holds {parts.g2.shape.block_bytes}-byte"
                 f" blocks, vLLM's CPU tier {shape.block_bytes}-byte chunks"
             )
-        self.parts = parts
+        self.parts: PeerTierParts = parts
         self.worker = parts.worker
         self.pool = parts.pool
         self.fetcher = parts.fetcher
@@ -226,7 +226,6 @@ class KvledgerPeerTier(TierJobs, SecondaryTierManager):  # type: ignore[misc]  #
         self._failed: dict[int, float] = {}
         self._failed_for_s = lease_s
         self._observer = parts.exporter
-        self._owns_parts = parts.owned
         self._attach()
 
     def _close_parts(self) -> None:

@@ -206,6 +206,13 @@ class Job(Protocol):
     future: Future[Any] | None
 
 
+class TierParts(Protocol):
+    """What ``TierJobs`` reads of the parts a tier runs on (its file or its NIXL side)."""
+
+    owned: bool
+    """True where the tier built them, and closes them (and gives the worker back) when done."""
+
+
 class TierJobs:
     """What kvledger's two tiers under vLLM's tiering layer (``KvledgerDiskTier``,
     ``KvledgerPeerTier``) do alike as vLLM's ``SecondaryTierManager``: their jobs run on the
@@ -213,17 +220,17 @@ class TierJobs:
     worker's events on, and a shutdown finishes every job, stops observing the pool and gives
     the worker back (closing the tier's parts where the tier built them).
 
-    A tier sets ``worker``, ``pool``, ``_io``, ``_jobs``, ``_observer`` (what it attaches to
-    the worker for its pool's events) and ``_owns_parts``, then calls ``_attach``; it defines
+    A tier sets ``worker``, ``pool``, ``parts``, ``_io``, ``_jobs`` and ``_observer`` (what it
+    attaches to the worker for its pool's events), then calls ``_attach``; it defines
     ``_finish`` (a done job as vLLM's result) and ``_close_parts``.
     """
 
     worker: TierWorker
     pool: BlockPool
+    parts: TierParts
     _io: ThreadPoolExecutor
     _jobs: dict[int, Any]
     _observer: Observer
-    _owns_parts: bool
 
     def _finish(self, job: Any) -> Any:
         raise NotImplementedError
@@ -237,7 +244,7 @@ class TierJobs:
             self.worker.attach(self.pool, self._observer)
         except BaseException:
             self._io.shutdown()
-            if self._owns_parts:
+            if self.parts.owned:
                 self._close_parts()
                 release(self.worker)
             raise
@@ -275,6 +282,6 @@ class TierJobs:
         self._io.shutdown(wait=True)
         self.worker.detach(self.pool, self._observer)
         self.worker.step()
-        if self._owns_parts:
+        if self.parts.owned:
             self._close_parts()
             release(self.worker)
