@@ -14,6 +14,7 @@ import socket
 import subprocess
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +58,15 @@ def redis_or_skip(url: str = REDIS_URL, **kwargs: Any) -> redis.Redis:
     except redis.ConnectionError:
         pytest.skip(f"no Redis at {url} (run .ci/services)")
     return client
+
+
+def wait_until(condition: Callable[[], bool], what: str, timeout: float = 20.0) -> None:
+    """Poll ``condition()`` until true; a generous bound, never a timing assertion."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:g} s: {what}")
+        time.sleep(0.05)
 
 
 def free_port() -> int:

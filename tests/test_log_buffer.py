@@ -9,12 +9,12 @@ import subprocess
 import sys
 import textwrap
 import threading
-import time
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from services import wait_until
 
 from kvledger.events.log import AppendBuffer, EventLog, EventLogError
 from kvledger.events.log.replay import replay
@@ -56,14 +56,6 @@ def events(n: int, worker: int = 0, start: int = 0) -> list[LogRecord]:
 def logged(log: EventLog) -> list[AnyEvent]:
     log.flush()
     return list(log.read())
-
-
-def wait_until(condition: Callable[[], bool], what: str, timeout: float = 20.0) -> None:
-    """Poll ``condition()`` until true; a generous bound, never a timing assertion."""
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.01)
 
 
 def test_events_go_to_the_log_in_batches_and_in_order(log_url: str) -> None:

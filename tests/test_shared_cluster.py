@@ -12,7 +12,6 @@ import json
 import signal
 import subprocess
 import sys
-import time
 import uuid
 from collections.abc import Callable, Iterator
 from functools import partial
@@ -26,7 +25,7 @@ import redis_cluster
 from event_streams import prompt_pool, worker_events
 from redis.crc import key_slot
 from redis_cluster import LocalCluster
-from services import REDIS_URL
+from services import REDIS_URL, wait_until
 from stream_router import stream_router
 from worker_kills import kill_rounds, worker_command
 
@@ -88,14 +87,6 @@ def _spawn(
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
 
 
-def _wait(condition: Callable[[], bool], timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.05)
-
-
 def _done(proc: subprocess.Popen[str]) -> dict[str, object]:
     assert proc.stdout is not None
     line = proc.stdout.readline()
@@ -120,13 +111,13 @@ def _run_workers(
     logs = {w: tmp_path / f"w{w}.db" for w in WORKERS}
     for w in WORKERS:
         procs[w] = _spawn(cluster.url, namespace, w, logs[w], requests=requests)
-    _wait(lambda: all(reg.applied_event_id(w) >= 40 for w in WORKERS), 60, "first events")
+    wait_until(lambda: all(reg.applied_event_id(w) >= 40 for w in WORKERS), "first events", 60)
     mid_run(reg)
     after = {w: reg.applied_event_id(w) for w in WORKERS}
     reports = {w: _done(procs[w]) for w in WORKERS}
     last = {w: int(str(reports[w]["last_event_id"])) for w in WORKERS}
     # A fail-over may lose writes the old master had confirmed; heartbeats find and re-send them
-    _wait(lambda: all(reg.applied_event_id(w) == last[w] for w in WORKERS), 30, "re-sync")
+    wait_until(lambda: all(reg.applied_event_id(w) == last[w] for w in WORKERS), "re-sync", 30)
     events: list[AnyEvent] = []
     for path in logs.values():
         with EventLog(str(path), read_only=True) as log:
@@ -289,10 +280,10 @@ def test_a_master_killed_mid_run_fails_over_and_workers_resync(
         replica = own_cluster.replica_of(dead)
         before = {w: reg.applied_event_id(w) for w in WORKERS}
         own_cluster.cut_replica(replica)
-        _wait(
+        wait_until(
             lambda: all(reg.applied_event_id(w) > before[w] + 20 for w in WORKERS),
-            30,
             "writes the replica misses",
+            30,
         )
         own_cluster.kill_9(dead)
         assert own_cluster.wait_promoted(dead, slot) == replica

@@ -7,14 +7,13 @@ import os
 import signal
 import subprocess
 import sys
-import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, cast
 
 import pytest
-from services import redis_or_skip
+from services import redis_or_skip, wait_until
 
 from kvledger.events.log import EventLog
 from kvledger.events.shared.registry import SharedRegistry
@@ -47,14 +46,6 @@ def _spawn(
         "--linger", *extra,
     ]  # fmt: skip
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
-
-
-def _wait(condition: Callable[[], bool], timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.05)
 
 
 def _done_line(proc: subprocess.Popen[str]) -> dict[str, Any]:
@@ -92,7 +83,7 @@ def test_three_workers_equal_their_logs_even_across_a_flush(
     logs = {w: tmp_path / f"w{w}.db" for w in WORKERS}
     for w in WORKERS:
         procs[w] = _spawn(reg, FLUSH_DB, w, logs[w], "--requests", "500", "--interval", "0.004")
-    _wait(lambda: all(reg.applied_event_id(w) >= 40 for w in WORKERS), 30, "first events")
+    wait_until(lambda: all(reg.applied_event_id(w) >= 40 for w in WORKERS), "first events", 30)
     reg.client.flushdb()  # Redis loses everything mid-run
     reports = {w: _done_line(procs[w]) for w in WORKERS}
     assert all(r["caught_up"] > 0 for r in reports.values()), reports  # re-sent from their logs
@@ -127,7 +118,7 @@ def test_kill_9_worker_vanishes_after_its_lease(
         os.kill(procs[2].pid, signal.SIGKILL)
         procs[2].wait()
         # the survivors' heartbeats sweep expired leases
-        _wait(lambda: 2 not in reg.workers(), 10, "worker 2's lease to lapse")
+        wait_until(lambda: 2 not in reg.workers(), "worker 2's lease to lapse", 10)
         survivors = {w: logs[w] for w in (1, 3)}
         assert reg.snapshot() == holders_from_state(_replayed(survivors))
         assert all(2 not in holders for holders in reg.snapshot().values())

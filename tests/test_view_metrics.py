@@ -13,12 +13,11 @@ import shutil
 import signal
 import time
 import uuid
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 from event_streams import prompt_pool, worker_events
-from services import free_port, start_redis
+from services import free_port, start_redis, wait_until
 
 from kvledger.builder import open_worker
 from kvledger.config import Settings
@@ -29,13 +28,6 @@ pytestmark = [
     pytest.mark.skipif(shutil.which("redis-server") is None, reason="needs redis-server"),
 ]
 WORKER = 3
-
-
-def _until(check: Callable[[], bool], what: str, timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.05)
 
 
 @pytest.mark.parametrize("zmq_process", [True, False], ids=["zmq-child", "zmq-thread"])
@@ -64,19 +56,19 @@ def test_the_gauges_count_what_each_view_lacks_of_the_log(
         events = worker_events(1, WORKER, 300, prompt_pool(1))
         worker.event_log.append_many(events[:100])
         worker.event_log.flush()
-        _until(lambda: behind("redis") == 0 and behind("zmq") == 0, "the views caught up")
+        wait_until(lambda: behind("redis") == 0 and behind("zmq") == 0, "the views caught up")
         assert worker.publisher.applied_id == events[99].event_id
 
         os.kill(server.pid, signal.SIGSTOP)  # Redis stalls: the registry falls behind
         try:
             worker.event_log.append_many(events[100:])
             worker.event_log.flush()
-            _until(lambda: behind("zmq") == 0, "the ZMQ stream kept up")
+            wait_until(lambda: behind("zmq") == 0, "the ZMQ stream kept up")
             time.sleep(0.5)  # the registry gets none of it meanwhile
             assert behind("redis") == len(events) - 100
         finally:
             os.kill(server.pid, signal.SIGCONT)
-        _until(lambda: behind("redis") == 0, "the registry caught up once Redis ran again")
+        wait_until(lambda: behind("redis") == 0, "the registry caught up once Redis ran again")
         assert worker.publisher.applied_id == events[-1].event_id
     finally:
         worker.close(drain_timeout=5)
