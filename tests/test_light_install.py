@@ -45,12 +45,12 @@ def light(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     root = tmp_path_factory.mktemp("light-install")
     source = root / "source"
     source.mkdir()
-    for name in ("pyproject.toml", "README.md"):
+    for name in ("pyproject.toml", "setup.py", "README.md"):
         shutil.copy2(ROOT / name, source / name)
     setup = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
     for folder in sorted(set(setup["package-dir"].values())):
         shutil.copytree(
-            ROOT / folder, source / folder, ignore=shutil.ignore_patterns("__pycache__")
+            ROOT / folder, source / folder, ignore=shutil.ignore_patterns("__pycache__", "*.so")
         )
     venv = root / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
@@ -97,6 +97,12 @@ def test_the_light_install_has_no_torch(light: Path, tmp_path: Path) -> None:
         cwd=tmp_path,
     )
     assert imported.stdout.strip() == "[]"
+    # pip built the compiled encoders (events/_speedups.c) from the source, as a user's does
+    compiled = _run(
+        light, "python", "-c", "from kvledger.events import codec; print(len(codec.COMPILED))",
+        cwd=tmp_path,
+    )  # fmt: skip
+    assert compiled.stdout.strip() == "4"
 
 
 def test_what_holds_bytes_says_which_extra_to_install(light: Path, tmp_path: Path) -> None:

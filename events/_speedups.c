@@ -1,0 +1,450 @@
+/* The log's hot encoders, compiled: ``stored``, ``removed``, ``offloaded`` and ``onboarded``
+ * return the same version-3 record, byte for byte, as ``codec``'s Python encoders.
+ *
+ * Why: every event an engine hands its log is encoded on the engine's thread. A stored event
+ * of twenty blocks costs the Python encoder about 6 us, most of it converting the hash words
+ * to C integers one call argument at a time (struct.pack with forty-odd arguments) and
+ * flattening the block pairs first. Here the same work is a loop over the tuples.
+ *
+ * Only the plain case is handled: exact ints in range, a float ts, tuples or lists of blocks.
+ * For anything else (a bool for an id, a negative id, an out-of-range word, a malformed block
+ * or token list) these return None and ``codec`` runs the Python encoder, which raises the
+ * error it always raised. So the checks and their messages live in one place, and a record
+ * this module writes is one the Python encoder would have written.
+ *
+ * The layout is ``codec``'s docstring's: a fixed 40-byte header, the body, the checksum tag
+ * 0xce and zlib's CRC-32 of everything before it, little-endian.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <string.h>
+#include <zlib.h>
+
+#define NIL 0xC0
+#define UINT64 0xCF
+#define INT64 0xD3
+#define FLOAT64 0xCB
+#define BIN32 0xC6
+#define CHECK_TAG 0xCE
+#define VERSION 3
+#define HEADER_BYTES 40
+#define STORED_ARRAY (0x90 + 7 + 3 + 1)
+#define REMOVED_ARRAY (0x90 + 7 + 1 + 1)
+#define COPIED_ARRAY (0x90 + 7 + 3 + 1)
+
+static PyObject *s_worker_id, *s_event_id, *s_dp_rank, *s_tier, *s_ts;
+static PyObject *s_parent_hash, *s_blocks, *s_token_ids, *s_sequence_hashes, *s_src_tier;
+
+static inline unsigned char *put_u64(unsigned char *p, uint64_t v) {
+    for (int i = 7; i >= 0; i--) {
+        p[i] = (unsigned char)(v & 0xFF);
+        v >>= 8;
+    }
+    return p + 8;
+}
+
+static inline unsigned char *put_u32(unsigned char *p, uint32_t v) {
+    p[0] = (unsigned char)(v >> 24);
+    p[1] = (unsigned char)(v >> 16);
+    p[2] = (unsigned char)(v >> 8);
+    p[3] = (unsigned char)v;
+    return p + 4;
+}
+
+/* An exact int in 0..2**64-1; 0 when ``obj`` is anything else (no exception set).
+ * Range by sign and bit length, then the masked conversion: PyLong_AsUnsignedLongLong goes
+ * through a generic byte-array conversion on 3.11, three times slower for a hash word. */
+static inline int as_u64(PyObject *obj, uint64_t *out) {
+    if (!PyLong_CheckExact(obj) || _PyLong_Sign(obj) < 0 || _PyLong_NumBits(obj) > 64) return 0;
+    *out = (uint64_t)PyLong_AsUnsignedLongLongMask(obj);
+    return 1;
+}
+
+/* An exact int in the int64 range; 0 otherwise. */
+static inline int as_i64(PyObject *obj, int64_t *out) {
+    if (!PyLong_CheckExact(obj)) return 0;
+    int overflow = 0;
+    long long v = PyLong_AsLongLongAndOverflow(obj, &overflow);
+    if (overflow || (v == -1 && PyErr_Occurred())) {
+        PyErr_Clear();
+        return 0;
+    }
+    *out = (int64_t)v;
+    return 1;
+}
+
+typedef struct {
+    PyObject *values[5]; /* worker_id, event_id, dp_rank, tier, ts: new references */
+    int64_t worker_id;
+    uint64_t event_id;
+    int64_t dp_rank;
+    unsigned char tier;
+    double ts;
+} Head;
+
+static void release_head(Head *head) {
+    for (int i = 0; i < 5; i++) Py_CLEAR(head->values[i]);
+}
+
+/* 1: the header's fields read; 0: not the plain case; -1: an exception (attribute missing).
+ * The caller releases the head whatever this returns. */
+static int read_head(PyObject *event, Head *head) {
+    PyObject *names[5] = {s_worker_id, s_event_id, s_dp_rank, s_tier, s_ts};
+    PyObject **values = head->values;
+    for (int i = 0; i < 5; i++) values[i] = NULL;
+    for (int i = 0; i < 5; i++) {
+        values[i] = PyObject_GetAttr(event, names[i]);
+        if (values[i] == NULL) return -1;
+    }
+    if (!as_i64(values[0], &head->worker_id)) return 0;
+    if (!as_u64(values[1], &head->event_id)) return 0;
+    if (!as_i64(values[2], &head->dp_rank)) return 0;
+    /* a Tier (an int subclass) or a plain int naming one, as ``tier in _TIERS`` accepts */
+    if (!PyLong_Check(values[3])) return 0;
+    long tier = PyLong_AsLong(values[3]);
+    if (tier < 1 || tier > 4) {
+        PyErr_Clear();
+        return 0;
+    }
+    head->tier = (unsigned char)tier;
+    if (!PyFloat_CheckExact(values[4])) return 0;
+    head->ts = PyFloat_AS_DOUBLE(values[4]);
+    return 1;
+}
+
+static unsigned char *put_head(unsigned char *p, unsigned char array, unsigned char kind,
+                               const Head *head) {
+    uint64_t ts_bits;
+    memcpy(&ts_bits, &head->ts, sizeof ts_bits);
+    *p++ = array;
+    *p++ = VERSION;
+    *p++ = kind;
+    *p++ = INT64;
+    p = put_u64(p, (uint64_t)head->worker_id);
+    *p++ = UINT64;
+    p = put_u64(p, head->event_id);
+    *p++ = INT64;
+    p = put_u64(p, (uint64_t)head->dp_rank);
+    *p++ = head->tier;
+    *p++ = FLOAT64;
+    return put_u64(p, ts_bits);
+}
+
+/* The checksum field at ``p``: its tag, then the CRC-32 of the record from ``start`` up to
+ * and including that tag (the CRC-32 of a whole record is then codec.CHECK_RESIDUE). */
+static void put_check(unsigned char *start, unsigned char *p) {
+    *p++ = CHECK_TAG;
+    uLong crc = crc32(0L, start, (uInt)(p - start));
+    p[0] = (unsigned char)crc;
+    p[1] = (unsigned char)(crc >> 8);
+    p[2] = (unsigned char)(crc >> 16);
+    p[3] = (unsigned char)(crc >> 24);
+}
+
+/* The record as bytes, or None (its reference returned) when the Python encoder is to run. */
+static PyObject *fallback(PyObject *record) {
+    Py_XDECREF(record);
+    Py_RETURN_NONE;
+}
+
+static int is_sequence(PyObject *obj) { return PyTuple_CheckExact(obj) || PyList_CheckExact(obj); }
+
+/* Each kind's record after its header is read: bytes, None (a new reference) where the Python
+ * encoder is to run, or NULL with an exception. */
+typedef PyObject *(*RecordWriter)(PyObject *event, const Head *head);
+
+static PyObject *stored_record(PyObject *event, const Head *head) {
+
+    PyObject *parent = PyObject_GetAttr(event, s_parent_hash);
+    PyObject *blocks = PyObject_GetAttr(event, s_blocks);
+    PyObject *tokens = PyObject_GetAttr(event, s_token_ids);
+    PyObject *record = NULL, *result = NULL;
+    if (parent == NULL || blocks == NULL || tokens == NULL) goto done;
+
+    uint64_t parent_hash = 0;
+    int has_parent = parent != Py_None;
+    if (has_parent && !as_u64(parent, &parent_hash)) goto slow;
+    if (!is_sequence(blocks)) goto slow;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(blocks);
+    if (n == 0 || n > 0x0FFFFFFF) goto slow;
+
+    /* token ids: None, or n tuples of u32; their bin holds a count per block, then the ids */
+    Py_ssize_t token_words = 0;
+    int has_tokens = tokens != Py_None;
+    if (has_tokens) {
+        if (!PyTuple_CheckExact(tokens) || PyTuple_GET_SIZE(tokens) != n) goto slow;
+        token_words = n;
+        for (Py_ssize_t i = 0; i < n; i++) {
+            PyObject *ids = PyTuple_GET_ITEM(tokens, i);
+            if (!PyTuple_CheckExact(ids)) goto slow;
+            token_words += PyTuple_GET_SIZE(ids);
+        }
+        if (token_words > 0x3FFFFFFF) goto slow; /* the bin's u32 length */
+    }
+
+    Py_ssize_t size = HEADER_BYTES + (has_parent ? 9 : 1) + 5 + 16 * n +
+                      (has_tokens ? 5 + 4 * token_words : 1) + 5;
+    record = PyBytes_FromStringAndSize(NULL, size);
+    if (record == NULL) goto done;
+    unsigned char *start = (unsigned char *)PyBytes_AS_STRING(record);
+    unsigned char *p = put_head(start, STORED_ARRAY, 1, head);
+    if (has_parent) {
+        *p++ = UINT64;
+        p = put_u64(p, parent_hash);
+    } else {
+        *p++ = NIL;
+    }
+    *p++ = BIN32;
+    p = put_u32(p, (uint32_t)(16 * n));
+    PyObject **items = PySequence_Fast_ITEMS(blocks);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *block = items[i];
+        if (!is_sequence(block) || PySequence_Fast_GET_SIZE(block) != 2) goto slow;
+        PyObject **pair = PySequence_Fast_ITEMS(block);
+        uint64_t seq, local;
+        if (!as_u64(pair[0], &seq) || !as_u64(pair[1], &local)) goto slow;
+        p = put_u64(p, seq);
+        p = put_u64(p, local);
+    }
+    if (has_tokens) {
+        *p++ = BIN32;
+        p = put_u32(p, (uint32_t)(4 * token_words));
+        for (Py_ssize_t i = 0; i < n; i++)
+            p = put_u32(p, (uint32_t)PyTuple_GET_SIZE(PyTuple_GET_ITEM(tokens, i)));
+        for (Py_ssize_t i = 0; i < n; i++) {
+            PyObject *ids = PyTuple_GET_ITEM(tokens, i);
+            Py_ssize_t m = PyTuple_GET_SIZE(ids);
+            for (Py_ssize_t j = 0; j < m; j++) {
+                uint64_t id;
+                if (!as_u64(PyTuple_GET_ITEM(ids, j), &id) || id > 0xFFFFFFFFu) goto slow;
+                p = put_u32(p, (uint32_t)id);
+            }
+        }
+    } else {
+        *p++ = NIL;
+    }
+    put_check(start, p);
+    result = record;
+    record = NULL;
+    goto done;
+slow:
+    result = fallback(record);
+    record = NULL;
+done:
+    Py_XDECREF(record);
+    Py_XDECREF(parent);
+    Py_XDECREF(blocks);
+    Py_XDECREF(tokens);
+    return result;
+}
+
+static PyObject *removed_record(PyObject *event, const Head *head) {
+
+    PyObject *hashes = PyObject_GetAttr(event, s_sequence_hashes);
+    if (hashes == NULL) return NULL;
+    PyObject *record = NULL, *result = NULL;
+    if (!is_sequence(hashes)) goto slow;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(hashes);
+    if (n == 0 || n > 0x1FFFFFFF) goto slow;
+    record = PyBytes_FromStringAndSize(NULL, HEADER_BYTES + 5 + 8 * n + 5);
+    if (record == NULL) goto done;
+    unsigned char *start = (unsigned char *)PyBytes_AS_STRING(record);
+    unsigned char *p = put_head(start, REMOVED_ARRAY, 2, head);
+    *p++ = BIN32;
+    p = put_u32(p, (uint32_t)(8 * n));
+    PyObject **items = PySequence_Fast_ITEMS(hashes);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        uint64_t word;
+        if (!as_u64(items[i], &word)) goto slow;
+        p = put_u64(p, word);
+    }
+    put_check(start, p);
+    result = record;
+    record = NULL;
+    goto done;
+slow:
+    result = fallback(record);
+    record = NULL;
+done:
+    Py_XDECREF(record);
+    Py_DECREF(hashes);
+    return result;
+}
+
+/* An offloaded (kind 3) or onboarded (kind 4) event: the source tier, then a bin of
+ * (seq, local, parent) words, then nil, or where some block has no parent a bin of one root
+ * flag a block (its parent word is then 0). */
+static PyObject *copied_record(PyObject *event, const Head *head, unsigned char kind) {
+
+    PyObject *src = PyObject_GetAttr(event, s_src_tier);
+    PyObject *blocks = PyObject_GetAttr(event, s_blocks);
+    PyObject *record = NULL, *result = NULL;
+    if (src == NULL || blocks == NULL) goto done;
+    if (!PyLong_Check(src)) goto slow;
+    long src_tier = PyLong_AsLong(src);
+    if (src_tier < 1 || src_tier > 4 || src_tier == head->tier) {
+        PyErr_Clear();
+        goto slow;
+    }
+    if (!is_sequence(blocks)) goto slow;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(blocks);
+    if (n == 0 || n > 0x0AAAAAAA) goto slow;
+    PyObject **items = PySequence_Fast_ITEMS(blocks);
+    int has_roots = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *block = items[i]; /* a BlockInfo: a tuple of three */
+        if (!PyTuple_Check(block) || PyTuple_GET_SIZE(block) != 3) goto slow;
+        if (PyTuple_GET_ITEM(block, 2) == Py_None) has_roots = 1;
+    }
+    Py_ssize_t size = HEADER_BYTES + 1 + 5 + 24 * n + (has_roots ? 5 + n : 1) + 5;
+    record = PyBytes_FromStringAndSize(NULL, size);
+    if (record == NULL) goto done;
+    unsigned char *start = (unsigned char *)PyBytes_AS_STRING(record);
+    unsigned char *p = put_head(start, COPIED_ARRAY, kind, head);
+    *p++ = (unsigned char)src_tier;
+    *p++ = BIN32;
+    p = put_u32(p, (uint32_t)(24 * n));
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *block = items[i];
+        PyObject *parent = PyTuple_GET_ITEM(block, 2);
+        uint64_t seq, local, parent_hash = 0;
+        if (!as_u64(PyTuple_GET_ITEM(block, 0), &seq) ||
+            !as_u64(PyTuple_GET_ITEM(block, 1), &local) ||
+            (parent != Py_None && !as_u64(parent, &parent_hash)))
+            goto slow;
+        p = put_u64(p, seq);
+        p = put_u64(p, local);
+        p = put_u64(p, parent_hash);
+    }
+    if (has_roots) {
+        *p++ = BIN32;
+        p = put_u32(p, (uint32_t)n);
+        for (Py_ssize_t i = 0; i < n; i++) *p++ = PyTuple_GET_ITEM(items[i], 2) == Py_None;
+    } else {
+        *p++ = NIL;
+    }
+    put_check(start, p);
+    result = record;
+    record = NULL;
+    goto done;
+slow:
+    result = fallback(record);
+    record = NULL;
+done:
+    Py_XDECREF(record);
+    Py_XDECREF(src);
+    Py_XDECREF(blocks);
+    return result;
+}
+
+static PyObject *offloaded_record(PyObject *event, const Head *head) {
+    return copied_record(event, head, 3);
+}
+
+static PyObject *onboarded_record(PyObject *event, const Head *head) {
+    return copied_record(event, head, 4);
+}
+
+/* An event's record: bytes, or None where the Python encoder is to run. */
+static PyObject *record_of(PyObject *event, RecordWriter write) {
+    Head head;
+    int ok = read_head(event, &head);
+    PyObject *record = ok < 0 ? NULL : ok == 0 ? Py_NewRef(Py_None) : write(event, &head);
+    release_head(&head);
+    return record;
+}
+
+/* An event's log row, (worker, event_id, kind, tier, ts, payload) as ``rows.to_row`` makes
+ * it, or None where the Python encoder is to run. */
+static PyObject *row_of(PyObject *event, RecordWriter write, PyObject *kind) {
+    Head head;
+    int ok = read_head(event, &head);
+    PyObject *record = ok < 0 ? NULL : ok == 0 ? Py_NewRef(Py_None) : write(event, &head);
+    PyObject *row = record;
+    if (record != NULL && record != Py_None) {
+        PyObject *tier = PyLong_FromLong(head.tier);
+        row = tier == NULL ? NULL
+                           : PyTuple_Pack(6, head.values[0], head.values[1], kind, tier,
+                                          head.values[4], record);
+        Py_XDECREF(tier);
+        Py_DECREF(record);
+    }
+    release_head(&head);
+    return row;
+}
+
+static PyObject *s_stored, *s_removed, *s_offloaded, *s_onboarded; /* the kind column's values */
+
+static PyObject *stored(PyObject *Py_UNUSED(module), PyObject *event) {
+    return record_of(event, stored_record);
+}
+
+static PyObject *stored_row(PyObject *Py_UNUSED(module), PyObject *event) {
+    return row_of(event, stored_record, s_stored);
+}
+
+static PyObject *removed(PyObject *Py_UNUSED(module), PyObject *event) {
+    return record_of(event, removed_record);
+}
+
+static PyObject *removed_row(PyObject *Py_UNUSED(module), PyObject *event) {
+    return row_of(event, removed_record, s_removed);
+}
+
+static PyObject *offloaded(PyObject *Py_UNUSED(module), PyObject *event) {
+    return record_of(event, offloaded_record);
+}
+
+static PyObject *offloaded_row(PyObject *Py_UNUSED(module), PyObject *event) {
+    return row_of(event, offloaded_record, s_offloaded);
+}
+
+static PyObject *onboarded(PyObject *Py_UNUSED(module), PyObject *event) {
+    return record_of(event, onboarded_record);
+}
+
+static PyObject *onboarded_row(PyObject *Py_UNUSED(module), PyObject *event) {
+    return row_of(event, onboarded_record, s_onboarded);
+}
+
+#define RECORD_DOC(kind) "A " kind " event's version-3 record, or None where the Python encoder must run."
+#define ROW_DOC(kind) "A " kind " event's log row, or None where the Python encoder must run."
+static PyMethodDef methods[] = {
+    {"stored", stored, METH_O, RECORD_DOC("Stored")},
+    {"removed", removed, METH_O, RECORD_DOC("Removed")},
+    {"offloaded", offloaded, METH_O, RECORD_DOC("Offloaded")},
+    {"onboarded", onboarded, METH_O, RECORD_DOC("Onboarded")},
+    {"stored_row", stored_row, METH_O, ROW_DOC("Stored")},
+    {"removed_row", removed_row, METH_O, ROW_DOC("Removed")},
+    {"offloaded_row", offloaded_row, METH_O, ROW_DOC("Offloaded")},
+    {"onboarded_row", onboarded_row, METH_O, ROW_DOC("Onboarded")},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "kvledger.events._speedups",
+    "Compiled encoders of the log's hot record kinds (see codec).", -1, methods,
+    NULL, NULL, NULL, NULL,
+};
+
+PyMODINIT_FUNC PyInit__speedups(void) {
+#define INTERN(var, text) \
+    if ((var = PyUnicode_InternFromString(text)) == NULL) return NULL
+    INTERN(s_worker_id, "worker_id");
+    INTERN(s_event_id, "event_id");
+    INTERN(s_dp_rank, "dp_rank");
+    INTERN(s_tier, "tier");
+    INTERN(s_ts, "ts");
+    INTERN(s_parent_hash, "parent_hash");
+    INTERN(s_blocks, "blocks");
+    INTERN(s_token_ids, "token_ids");
+    INTERN(s_sequence_hashes, "sequence_hashes");
+    INTERN(s_src_tier, "src_tier");
+    INTERN(s_stored, "stored");
+    INTERN(s_removed, "removed");
+    INTERN(s_offloaded, "offloaded");
+    INTERN(s_onboarded, "onboarded");
+#undef INTERN
+    return PyModule_Create(&module);
+}

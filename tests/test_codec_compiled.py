@@ -1,0 +1,220 @@
+"""The compiled encoders (events/_speedups.c) against the Python ones (codec.py): the same
+record, byte for byte, and the same log row, for every event; and for whatever is not the
+plain case, no answer of their own, so the Python encoder's record or error stands."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from test_event_codec import G1, TIERS, U64, events
+
+from kvledger.events import _speedups, codec
+from kvledger.events.codec import CodecError
+from kvledger.events.log import rows
+from kvledger.events.types import (
+    AnyEvent,
+    BlockInfo,
+    Offloaded,
+    Onboarded,
+    Removed,
+    Stored,
+    Tier,
+)
+
+PYTHON_ENCODERS: dict[type[AnyEvent], Callable[[Any], bytes]] = {
+    Stored: codec._stored,
+    Removed: codec._removed,
+    Offloaded: codec._with_crc(codec._copied),
+    Onboarded: codec._with_crc(codec._copied),
+}
+RECORDS: dict[type[AnyEvent], Callable[[Any], bytes | None]] = {
+    Stored: _speedups.stored,
+    Removed: _speedups.removed,
+    Offloaded: _speedups.offloaded,
+    Onboarded: _speedups.onboarded,
+}
+ROWS: dict[type[AnyEvent], Callable[[Any], tuple[Any, ...] | None]] = {
+    Stored: _speedups.stored_row,
+    Removed: _speedups.removed_row,
+    Offloaded: _speedups.offloaded_row,
+    Onboarded: _speedups.onboarded_row,
+}
+
+
+def python_row(event: AnyEvent) -> tuple[Any, ...]:
+    """``rows.to_row`` as the Python encoders make it."""
+    tier = int(event.tier)
+    payload = PYTHON_ENCODERS[type(event)](event)
+    return (event.worker_id, event.event_id, codec.KIND_NAMES[type(event)], tier, event.ts, payload)
+
+
+def test_this_install_built_them() -> None:
+    """The build is optional (an install without a compiler goes on without it), so a broken
+    build would pass unnoticed but for this: the suite's install has a compiler."""
+    assert set(codec.COMPILED) == set(codec.COMPILED_ROWS) == set(RECORDS)
+    assert codec.ENCODERS[Stored] is not codec._stored
+
+
+# the full ranges the record's fields hold, where test_event_codec's events stay small
+WIDE: st.SearchStrategy[dict[str, Any]] = st.fixed_dictionaries(
+    {
+        "event_id": st.integers(0, 2**64 - 1),
+        "worker_id": st.integers(-(2**63), 2**63 - 1),
+        "dp_rank": st.integers(-(2**63), 2**63 - 1),
+        "tier": TIERS,
+        "ts": st.floats(),
+    }
+)
+
+
+@st.composite
+def wide_events(draw: st.DrawFn) -> AnyEvent:
+    base = draw(WIDE)
+    kind = draw(st.sampled_from([Stored, Removed, Offloaded]))
+    if kind is Stored:
+        blocks = draw(st.lists(st.tuples(U64, U64), min_size=1, max_size=40))
+        tokens = draw(
+            st.none()
+            | st.lists(
+                st.lists(st.integers(0, 2**32 - 1), max_size=20).map(tuple),
+                min_size=len(blocks),
+                max_size=len(blocks),
+            ).map(tuple)
+        )
+        seq = draw(st.sampled_from([tuple, list]))  # a list of pairs packs the same
+        return Stored(
+            **base,
+            parent_hash=draw(st.none() | U64),
+            blocks=seq(blocks),
+            token_ids=tokens,
+        )
+    if kind is Removed:
+        return Removed(**base, sequence_hashes=tuple(draw(st.lists(U64, min_size=1, max_size=40))))
+    src = draw(TIERS.filter(lambda t: t != base["tier"]))
+    infos = draw(st.lists(st.builds(BlockInfo, U64, U64, st.none() | U64), min_size=1, max_size=40))
+    cls = Offloaded if src < base["tier"] else Onboarded
+    return cls(**base, src_tier=src, blocks=tuple(infos))
+
+
+@given(events() | wide_events())
+def test_same_record_and_row_as_the_python_encoders(event: AnyEvent) -> None:
+    kind = type(event)
+    if kind not in RECORDS:  # a clear: Python only
+        assert kind not in codec.COMPILED
+        return
+    record = PYTHON_ENCODERS[kind](event)
+    assert RECORDS[kind](event) == record
+    assert codec.encode(event) == record
+    assert ROWS[kind](event) == python_row(event)
+    assert rows.to_row(event) == python_row(event)
+
+
+BAD_HEADS: list[dict[str, Any]] = [
+    {"event_id": -1},
+    {"event_id": 2**64},
+    {"event_id": True},
+    {"worker_id": 2**63},
+    {"worker_id": -(2**63) - 1},
+    {"worker_id": True},
+    {"dp_rank": 1.0},
+    {"tier": 0},
+    {"tier": 5},
+    {"tier": 1.0},
+    {"ts": "x"},
+    {"ts": 3},  # an int ts packs (as a float): the Python encoder's case
+]
+ODD_STORED: list[Stored] = [
+    Stored(**G1, parent_hash=None, blocks=()),
+    Stored(**G1, parent_hash=-1, blocks=((1, 2),)),
+    Stored(**G1, parent_hash=2**64, blocks=((1, 2),)),
+    Stored(**G1, parent_hash=True, blocks=((1, 2),)),
+    Stored(**G1, parent_hash=None, blocks=((1.5, 2),)),  # type: ignore[arg-type]
+    Stored(**G1, parent_hash=None, blocks=((1, 2, 3),)),  # type: ignore[arg-type]
+    Stored(**G1, parent_hash=None, blocks=((1,), (2, 3, 4))),  # type: ignore[arg-type]
+    Stored(**G1, parent_hash=None, blocks=((2**64, 2),)),
+    Stored(**G1, parent_hash=None, blocks=((True, 2),)),  # a bool packs: Python's case
+    Stored(**G1, parent_hash=None, blocks=iter([(1, 2)])),  # type: ignore[arg-type]
+    Stored(**G1, parent_hash=None, blocks=((1, 2),), token_ids=((2**32,),)),
+    Stored(**G1, parent_hash=None, blocks=((1, 2),), token_ids=((-1,),)),
+    Stored(**G1, parent_hash=None, blocks=((1, 2),), token_ids=([1],)),  # type: ignore[arg-type]
+    Stored(**G1, parent_hash=None, blocks=((1, 2),), token_ids=()),
+    Stored(**G1, parent_hash=None, blocks=((1, 2),), token_ids=[(1,)]),  # type: ignore[arg-type]
+]
+ODD_OTHERS: list[AnyEvent] = [
+    Removed(**G1, sequence_hashes=()),
+    Removed(**G1, sequence_hashes=(-1,)),
+    Removed(**G1, sequence_hashes=(1, None)),  # type: ignore[arg-type]
+    Removed(**G1, sequence_hashes={1}),  # type: ignore[arg-type]
+    Offloaded(**{**G1, "tier": Tier.G2}, src_tier=Tier.G2, blocks=(BlockInfo(1, 2, None),)),
+    Offloaded(**{**G1, "tier": Tier.G2}, src_tier=9, blocks=(BlockInfo(1, 2, None),)),  # type: ignore[arg-type]
+    Offloaded(**{**G1, "tier": Tier.G2}, src_tier=Tier.G1, blocks=()),
+    Offloaded(**{**G1, "tier": Tier.G2}, src_tier=Tier.G1, blocks=(BlockInfo(None, 2, 3),)),  # type: ignore[arg-type]
+    Offloaded(**{**G1, "tier": Tier.G2}, src_tier=Tier.G1, blocks=(BlockInfo(1, 2, -3),)),
+    Offloaded(**{**G1, "tier": Tier.G2}, src_tier=Tier.G1, blocks=((1, 2),)),  # type: ignore[arg-type]
+    Onboarded(**G1, src_tier=Tier.G2, blocks=[[1, 2, 3]]),  # type: ignore[arg-type]
+]
+
+
+def odd_events() -> list[AnyEvent]:
+    heads = [
+        cls(**{**G1, **bad}, **body)  # type: ignore[arg-type]
+        for bad in BAD_HEADS
+        for cls, body in [
+            (Stored, {"parent_hash": None, "blocks": ((1, 2),)}),
+            (Removed, {"sequence_hashes": (1,)}),
+            (Offloaded, {"src_tier": Tier.G2, "blocks": (BlockInfo(1, 2, None),)}),
+        ]
+    ]
+    return [*heads, *ODD_STORED, *ODD_OTHERS]
+
+
+@pytest.mark.parametrize("event", odd_events())
+def test_what_is_not_the_plain_case_is_left_to_python(event: AnyEvent) -> None:
+    """No record and no row of their own: the Python encoder's answer (a record, or the error
+    it raises) is ``encode``'s and ``to_row``'s."""
+    kind = type(event)
+    assert RECORDS[kind](event) is None
+    assert ROWS[kind](event) is None
+    try:
+        expected = PYTHON_ENCODERS[kind](event)
+    except Exception:
+        with pytest.raises(CodecError):
+            codec.encode(event)
+        with pytest.raises(CodecError):
+            rows.to_row(event)
+    else:
+        assert codec.encode(event) == expected
+        assert rows.to_row(event)[5] == expected
+
+
+def test_a_missing_field_raises_as_an_attribute_error() -> None:
+    with pytest.raises(AttributeError):
+        _speedups.stored(object())  # type: ignore[arg-type]
+
+
+def test_the_environment_turns_them_off() -> None:
+    """``KVLEDGER_PYTHON_ENCODERS=1``: the Python encoders alone, writing the same records."""
+    event = Stored(
+        event_id=3, worker_id=1, dp_rank=0, tier=Tier.G2, ts=1.5, parent_hash=7,
+        blocks=((1, 2), (3, 4)), token_ids=((5,), (6, 7)),
+    )  # fmt: skip
+    script = (
+        "import sys; from kvledger.events import codec; "
+        "from kvledger.events.types import Stored, Tier; "
+        "assert not codec.COMPILED and not codec.COMPILED_ROWS; "
+        "e = Stored(event_id=3, worker_id=1, dp_rank=0, tier=Tier.G2, ts=1.5, parent_hash=7, "
+        "blocks=((1, 2), (3, 4)), token_ids=((5,), (6, 7))); "
+        "sys.stdout.write(codec.encode(e).hex())"
+    )
+    env = {**os.environ, "KVLEDGER_PYTHON_ENCODERS": "1"}
+    out = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True
+    )
+    assert bytes.fromhex(out.stdout) == codec.encode(event)
