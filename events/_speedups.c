@@ -154,7 +154,9 @@ static int is_sequence(PyObject *obj) { return PyTuple_CheckExact(obj) || PyList
  * encoder is to run, or NULL with an exception. */
 typedef PyObject *(*RecordWriter)(PyObject *event, const Head *head);
 
-static PyObject *stored_record(PyObject *event, const Head *head) {
+/* A stored event's record; with ``keep_tokens`` 0, as if its token ids were None (what a log
+ * that must not hold prompts stores). */
+static PyObject *stored_record_of(PyObject *event, const Head *head, int keep_tokens) {
 
     PyObject *parent = PyObject_GetAttr(event, s_parent_hash);
     PyObject *blocks = PyObject_GetAttr(event, s_blocks);
@@ -171,7 +173,7 @@ static PyObject *stored_record(PyObject *event, const Head *head) {
 
     /* token ids: None, or n tuples of u32; their bin holds a count per block, then the ids */
     Py_ssize_t token_words = 0;
-    int has_tokens = tokens != Py_None;
+    int has_tokens = keep_tokens && tokens != Py_None;
     if (has_tokens) {
         if (!PyTuple_CheckExact(tokens) || PyTuple_GET_SIZE(tokens) != n) goto slow;
         token_words = n;
@@ -237,6 +239,14 @@ done:
     Py_XDECREF(blocks);
     Py_XDECREF(tokens);
     return result;
+}
+
+static PyObject *stored_record(PyObject *event, const Head *head) {
+    return stored_record_of(event, head, 1);
+}
+
+static PyObject *stored_record_without_tokens(PyObject *event, const Head *head) {
+    return stored_record_of(event, head, 0);
 }
 
 static PyObject *removed_record(PyObject *event, const Head *head) {
@@ -384,6 +394,10 @@ static PyObject *stored_row(PyObject *Py_UNUSED(module), PyObject *event) {
     return row_of(event, stored_record, s_stored);
 }
 
+static PyObject *stored_row_without_tokens(PyObject *Py_UNUSED(module), PyObject *event) {
+    return row_of(event, stored_record_without_tokens, s_stored);
+}
+
 static PyObject *removed(PyObject *Py_UNUSED(module), PyObject *event) {
     return record_of(event, removed_record);
 }
@@ -416,6 +430,9 @@ static PyMethodDef methods[] = {
     {"offloaded", offloaded, METH_O, RECORD_DOC("Offloaded")},
     {"onboarded", onboarded, METH_O, RECORD_DOC("Onboarded")},
     {"stored_row", stored_row, METH_O, ROW_DOC("Stored")},
+    {"stored_row_without_tokens", stored_row_without_tokens, METH_O,
+     "A Stored event's log row with its token ids left out, or None where the Python encoder "
+     "must run."},
     {"removed_row", removed_row, METH_O, ROW_DOC("Removed")},
     {"offloaded_row", offloaded_row, METH_O, ROW_DOC("Offloaded")},
     {"onboarded_row", onboarded_row, METH_O, ROW_DOC("Onboarded")},

@@ -366,6 +366,8 @@ place. Empty where the module was not built (no C compiler or zlib headers at in
 CompiledRow = tuple[int, int, str, int, float, bytes]
 COMPILED_ROWS: dict[type[LogRecord], Callable[[Any], CompiledRow | None]] = {}
 """The same kinds' whole log rows (``rows.to_row``), built in the same call."""
+COMPILED_STORED_ROW_WITHOUT_TOKENS: Callable[[Stored], CompiledRow | None] | None = None
+"""A stored event's row with its token ids left out (``rows.to_row_without_tokens``)."""
 try:
     from kvledger.events import _speedups
 except ImportError:  # the Python encoders serve
@@ -384,6 +386,7 @@ else:
             Offloaded: _speedups.offloaded_row,
             Onboarded: _speedups.onboarded_row,
         }
+        COMPILED_STORED_ROW_WITHOUT_TOKENS = _speedups.stored_row_without_tokens
 
 
 def _compiled_or(kind: type[LogRecord], python: Callable[[Any], bytes]) -> Callable[[Any], bytes]:

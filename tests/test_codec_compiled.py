@@ -26,6 +26,7 @@ from kvledger.events.types import (
     Removed,
     Stored,
     Tier,
+    without_token_ids,
 )
 
 PYTHON_ENCODERS: dict[type[AnyEvent], Callable[[Any], bytes]] = {
@@ -59,6 +60,7 @@ def test_this_install_built_them() -> None:
     """The build is optional (an install without a compiler goes on without it), so a broken
     build would pass unnoticed but for this: the suite's install has a compiler."""
     assert set(codec.COMPILED) == set(codec.COMPILED_ROWS) == set(RECORDS)
+    assert codec.COMPILED_STORED_ROW_WITHOUT_TOKENS is _speedups.stored_row_without_tokens
     assert codec.ENCODERS[Stored] is not codec._stored
 
 
@@ -114,6 +116,10 @@ def test_same_record_and_row_as_the_python_encoders(event: AnyEvent) -> None:
     assert codec.encode(event) == record
     assert ROWS[kind](event) == python_row(event)
     assert rows.to_row(event) == python_row(event)
+    if kind is Stored:  # a log that keeps no prompts (the token_ids setting)
+        bare = python_row(without_token_ids(event))
+        assert _speedups.stored_row_without_tokens(event) == bare  # type: ignore[arg-type]
+        assert rows.to_row_without_tokens(event) == bare
 
 
 BAD_HEADS: list[dict[str, Any]] = [
@@ -194,6 +200,24 @@ def test_what_is_not_the_plain_case_is_left_to_python(event: AnyEvent) -> None:
         assert rows.to_row(event)[5] == expected
 
 
+@pytest.mark.parametrize("event", [e for e in odd_events() if type(e) is Stored])
+def test_without_token_ids_the_python_path_decides_the_rest(event: Stored) -> None:
+    """Leaving the token ids out, the compiled row ignores them (a stored event whose only
+    fault is its token ids is written, as ``without_token_ids`` then ``to_row`` writes it);
+    anything else is left to that Python path."""
+    try:
+        expected: tuple[Any, ...] | None = python_row(without_token_ids(event))
+    except Exception:
+        expected = None
+    compiled = _speedups.stored_row_without_tokens(event)
+    assert compiled is None or compiled == expected
+    if expected is None:
+        with pytest.raises(CodecError):
+            rows.to_row_without_tokens(event)
+    else:
+        assert rows.to_row_without_tokens(event) == expected
+
+
 def test_a_missing_field_raises_as_an_attribute_error() -> None:
     with pytest.raises(AttributeError):
         _speedups.stored(object())  # type: ignore[arg-type]
@@ -209,6 +233,7 @@ def test_the_environment_turns_them_off() -> None:
         "import sys; from kvledger.events import codec; "
         "from kvledger.events.types import Stored, Tier; "
         "assert not codec.COMPILED and not codec.COMPILED_ROWS; "
+        "assert codec.COMPILED_STORED_ROW_WITHOUT_TOKENS is None; "
         "e = Stored(event_id=3, worker_id=1, dp_rank=0, tier=Tier.G2, ts=1.5, parent_hash=7, "
         "blocks=((1, 2), (3, 4)), token_ids=((5,), (6, 7))); "
         "sys.stdout.write(codec.encode(e).hex())"

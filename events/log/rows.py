@@ -17,7 +17,14 @@ from collections.abc import Iterator
 from itertools import chain
 from typing import Any
 
-from kvledger.events.codec import COMPILED_ROWS, ENCODERS, KIND_NAMES, CodecError, encode
+from kvledger.events.codec import (
+    COMPILED_ROWS,
+    COMPILED_STORED_ROW_WITHOUT_TOKENS,
+    ENCODERS,
+    KIND_NAMES,
+    CodecError,
+    encode,
+)
 from kvledger.events.log.schema import events
 from kvledger.events.types import (
     LogRecord,
@@ -63,8 +70,14 @@ _LOOKUP_TYPES = frozenset((Lookup, Released, RunInfo))
 
 def to_row_without_tokens(event: LogRecord) -> Row:
     """``to_row`` with a ``Stored`` event's token ids left out: what a log that must not hold
-    prompts stores (the ``token_ids`` setting). Replay needs none of them."""
+    prompts stores (the ``token_ids`` setting). Replay needs none of them. The compiled row
+    leaves them out as it writes; otherwise the event is copied without them first."""
     if type(event) is Stored:
+        compiled = COMPILED_STORED_ROW_WITHOUT_TOKENS
+        if compiled is not None:
+            row = compiled(event)
+            if row is not None:
+                return row
         return to_row(without_token_ids(event))
     return to_row(event)
 
