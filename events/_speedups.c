@@ -142,12 +142,6 @@ static void put_check(unsigned char *start, unsigned char *p) {
     p[3] = (unsigned char)(crc >> 24);
 }
 
-/* The record as bytes, or None (its reference returned) when the Python encoder is to run. */
-static PyObject *fallback(PyObject *record) {
-    Py_XDECREF(record);
-    Py_RETURN_NONE;
-}
-
 static int is_sequence(PyObject *obj) { return PyTuple_CheckExact(obj) || PyList_CheckExact(obj); }
 
 /* Each kind's record after its header is read: bytes, None (a new reference) where the Python
@@ -161,7 +155,7 @@ static PyObject *stored_record_of(PyObject *event, const Head *head, int keep_to
     PyObject *parent = PyObject_GetAttr(event, s_parent_hash);
     PyObject *blocks = PyObject_GetAttr(event, s_blocks);
     PyObject *tokens = PyObject_GetAttr(event, s_token_ids);
-    PyObject *record = NULL, *result = NULL;
+    PyObject *record = NULL;
     if (parent == NULL || blocks == NULL || tokens == NULL) goto done;
 
     uint64_t parent_hash = 0;
@@ -227,18 +221,14 @@ static PyObject *stored_record_of(PyObject *event, const Head *head, int keep_to
         *p++ = NIL;
     }
     put_check(start, p);
-    result = record;
-    record = NULL;
     goto done;
-slow:
-    result = fallback(record);
-    record = NULL;
+slow: /* not the plain case: None, and the Python encoder runs */
+    Py_XSETREF(record, Py_NewRef(Py_None));
 done:
-    Py_XDECREF(record);
     Py_XDECREF(parent);
     Py_XDECREF(blocks);
     Py_XDECREF(tokens);
-    return result;
+    return record;
 }
 
 static PyObject *stored_record(PyObject *event, const Head *head) {
@@ -253,7 +243,7 @@ static PyObject *removed_record(PyObject *event, const Head *head) {
 
     PyObject *hashes = PyObject_GetAttr(event, s_sequence_hashes);
     if (hashes == NULL) return NULL;
-    PyObject *record = NULL, *result = NULL;
+    PyObject *record = NULL;
     if (!is_sequence(hashes)) goto slow;
     Py_ssize_t n = PySequence_Fast_GET_SIZE(hashes);
     if (n == 0 || n > 0x1FFFFFFF) goto slow;
@@ -270,16 +260,12 @@ static PyObject *removed_record(PyObject *event, const Head *head) {
         p = put_u64(p, word);
     }
     put_check(start, p);
-    result = record;
-    record = NULL;
     goto done;
-slow:
-    result = fallback(record);
-    record = NULL;
+slow: /* not the plain case: None, and the Python encoder runs */
+    Py_XSETREF(record, Py_NewRef(Py_None));
 done:
-    Py_XDECREF(record);
     Py_DECREF(hashes);
-    return result;
+    return record;
 }
 
 /* An offloaded (kind 3) or onboarded (kind 4) event: the source tier, then a bin of
@@ -289,7 +275,7 @@ static PyObject *copied_record(PyObject *event, const Head *head, unsigned char 
 
     PyObject *src = PyObject_GetAttr(event, s_src_tier);
     PyObject *blocks = PyObject_GetAttr(event, s_blocks);
-    PyObject *record = NULL, *result = NULL;
+    PyObject *record = NULL;
     if (src == NULL || blocks == NULL) goto done;
     if (!PyLong_Check(src)) goto slow;
     long src_tier = PyLong_AsLong(src);
@@ -335,17 +321,13 @@ static PyObject *copied_record(PyObject *event, const Head *head, unsigned char 
         *p++ = NIL;
     }
     put_check(start, p);
-    result = record;
-    record = NULL;
     goto done;
-slow:
-    result = fallback(record);
-    record = NULL;
+slow: /* not the plain case: None, and the Python encoder runs */
+    Py_XSETREF(record, Py_NewRef(Py_None));
 done:
-    Py_XDECREF(record);
     Py_XDECREF(src);
     Py_XDECREF(blocks);
-    return result;
+    return record;
 }
 
 static PyObject *offloaded_record(PyObject *event, const Head *head) {

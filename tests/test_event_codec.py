@@ -41,6 +41,7 @@ from kvledger.events.types import (
 from kvledger.registry.state import RegistryState
 
 U64 = st.integers(0, 2**64 - 1)
+U63 = st.integers(0, 2**63 - 1)
 
 
 def seal(fields: Sequence[object]) -> bytes:
@@ -62,24 +63,31 @@ def unchecked(data: bytes) -> bytes:
 TIERS = st.sampled_from(list(Tier))
 
 
-def common(event_id: int = 0) -> st.SearchStrategy[dict[str, Any]]:
+I64 = st.integers(-(2**63), 2**63 - 1)
+
+
+def common(event_id: int = 0, *, wide: bool = False) -> st.SearchStrategy[dict[str, Any]]:
+    """The fields every event has; ``wide``: each over the whole range its record field holds
+    (NaN and infinite ts included), where the default stays in the values engines make."""
     return st.fixed_dictionaries(
         {
-            "event_id": st.just(event_id) if event_id >= 0 else st.integers(0, 2**63 - 1),
-            "worker_id": st.integers(-(2**31), 2**31),
-            "dp_rank": st.integers(0, 64),
+            "event_id": st.just(event_id) if event_id >= 0 else (U64 if wide else U63),
+            "worker_id": I64 if wide else st.integers(-(2**31), 2**31),
+            "dp_rank": I64 if wide else st.integers(0, 64),
             "tier": TIERS,
-            "ts": st.floats(allow_nan=False, allow_infinity=False),
+            "ts": st.floats() if wide else st.floats(allow_nan=False, allow_infinity=False),
         }
     )
 
 
 @st.composite
-def events(draw: st.DrawFn, event_id: int = -1) -> AnyEvent:
-    base = draw(common(event_id))
+def events(draw: st.DrawFn, event_id: int = -1, *, wide: bool = False) -> AnyEvent:
+    """One event of each kind; ``wide``: ``common``'s whole ranges and up to 40 blocks."""
+    base = draw(common(event_id, wide=wide))
+    most = 40 if wide else 6
     kind = draw(st.sampled_from(["stored", "removed", "copied", "cleared"]))
     if kind == "stored":
-        blocks = tuple(draw(st.lists(st.tuples(U64, U64), min_size=1, max_size=6)))
+        blocks = tuple(draw(st.lists(st.tuples(U64, U64), min_size=1, max_size=most)))
         tokens = draw(
             st.none()
             | st.lists(
@@ -90,11 +98,14 @@ def events(draw: st.DrawFn, event_id: int = -1) -> AnyEvent:
         )
         return Stored(**base, parent_hash=draw(st.none() | U64), blocks=blocks, token_ids=tokens)
     if kind == "removed":
-        return Removed(**base, sequence_hashes=tuple(draw(st.lists(U64, min_size=1, max_size=6))))
+        hashes = draw(st.lists(U64, min_size=1, max_size=most))
+        return Removed(**base, sequence_hashes=tuple(hashes))
     if kind == "cleared":
         return Cleared(**base)
     src = draw(TIERS.filter(lambda t: t != base["tier"]))
-    infos = draw(st.lists(st.builds(BlockInfo, U64, U64, st.none() | U64), min_size=1, max_size=6))
+    infos = draw(
+        st.lists(st.builds(BlockInfo, U64, U64, st.none() | U64), min_size=1, max_size=most)
+    )
     cls = Offloaded if src < base["tier"] else Onboarded
     return cls(**base, src_tier=src, blocks=tuple(infos))
 
