@@ -35,8 +35,10 @@ GIB = 1 << 30
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "uint8": 1}
 
 
-#: ``KVLEDGER_*`` variables that are not settings (read by the test suite and benchmarks).
-OTHER_VARIABLES = ("KVLEDGER_SHARED_DATA",)
+#: ``KVLEDGER_*`` variables that are not settings: the shared data folder (read by the test
+#: suite and benchmarks) and the switch that turns the compiled encoders off (read when
+#: ``kvledger.events.codec`` is imported, before any settings exist).
+OTHER_VARIABLES = ("KVLEDGER_SHARED_DATA", "KVLEDGER_PYTHON_ENCODERS")
 OTHER_PREFIXES = ("KVLEDGER_TEST_",)
 _warned: set[str] = set()
 _DEVICES = re.compile(r"^[A-Za-z0-9_.:\-]+(,[A-Za-z0-9_.:\-]+)*$")

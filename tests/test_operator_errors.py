@@ -219,7 +219,8 @@ def test_a_misspelt_variable_gets_one_warning_naming_the_setting(tmp_path: Path)
         "KVLEDGER_G2_BLOKS is not a kvledger setting and is ignored; "
         "did you mean KVLEDGER_G2_BLOCKS?"
     ]
-    assert unknown_variables({"KVLEDGER_SHARED_DATA": "x", "KVLEDGER_TEST_PG_HOST": "y"}) == []
+    others = {"KVLEDGER_SHARED_DATA": "x", "KVLEDGER_TEST_PG_HOST": "y"}
+    assert unknown_variables({**others, "KVLEDGER_PYTHON_ENCODERS": "1"}) == []
     proc = kvledger(
         "simulate",
         "--engine",
