@@ -402,19 +402,24 @@ def _compiled_or(kind: type[LogRecord], python: Callable[[Any], bytes]) -> Calla
     return encoder
 
 
-ENCODERS: dict[type[LogRecord], Callable[[Any], bytes]] = {
-    Stored: _compiled_or(Stored, _stored),
-    Removed: _compiled_or(Removed, _removed),
-    Offloaded: _compiled_or(Offloaded, _with_crc(_copied)),
-    Onboarded: _compiled_or(Onboarded, _with_crc(_copied)),
+PYTHON_ENCODERS: dict[type[LogRecord], Callable[[Any], bytes]] = {
+    Stored: _stored,
+    Removed: _removed,
+    Offloaded: _with_crc(_copied),
+    Onboarded: _with_crc(_copied),
     Cleared: _with_crc(_cleared),
     Lookup: _with_crc(_lookup),
     Released: _with_crc(_released),
     RunInfo: _with_crc(_run),
 }
-"""Each kind's whole record, CRC included (``encode`` is the look-up and the error); every
-kind of ``KIND_CODES`` has one. They raise ``struct.error``, ``TypeError`` or
-``OverflowError`` for what does not pack: ``encode`` turns those into ``CodecError``."""
+"""Each kind's whole record by Python, CRC included; every kind of ``KIND_CODES`` has one.
+They raise ``struct.error``, ``TypeError`` or ``OverflowError`` for what does not pack:
+``encode`` turns those into ``CodecError``."""
+ENCODERS: dict[type[LogRecord], Callable[[Any], bytes]] = {
+    kind: _compiled_or(kind, python) for kind, python in PYTHON_ENCODERS.items()
+}
+"""What ``encode`` looks up (and is the error for): ``PYTHON_ENCODERS``, the compiled one in
+front where there is one (``COMPILED``)."""
 
 
 def decode(data: bytes, position: int | None = None) -> LogRecord:

@@ -28,12 +28,6 @@ from kvledger.events.types import (
     without_token_ids,
 )
 
-PYTHON_ENCODERS: dict[type[AnyEvent], Callable[[Any], bytes]] = {
-    Stored: codec._stored,
-    Removed: codec._removed,
-    Offloaded: codec._with_crc(codec._copied),
-    Onboarded: codec._with_crc(codec._copied),
-}
 RECORDS: dict[type[AnyEvent], Callable[[Any], bytes | None]] = {
     Stored: _speedups.stored,
     Removed: _speedups.removed,
@@ -51,7 +45,7 @@ ROWS: dict[type[AnyEvent], Callable[[Any], tuple[Any, ...] | None]] = {
 def python_row(event: AnyEvent) -> tuple[Any, ...]:
     """``rows.to_row`` as the Python encoders make it."""
     tier = int(event.tier)
-    payload = PYTHON_ENCODERS[type(event)](event)
+    payload = codec.PYTHON_ENCODERS[type(event)](event)
     return (event.worker_id, event.event_id, codec.KIND_NAMES[type(event)], tier, event.ts, payload)
 
 
@@ -60,7 +54,7 @@ def test_this_install_built_them() -> None:
     build would pass unnoticed but for this: the suite's install has a compiler."""
     assert set(codec.COMPILED) == set(codec.COMPILED_ROWS) == set(RECORDS)
     assert codec.COMPILED_STORED_ROW_WITHOUT_TOKENS is _speedups.stored_row_without_tokens
-    assert codec.ENCODERS[Stored] is not codec._stored
+    assert codec.ENCODERS[Stored] is not codec.PYTHON_ENCODERS[Stored]
 
 
 @given(events() | events(wide=True))
@@ -69,7 +63,7 @@ def test_same_record_and_row_as_the_python_encoders(event: AnyEvent) -> None:
     if kind not in RECORDS:  # a clear: Python only
         assert kind not in codec.COMPILED
         return
-    record = PYTHON_ENCODERS[kind](event)
+    record = codec.PYTHON_ENCODERS[kind](event)
     assert RECORDS[kind](event) == record
     assert codec.encode(event) == record
     assert ROWS[kind](event) == python_row(event)
@@ -147,7 +141,7 @@ def test_what_is_not_the_plain_case_is_left_to_python(event: AnyEvent) -> None:
     assert RECORDS[kind](event) is None
     assert ROWS[kind](event) is None
     try:
-        expected = PYTHON_ENCODERS[kind](event)
+        expected = codec.PYTHON_ENCODERS[kind](event)
     except Exception:
         with pytest.raises(CodecError):
             codec.encode(event)
