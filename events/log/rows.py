@@ -20,8 +20,8 @@ from typing import Any
 from kvledger.events.codec import (
     COMPILED_ROWS,
     COMPILED_STORED_ROW_WITHOUT_TOKENS,
-    ENCODERS,
     KIND_NAMES,
+    PYTHON_ENCODERS,
     CodecError,
     encode,
 )
@@ -43,16 +43,18 @@ def to_row(event: LogRecord) -> Row:
     """The event as the columns of its log row (the record is encoded, hence validated).
 
     The hot kinds' rows come whole from the compiled encoders (``codec.COMPILED_ROWS``) where
-    they were built; otherwise ``encode`` and ``row_worker`` inlined on the exact type (what
-    ``encode`` accepts): every appended event comes through here, and each extra call or
-    isinstance test on a union cost it a tenth of its time."""
+    they were built; otherwise (those not built, the other kinds, and what the compiled ones
+    leave to Python) the Python encoder, without asking the compiled one again, and
+    ``row_worker`` inlined on the exact type (what ``encode`` accepts): every appended event
+    comes through here, and each extra call or isinstance test on a union cost it a tenth of
+    its time."""
     cls = type(event)
     compiled = COMPILED_ROWS.get(cls)
     if compiled is not None:
         row = compiled(event)
         if row is not None:
             return row
-    encoder = ENCODERS.get(cls)
+    encoder = PYTHON_ENCODERS.get(cls)
     if encoder is None:
         encode(event)  # raises its error
     try:
