@@ -338,11 +338,17 @@ static PyObject *onboarded_record(PyObject *event, const Head *head) {
     return copied_record(event, head, 4);
 }
 
+/* The header read into ``head`` (which the caller releases), then the record ``write`` makes:
+ * bytes, None where the Python encoder is to run, or NULL with an exception. */
+static PyObject *write_record(PyObject *event, RecordWriter write, Head *head) {
+    int ok = read_head(event, head);
+    return ok < 0 ? NULL : ok == 0 ? Py_NewRef(Py_None) : write(event, head);
+}
+
 /* An event's record: bytes, or None where the Python encoder is to run. */
 static PyObject *record_of(PyObject *event, RecordWriter write) {
     Head head;
-    int ok = read_head(event, &head);
-    PyObject *record = ok < 0 ? NULL : ok == 0 ? Py_NewRef(Py_None) : write(event, &head);
+    PyObject *record = write_record(event, write, &head);
     release_head(&head);
     return record;
 }
@@ -351,8 +357,7 @@ static PyObject *record_of(PyObject *event, RecordWriter write) {
  * it, or None where the Python encoder is to run. */
 static PyObject *row_of(PyObject *event, RecordWriter write, PyObject *kind) {
     Head head;
-    int ok = read_head(event, &head);
-    PyObject *record = ok < 0 ? NULL : ok == 0 ? Py_NewRef(Py_None) : write(event, &head);
+    PyObject *record = write_record(event, write, &head);
     PyObject *row = record;
     if (record != NULL && record != Py_None) {
         PyObject *tier = PyLong_FromLong(head.tier);
