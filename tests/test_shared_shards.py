@@ -114,6 +114,29 @@ def test_each_event_reaches_one_stream_once_in_order() -> None:
         reg.delete_namespace()
 
 
+def test_a_lease_lost_in_one_shard_is_no_lapse() -> None:
+    """A fail-over to a replica that missed the last heartbeat leaves the worker's lease gone
+    from that shard only (deleted here, as the promoted replica has it): the worker is alive,
+    so nothing is purged and routers get no purge notice; gone from every shard, it is."""
+    reg = SharedRegistry(redis_or_skip(), f"s-{uuid.uuid4().hex[:12]}", shards=3)
+    try:
+        events = worker_events(9, 1, 40, prompt_pool(9))
+        assert reg.heartbeat(1) and reg.apply(1, events).gap_at is None
+        before = reg.snapshot()
+        home = reg.home_shard(1)
+        reg.client.delete(reg.shard_keys[home].lease(1))
+        assert reg.purge_expired() == {}
+        assert reg.snapshot() == before and reg.applied_event_id(1) == len(events) - 1
+        stream = reg.stream_keys[home]
+        entries = cast(list[tuple[bytes, dict[bytes, bytes]]], reg.client.xrange(stream))
+        assert all(b"e" in fields for _, fields in entries)  # no purge notice
+        reg.client.delete(*(k.lease(1) for k in reg.shard_keys))
+        assert reg.purge_expired()[1] > 0
+        assert reg.snapshot() == {} and reg.applied_event_id(1) == -1
+    finally:
+        reg.delete_namespace()
+
+
 def test_the_shard_count_is_fixed_and_one_shard_is_the_unsharded_layout() -> None:
     client = redis_or_skip()
     namespace = f"s-{uuid.uuid4().hex[:12]}"

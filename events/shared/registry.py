@@ -467,9 +467,23 @@ class SharedRegistry:
         return all(int(r) for r in self.transport.run(calls))
 
     def purge_expired(self) -> dict[int, int]:
-        """Drop the entries of every worker whose lease lapsed: {worker: entries dropped}."""
+        """Drop the entries of every worker whose lease lapsed: {worker: entries dropped}.
+
+        With several shards, a worker whose lease still lives in any shard is left alone:
+        heartbeats refresh every shard together, so a lease missing from one shard only is
+        what a fail-over to a replica that never received the last refresh leaves, and the
+        worker's next heartbeat puts it back. Purging it would take a live worker out of the
+        routers' view and make it re-send its log from the first event."""
         listed = self.transport.run([("SMEMBERS", k.workers) for k in self.shard_keys])
         candidates = [sorted(int(w) for w in members) for members in listed]
+        everyone = sorted({w for workers in candidates for w in workers})
+        if self.shard_count > 1 and everyone:
+            found = self.transport.run(
+                [("EXISTS", k.lease(w)) for k in self.shard_keys for w in everyone]
+            )
+            pairs = zip(everyone * self.shard_count, found, strict=True)
+            alive = {w for w, exists in pairs if exists}
+            candidates = [[w for w in workers if w not in alive] for workers in candidates]
         return self._purge_calls(candidates, force=False)
 
     def release(self, worker_id: int, token: int = 0) -> int:
