@@ -269,7 +269,7 @@ def _redis_publisher(settings: Settings, event_log: EventLog | None) -> RedisPub
     claims the worker id and brings the registry in step with the log."""
     if event_log is None or settings.redis_url is None:
         raise ValueError("redis_url needs the event log: the publisher catches up from it")
-    if "worker_id" not in settings.model_fields_set:
+    if "worker_id" not in settings.fields_set:
         log.warning(
             "redis_url is set but worker_id is not (KVLEDGER_WORKER_ID): this worker publishes "
             "as worker 0, and a second one that also forgets it is refused"

@@ -200,7 +200,7 @@ def run_one(
             private_folder(log_dir)
             write_requests(log_dir / REQUESTS, requests)
         for wid, clock in zip(worker_ids, clocks, strict=True):
-            mine = settings.model_copy(update={"worker_id": wid})
+            mine = settings.replace(worker_id=wid)
             logged: Worker | None = None
             log = None
             if log_dir is not None:
@@ -209,9 +209,7 @@ def run_one(
 
                 url = f"sqlite:///{log_dir / f'worker-{wid}.db'}"
                 # the feed's publishers are the simulated router's transport: built by the feed
-                logged = open_worker(
-                    mine.model_copy(update={"event_log_url": url}), redis=False, zmq=False
-                )
+                logged = open_worker(mine.replace(event_log_url=url), redis=False, zmq=False)
                 log = logged.event_log
                 logs.append(logged)
                 urls.append(url)
@@ -518,14 +516,12 @@ def whatif_cluster(args: argparse.Namespace) -> dict[str, Any]:
             for g1 in args.g1_blocks or [base.g1_blocks]:
                 for g2 in args.g2_blocks if args.g2_blocks is not None else [base.g2_capacity]:
                     for g3 in args.g3_blocks if args.g3_blocks is not None else [base.g3_capacity]:
-                        settings = base.model_copy(
-                            update={
-                                "g1_blocks": g1,
-                                "g2_blocks": g2,
-                                "g3_blocks": g3,
-                                "g2_gb": 0.0,  # the block counts say it all now
-                                "g3_gb": 0.0,
-                            }
+                        settings = base.replace(
+                            g1_blocks=g1,
+                            g2_blocks=g2,
+                            g3_blocks=g3,
+                            g2_gb=0.0,  # the block counts say it all now
+                            g3_gb=0.0,
                         )
                         opts = replace(recorded, workers=n, router=router)
                         if (g1, g2, g3, opts) != (

@@ -221,7 +221,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         for name, value in DYNAMO_MODEL.items():
             overrides.setdefault(name, value)
     settings = Settings.load(**overrides)
-    if args.trace and "block_size" not in settings.model_fields_set:
+    if args.trace and "block_size" not in settings.fields_set:
         if is_event_log(args.trace):
             from kvledger.mocker.rerun import recorded_block_size
 
@@ -324,7 +324,7 @@ def simulate(args: argparse.Namespace, note: Callable[[str], None]) -> Outcome:
         url = database_url(args.log) if args.log else settings.log_url
         shown = shown_url(url)
         if args.log:
-            settings = settings.model_copy(update={"event_log_url": url})
+            settings = settings.replace(event_log_url=url)
         worker = open_worker(settings, metrics=metrics, redis=False)
         if worker.zmq is not None:
             note(publishing_line(worker.zmq))

@@ -77,7 +77,7 @@ def run(args: argparse.Namespace) -> int:
         update: dict[str, Any] = {"g1_blocks": capacity}
         if policy is not None:
             update["eviction_policy"] = policy
-        settings = base.model_copy(update=update)
+        settings = base.replace(**update)
         counter = EventCounter()
         clock = engine_clock(args)
         emitter = EventEmitter(

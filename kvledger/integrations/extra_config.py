@@ -15,8 +15,9 @@ from typing import ClassVar, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from kvledger.config import ExtraConfig, SettingsError, check_net_devices
+from kvledger.config import SettingsError, check_net_devices
 from kvledger.events.shared.keys import KeySpace
+from kvledger.settings_model import ExtraConfig
 
 __all__ = ["SglangExtraConfig", "VllmExtraConfig"]
 
