@@ -1,6 +1,6 @@
 """What a setting allows, and the errors settings raise: shared by ``kvledger.config`` (the
 settings, checked without pydantic where the values are plain) and ``kvledger.settings_model``
-(pydantic's side), so that neither imports the other at its top."""
+(pydantic's side, which ``config`` loads only when needed and which needs nothing of it)."""
 
 from __future__ import annotations
 
