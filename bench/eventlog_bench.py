@@ -2,9 +2,12 @@
 
 Append: our EventLog (encode + queue + group-committed writer) against raw
 ``sqlite3.executemany`` of the already-encoded msgpack rows, in batches of 10k, WAL mode,
-same table. Replay: read + decode + fold into a RegistryState against raw
-``SELECT`` + ``msgpack.unpackb`` of the same rows; one more line adds turning the replayed
-state's arrays into per-block dicts (``RegistryState.tiers``). Each figure is the best of
+same table; one more line appends one by one at the interpreter switch interval kvledger's own
+processes run at (``kvledger.cli.CLI_SWITCH_INTERVAL_S``, 0.5 ms; the ``switch_interval_s``
+setting in an engine's process) instead of Python's 5 ms, under which the writer thread waits
+for the GIL that the appending thread holds. Replay: read + decode + fold into a RegistryState
+against raw ``SELECT`` + ``msgpack.unpackb`` of the same rows; one more line adds turning the
+replayed state's arrays into per-block dicts (``RegistryState.tiers``). Each figure is the best of
 --repeat rounds, each round running every measure once.
 
 Lag under load: a producer that never sleeps (it spins between appends, as an engine's loop
@@ -57,6 +60,7 @@ from typing import Any
 
 import msgpack
 
+from kvledger.cli import CLI_SWITCH_INTERVAL_S
 from kvledger.events.log import AsyncEventLog, EventLog
 from kvledger.events.log.replay import replay, replay_report
 from kvledger.events.log.rows import to_row
@@ -169,6 +173,16 @@ def our_append(path: Path | str, events: list[LogRecord]) -> float:
         append(event)
     log.close()
     return time.perf_counter() - t0
+
+
+def our_append_switching(path: Path | str, events: list[LogRecord], interval: float) -> float:
+    """``our_append`` with the interpreter's switch interval at ``interval`` seconds."""
+    before = sys.getswitchinterval()
+    sys.setswitchinterval(interval)
+    try:
+        return our_append(path, events)
+    finally:
+        sys.setswitchinterval(before)
 
 
 def our_append_many(path: Path | str, events: list[LogRecord]) -> float:
@@ -507,6 +521,7 @@ def main() -> None:
             round_ = {  # measured in this order
                 "raw_a": raw_append(fresh("raw", i), rows),
                 "ours_a": our_append(fresh("ours", i), events),
+                "ours_s": our_append_switching(fresh("switch", i), events, CLI_SWITCH_INTERVAL_S),
                 "ours_m": our_append_many(fresh("many", i), events),
                 "raw_r": raw_read(fresh("raw", 0)),
                 "ours_r": our_replay(fresh("ours", 0), last_id),
@@ -526,7 +541,7 @@ def main() -> None:
         long_line = long_replay(work, args.long) if args.long else ""
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    raw_a, ours_a, ours_m, raw_r, ours_r, dicts_r = (min(times[k]) for k in times)
+    raw_a, ours_a, ours_s, ours_m, raw_r, ours_r, dicts_r = (min(times[k]) for k in times)
     times.update(pg_times)
 
     def spread(ours: str, raw: str) -> str:
@@ -544,6 +559,12 @@ def main() -> None:
     )
     line("append  raw sqlite3.executemany (pre-encoded):", raw_a)
     line("append  EventLog.append (one by one):", ours_a, raw_a, spread("ours_a", "raw_a"))
+    line(
+        f"append  one by one, switch interval {CLI_SWITCH_INTERVAL_S * 1e3:g} ms:",
+        ours_s,
+        raw_a,
+        spread("ours_s", "raw_a"),
+    )
     line("append  EventLog.append_many (10k):", ours_m, raw_a, spread("ours_m", "raw_a"))
     line("read    raw SELECT + msgpack.unpackb:", raw_r)
     line("replay  read + decode + fold (no checkpoint):", ours_r, raw_r, spread("ours_r", "raw_r"))
