@@ -36,6 +36,7 @@ from kvledger.settings_rules import (
     SettingsError,
     SettingsWarning,
     check_net_devices,
+    env_names,
     setting,
     variable_names,
 )
@@ -434,7 +435,7 @@ def _check_fields(s: Settings) -> None:
             value = check(getattr(s, name))
         except ValueError as exc:
             raise SettingsError(
-                f"invalid kvledger setting {name} ({env_names(name)}): {exc}"
+                f"invalid kvledger setting {name} ({env_names(name, RULES[name])}): {exc}"
             ) from None
         object.__setattr__(s, name, value)
     problem = _cross_check(s)
@@ -485,12 +486,6 @@ def _cross_check(s: Settings) -> str | None:
     if s.g4 and (not s.g2_capacity or s.redis_url is None):
         return "g4 needs a G2 (g2_gb or g2_blocks) and redis_url"
     return None
-
-
-def env_names(field: str) -> str:
-    """A setting's variables, for messages: ``KVLEDGER_G2_GB / DYN_KVBM_CPU_CACHE_GB``."""
-    rule = RULES.get(field)
-    return " / ".join(variable_names(field, rule)) if rule else f"KVLEDGER_{field.upper()}"
 
 
 _SETTING_VARIABLES = frozenset(

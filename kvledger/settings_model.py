@@ -18,7 +18,7 @@ from typing import Any, ClassVar, Self
 
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError, create_model
 
-from kvledger.settings_rules import Rule, SettingsError, variable_names
+from kvledger.settings_rules import Rule, SettingsError, env_names, variable_names
 
 # allow_inf_nan=False: a size of inf or nan GB would pass ge=0 (nan compares false) and only
 # fail later, as an overflow deep inside a tier. validate_default and arbitrary_types_allowed
@@ -85,12 +85,12 @@ def validate(
     """``values`` for ``settings`` (with the environment's under them, with ``environment``)
     parsed: every setting's value, and which were given; ``SettingsError`` with one line per
     bad one."""
+    rules = _rules(settings)
     try:
         built = model(settings, environment)(**values)
     except ValidationError as exc:
-        raise SettingsError(describe(exc, _rules(settings))) from None
-    names = _rules(settings)
-    return {name: getattr(built, name) for name in names}, frozenset(built.model_fields_set)
+        raise SettingsError(describe(exc, rules)) from None
+    return {name: getattr(built, name) for name in rules}, frozenset(built.model_fields_set)
 
 
 def describe(exc: ValidationError, rules: Mapping[str, Rule]) -> str:
@@ -102,14 +102,9 @@ def describe(exc: ValidationError, rules: Mapping[str, Rule]) -> str:
         for name, rule in rules.items():
             if field.upper() in variable_names(name, rule):
                 field = name
-        shown = field
-        if field in rules:
-            shown = f"{field} ({' / '.join(variable_names(field, rules[field]))})"
-        value = err.get("input")
-        # a validator of ours says what it got (and never a URL's password)
-        got = "" if isinstance(value, dict) or err["type"] == "value_error" else f", got {value!r}"
+        shown = f"{field} ({env_names(field, rules[field])})" if field in rules else field
         what = f"invalid kvledger setting {shown}" if shown else "invalid kvledger settings"
-        lines.append(f"{what}: {_message(err)}{got}")
+        lines.append(f"{what}: {_message(err)}{_got(err)}")
     return "\n".join(lines)
 
 
@@ -119,6 +114,13 @@ _MESSAGES = {
     "bool_type": "must be true or false",
     "extra_forbidden": "is not a key kvledger reads",
 }
+
+
+def _got(err: Any) -> str:
+    """ ", got VALUE" for a report line; nothing for a whole mapping, or where a validator of
+    ours made the message (it says what it got, and never a URL's password)."""
+    value = err.get("input")
+    return "" if isinstance(value, dict) or err["type"] == "value_error" else f", got {value!r}"
 
 
 def _message(err: Any) -> str:
@@ -167,12 +169,6 @@ class ExtraConfig(BaseModel):
                 hint = f"did you mean {close[0]!r}?" if close else f"known: {', '.join(known)}"
                 lines.append(f"{cls.where} {key!r} {message}; {hint}")
                 continue
-            value = err.get("input")
-            got = (
-                ""
-                if isinstance(value, dict) or err["type"] == "value_error"
-                else f", got {value!r}"
-            )
             named = f"{cls.where} {key}" if key else cls.where
-            lines.append(f"{named}: {message}{got}")
+            lines.append(f"{named}: {message}{_got(err)}")
         return "\n".join(lines)

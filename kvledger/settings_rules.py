@@ -77,3 +77,8 @@ def setting(
 def variable_names(field: str, rule: Rule) -> tuple[str, ...]:
     """The environment variables a setting is read from: ``KVLEDGER_<NAME>``, then Dynamo's."""
     return (f"KVLEDGER_{field.upper()}", *rule.aliases)
+
+
+def env_names(field: str, rule: Rule) -> str:
+    """A setting's variables, for messages: ``KVLEDGER_G2_GB / DYN_KVBM_CPU_CACHE_GB``."""
+    return " / ".join(variable_names(field, rule))
