@@ -363,10 +363,12 @@ the same records). Each returns None where it leaves the event to the Python enc
 the plain case (exact ints in range, a float ts), so every error and its message stay in one
 place. Empty where the module was not built (no C compiler or zlib headers at install) or
 ``KVLEDGER_PYTHON_ENCODERS=1`` is in the environment (to measure it, or to rule it out)."""
-CompiledRow = tuple[int, int, str, int, float, bytes]
-COMPILED_ROWS: dict[type[LogRecord], Callable[[Any], CompiledRow | None]] = {}
+LogRow = tuple[int, int, str, int, float, bytes]
+"""A log row's columns (``rows.Row``: worker, event id, kind, tier, ts, record), as the
+compiled encoders build them."""
+COMPILED_ROWS: dict[type[LogRecord], Callable[[Any], LogRow | None]] = {}
 """The same kinds' whole log rows (``rows.to_row``), built in the same call."""
-COMPILED_STORED_ROW_WITHOUT_TOKENS: Callable[[Stored], CompiledRow | None] | None = None
+COMPILED_STORED_ROW_WITHOUT_TOKENS: Callable[[Stored], LogRow | None] | None = None
 """A stored event's row with its token ids left out (``rows.to_row_without_tokens``)."""
 try:
     from kvledger.events import _speedups

@@ -23,6 +23,7 @@ from kvledger.events.codec import (
     KIND_NAMES,
     PYTHON_ENCODERS,
     CodecError,
+    LogRow,
     encode,
 )
 from kvledger.events.log.schema import events
@@ -36,7 +37,7 @@ from kvledger.events.types import (
     without_token_ids,
 )
 
-Row = tuple[int, int, str, int, float, bytes]
+Row = LogRow
 
 
 def to_row(event: LogRecord) -> Row:
