@@ -14,7 +14,7 @@ import socket
 import subprocess
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -105,6 +105,26 @@ def start_redis(port: int, workdir: Path) -> subprocess.Popen[bytes]:
             time.sleep(0.05)
     proc.kill()
     raise RuntimeError("private redis-server did not start")
+
+
+@contextlib.contextmanager
+def tiny_tmpfs(where: Path, size: str) -> Iterator[Path]:
+    """A tmpfs of ``size`` mounted at ``where`` (made here) for the block's life: a real file
+    system that fills up (ENOSPC, as a full disk). Skips the test where mounting needs a
+    privilege this process lacks. The unmount is lazy: a file still open there must not fail
+    the test's clean-up."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root with CAP_SYS_ADMIN; not available here")
+    where.mkdir()
+    proc = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)], capture_output=True
+    )
+    if proc.returncode != 0:
+        pytest.skip("mounting a tmpfs needs root with CAP_SYS_ADMIN; not available here")
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", "-l", str(where)], check=True)
 
 
 def hold_write_lock(url: str) -> tuple[Any, Any]:

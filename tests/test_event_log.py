@@ -19,10 +19,11 @@ from typing import cast
 import pytest
 import sqlalchemy as sa
 from event_streams import tee
-from services import hold_write_lock
+from services import hold_write_lock, tiny_tmpfs
 
 from kvledger.events.codec import CodecError
 from kvledger.events.log import EventLog, EventLogError
+from kvledger.events.log.database import compiled_writer_path
 from kvledger.events.log.replay import replay, replay_report, verify
 from kvledger.events.log.schema import SchemaError
 from kvledger.events.types import AnyEvent, BlockInfo, Removed, Stored, Tier
@@ -509,11 +510,48 @@ def test_duplicate_worker_id_from_a_second_writer_is_one_clean_line(log_url: str
     second.close()
 
 
-def test_disk_full_is_one_clean_line(backend: str, log_url: str) -> None:
-    """SQLite's own page limit makes the database full for real: the writer's INSERT gets
-    SQLITE_FULL from the library, as it would from a full disk."""
+@pytest.mark.parametrize("writer", ["compiled", "python"])
+def test_disk_full_is_one_clean_line(backend: str, writer: str, tmp_path: Path) -> None:
+    """A log on a tiny file system that fills up: SQLite's write of the WAL gets ENOSPC, and
+    the writer SQLITE_FULL from the library, as from any full disk. Both writers (the compiled
+    one, and the Python one it falls back to) say so in one line, and what they committed
+    before stays a readable prefix of what was appended."""
     if backend != "sqlite":
         pytest.skip("filling a PostgreSQL server's disk is not done in a unit test")
+    with tiny_tmpfs(tmp_path / "tiny", "256k") as mount:
+        log_url = f"sqlite:///{mount / 'events.db'}"
+        if writer == "compiled" and compiled_writer_path(log_url) is None:
+            pytest.skip("the compiled writer is not built here (no C compiler at install)")
+        with pytest.MonkeyPatch.context() as env:
+            env.setenv("KVLEDGER_PYTHON_WRITER", "1" if writer == "python" else "0")
+            log = EventLog(log_url, max_delay=0.01)
+            emitter = EventEmitter(log.append)
+            emit_some(emitter, 50)
+            log.flush()
+            committed = log.last_event_id(0) + 1
+            with pytest.raises(EventLogError) as failure:  # at an append or at the flush
+                emit_some(emitter, 20_000, start=50)
+                log.flush()
+            with pytest.raises(EventLogError):
+                log.close()
+        message = str(failure.value)
+        _assert_one_clean_line(message)
+        assert "database or disk is full" in message
+        assert re.search(r"OperationalError: .*; \d+ appended events were not stored$", message)
+        with EventLog(log_url, read_only=True) as log:
+            ids = [event.event_id for event in log.read()]
+        assert ids == list(range(len(ids))) and len(ids) >= committed
+
+
+def test_a_full_database_is_one_clean_line(
+    backend: str, log_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SQLite's own page limit makes the database full wherever no file system can be mounted:
+    the Python writer's INSERT gets SQLITE_FULL, as from a full disk. (The limit is set on
+    SQLAlchemy's connections, which the compiled writer does not use.)"""
+    if backend != "sqlite":
+        pytest.skip("filling a PostgreSQL server's disk is not done in a unit test")
+    monkeypatch.setenv("KVLEDGER_PYTHON_WRITER", "1")
     EventLog(log_url).close()
     path = cast(str, sa.make_url(log_url).database)  # a SQLite URL names its file
     with sqlite3.connect(path) as conn:

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
-from services import PG_SERVER_URL, skip_without_postgres
+from services import PG_SERVER_URL, skip_without_postgres, tiny_tmpfs
 
 from kvledger.cli import main
 from kvledger.config import Settings, SettingsError
@@ -183,16 +183,6 @@ def test_a_full_disk_under_the_library_is_one_error_not_a_traceback_per_copy(
     assert main(["replay", str(tmp_path / "data" / "events.db")]) == 0
 
 
-def _mount_tiny_tmpfs(where: Path, size: str) -> bool:
-    if os.geteuid() != 0:
-        return False
-    where.mkdir()
-    proc = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)], capture_output=True
-    )
-    return proc.returncode == 0
-
-
 def test_g3_writes_never_run_out_of_room_once_it_opened(tmp_path: Path) -> None:
     """Its index is reserved as its data file is: a disk filled after start-up (here by
     another file) cannot fail a G3 write."""
@@ -201,31 +191,28 @@ def test_g3_writes_never_run_out_of_room_once_it_opened(tmp_path: Path) -> None:
     from kvledger.events.types import BlockInfo
     from kvledger.tiers import BlockShape, DiskTier, HostTier
 
-    mount = tmp_path / "tiny"
-    if not _mount_tiny_tmpfs(mount, "2m"):
-        pytest.skip("mounting a tmpfs needs root with CAP_SYS_ADMIN; not available here")
     g3: DiskTier | None = None
-    try:
-        shape = BlockShape(1, 1, 4, 32, torch.uint8)  # 128-byte blocks: 4 KiB slots
-        slots = 256  # a 16 KiB index: four pages, which a sparse index gets only when written
-        g3 = DiskTier(mount, shape, slots, io_threads=1)
-        fd = os.open(mount / "filler", os.O_WRONLY | os.O_CREAT, 0o600)
+    with tiny_tmpfs(tmp_path / "tiny", "2m") as mount:
         try:
-            while True:  # until the file system is full
-                os.write(fd, b"\0" * 4096)
-        except OSError:
-            pass
+            shape = BlockShape(1, 1, 4, 32, torch.uint8)  # 128-byte blocks: 4 KiB slots
+            slots = 256  # a 16 KiB index: four pages, which a sparse index gets only when written
+            g3 = DiskTier(mount, shape, slots, io_threads=1)
+            fd = os.open(mount / "filler", os.O_WRONLY | os.O_CREAT, 0o600)
+            try:
+                while True:  # until the file system is full
+                    os.write(fd, b"\0" * 4096)
+            except OSError:
+                pass
+            finally:
+                os.close(fd)
+            host = HostTier(shape, 1, pin=False)
+            row = host.layout.tensor.view(torch.uint8).reshape(1, -1)[0].numpy()
+            for slot in range(slots):
+                g3.write_slots([slot], [row], [BlockInfo(slot + 1, slot + 1, None)])
+            assert all(g3.is_valid(slot) for slot in range(slots))
         finally:
-            os.close(fd)
-        host = HostTier(shape, 1, pin=False)
-        row = host.layout.tensor.view(torch.uint8).reshape(1, -1)[0].numpy()
-        for slot in range(slots):
-            g3.write_slots([slot], [row], [BlockInfo(slot + 1, slot + 1, None)])
-        assert all(g3.is_valid(slot) for slot in range(slots))
-    finally:
-        if g3 is not None:
-            g3.close()
-        subprocess.run(["umount", "-l", str(mount)], check=True)
+            if g3 is not None:
+                g3.close()
 
 
 def test_two_processes_as_one_worker_are_named_as_that_worker(tmp_path: Path) -> None:

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from services import tiny_tmpfs
 
 from kvledger.events.types import BlockInfo
 from kvledger.tiers import BlockShape, Copier, DeviceTier, DiskTier, DiskTierError, HostTier
@@ -217,28 +218,13 @@ def test_disk_full_while_offloading_fails_the_transfer_and_reports_nothing(
     assert out["slot5"] is False
 
 
-def _mount_tiny_tmpfs(where: Path) -> bool:
-    if os.geteuid() != 0:
-        return False
-    where.mkdir()
-    proc = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(where)], capture_output=True
-    )
-    return proc.returncode == 0
-
-
 def test_disk_full_on_a_real_tiny_file_system(tmp_path: Path) -> None:
-    mount = tmp_path / "tiny"
-    if not _mount_tiny_tmpfs(mount):
-        pytest.skip("mounting a tmpfs needs root with CAP_SYS_ADMIN; not available here")
-    try:
+    with tiny_tmpfs(tmp_path / "tiny", "256k") as mount:
         DiskTier(mount, SHAPE, 8, file_name="fits.bin").close()
         with pytest.raises(DiskTierError, match="file system is out of space") as caught:
             DiskTier(mount, SHAPE, 64)
         assert str(mount / "g3-slots.bin") in str(caught.value)
         assert not (mount / "g3-slots.bin").exists()
-    finally:
-        subprocess.run(["umount", str(mount)], check=True)
 
 
 # -- the slot index, recovery and the lock ---------------------------------------------------

@@ -15,6 +15,12 @@ import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
 from kvledger.events.files import check_private, private_file
+from kvledger.events.log.rows import insert_sql
+
+try:
+    from kvledger.events.log._sqlite_writer import Writer as CompiledWriter
+except ImportError:  # not built (no C compiler), or a Python whose sqlite3 hides SQLite's API
+    CompiledWriter = None  # type: ignore[assignment, misc]
 
 Durability = Literal["batch", "fsync", "none"]
 DURABILITY_MODES: tuple[Durability, ...] = ("batch", "fsync", "none")
@@ -95,6 +101,31 @@ def open_database(url: str, durability: Durability = "batch") -> sa.Engine:
     if synchronous is not None:
         install_sqlite_pragmas(db, synchronous)
     return db
+
+
+def compiled_writer_path(url: str) -> str | None:
+    """The file a SQLite log's compiled writer (``_sqlite_writer.c``) opens, or None where the
+    Python writer serves: another database, the extension not built, a SQLite URI or URL
+    options (which the compiled writer does not read), or ``KVLEDGER_PYTHON_WRITER=1`` in the
+    environment (to measure it, or to rule it out)."""
+    if CompiledWriter is None or os.environ.get("KVLEDGER_PYTHON_WRITER", "") not in ("", "0"):
+        return None
+    parsed = sa.make_url(url)
+    path = parsed.database
+    if parsed.get_backend_name() != "sqlite" or parsed.query or not path:
+        return None
+    if path == ":memory:" or path.startswith("file:"):
+        return None
+    return path
+
+
+def open_compiled_writer(path: str, durability: Durability) -> CompiledWriter:
+    """A connection of the compiled writer to the log file at ``path`` (it exists: the schema
+    was made through SQLAlchemy), with the pragmas and busy timeout that ``open_database``
+    gives SQLAlchemy's connections. Raises ``sqlite3``'s own errors, as a connect would."""
+    return CompiledWriter(
+        path, _SQLITE_SYNC[durability], int(SQLITE_BUSY_S * 1000), insert_sql("qmark")
+    )
 
 
 def open_async_database(url: str, durability: Durability = "batch") -> AsyncEngine:

@@ -4,7 +4,9 @@ Appends cost the caller an encode and a list append; a writer thread takes what 
 commits it in one transaction (group commit), so the engine's hot path never waits for the disk
 while the writer keeps up. When it does not, ``append`` waits (back-pressure, see
 ``core.Backlog``) rather than let the uncommitted tail, which a crash would lose, grow without
-bound. The rows go out as multi-row INSERTs (``rows.py`` says why).
+bound. On SQLite the writer commits each batch with the GIL released (``_sqlite_writer.c``, when
+built); elsewhere, and without it, the rows go out as multi-row INSERTs (``rows.py`` says why),
+on PostgreSQL as one COPY.
 
 Reads stream rows in append order (the row id) through ``reader.read_chunks`` and decode them.
 Each worker's event ids are checked on append to be contiguous (``core.LogCore``), so a log only
@@ -30,7 +32,13 @@ import sqlalchemy as sa
 from kvledger.events.log import checkpoints, reader
 from kvledger.events.log.checkpoints import Checkpoint
 from kvledger.events.log.core import RETRY_FOR, LogCore, Outage, not_yet_committed
-from kvledger.events.log.database import Durability, open_database, open_read_only
+from kvledger.events.log.database import (
+    Durability,
+    compiled_writer_path,
+    open_compiled_writer,
+    open_database,
+    open_read_only,
+)
 from kvledger.events.log.reader import READ_CHUNK, LogSummary
 from kvledger.events.log.rows import InsertStatements, Row, copy_rows, max_params
 from kvledger.events.log.schema import (
@@ -106,6 +114,7 @@ class EventLog(LogCore):
             retry_for=retry_for,
         )
         self.url = database_url(url)
+        self._durability: Durability = durability
         parsed = sa.make_url(self.url)
         if parsed.get_backend_name() == "sqlite" and (read_only or not create):
             path = Path(parsed.database or "")
@@ -315,9 +324,14 @@ class EventLog(LogCore):
         batch: list[Row] = []  # taken from the backlog, not yet known to be committed
         events: list[LogRecord] = []  # their events, for the commit sinks (a tail of batch)
         outage = Outage(self.url, self.retry_for)
+        compiled = compiled_writer_path(self.url)
         while True:
             try:
-                with _Writer(self._db) as writer:
+                with (
+                    _Writer(self._db)
+                    if compiled is None
+                    else open_compiled_writer(compiled, self._durability)
+                ) as writer:
                     if batch:  # the batch the outage interrupted
                         newest = {w: self._last_committed_id(w) for w in {r[0] for r in batch}}
                         writer.commit(not_yet_committed(batch, newest))

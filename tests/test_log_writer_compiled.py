@@ -1,0 +1,212 @@
+"""The compiled SQLite writer (events/log/_sqlite_writer.c) against the Python one: the same rows
+in the same table for any batch, the same exception classes and SQLite's own words for what
+goes wrong, nothing of a failed batch written, and the interpreter free while SQLite works.
+
+The rest of the suite's log tests (outages, kills, back-pressure, a full disk, a second process
+as the same worker) run through the compiled writer too, since the log picks it wherever it is
+built; test_event_log's full-disk test runs both."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import sqlite3
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from services import hold_write_lock
+from test_event_codec import events
+
+from kvledger.events.log import EventLog
+from kvledger.events.log._sqlite_writer import Writer as CompiledWriter
+from kvledger.events.log.database import compiled_writer_path, open_compiled_writer
+from kvledger.events.log.rows import COLUMNS, Row, insert_sql, to_row
+from kvledger.events.types import Removed, Tier
+
+_NAMES = itertools.count()
+
+
+def new_log(folder: Path) -> Path:
+    """An empty log file with the schema, made as the log makes it."""
+    path = folder / f"events-{next(_NAMES)}.db"
+    EventLog(f"sqlite:///{path}").close()
+    return path
+
+
+def table(path: Path) -> list[tuple[Any, ...]]:
+    with sqlite3.connect(path) as conn:
+        return conn.execute(f"SELECT id, {', '.join(COLUMNS)} FROM events ORDER BY id").fetchall()
+
+
+def python_commit(path: Path, batch: list[Row]) -> None:
+    """What the Python writer's statements leave, by plain sqlite3 (one transaction)."""
+    with sqlite3.connect(path) as conn:
+        conn.executemany(insert_sql("qmark"), batch)
+
+
+@pytest.fixture
+def folder(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    yield tmp_path_factory.mktemp("logs")
+
+
+def test_this_install_built_it(tmp_path: Path) -> None:
+    """The build is optional, so a broken one would pass unnoticed but for this module's
+    import: the suite's install has a compiler (as for test_codec_compiled), and a plain SQLite
+    log's writer is then the compiled one."""
+    assert compiled_writer_path(f"sqlite:///{tmp_path / 'a.db'}") == str(tmp_path / "a.db")
+    assert compiled_writer_path("postgresql+psycopg://u@127.0.0.1/db") is None
+    assert compiled_writer_path(f"sqlite:///file:{tmp_path / 'a.db'}?mode=ro&uri=true") is None
+    assert CompiledWriter.__module__ == "kvledger.events.log._sqlite_writer"
+
+
+@settings(
+    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(st.lists(events(), min_size=1, max_size=30))
+def test_same_rows_as_the_python_writer(folder: Path, drawn: list[Any]) -> None:
+    batch = [to_row(replace_ids(event, i)) for i, event in enumerate(drawn)]
+    ours, theirs = new_log(folder), new_log(folder)
+    with open_compiled_writer(str(ours), "batch") as writer:
+        writer.commit(batch[:1])
+        writer.commit(batch[1:])
+        writer.commit([])
+    python_commit(theirs, batch[:1])
+    python_commit(theirs, batch[1:])
+    assert table(ours) == table(theirs)
+    assert [row[1:] for row in table(ours)] == [tuple(row) for row in batch]
+
+
+def replace_ids(event: Any, i: int) -> Any:
+    """``event`` as worker 0's ``i``-th (drawn ids repeat; the table refuses a repeat)."""
+    return replace(event, worker_id=0, event_id=i)
+
+
+def removed(event_id: int, worker_id: int = 0) -> Row:
+    return to_row(
+        Removed(
+            event_id=event_id, worker_id=worker_id, dp_rank=0, tier=Tier.G1, ts=1.0,
+            sequence_hashes=(event_id + 1,),
+        )
+    )  # fmt: skip
+
+
+def test_a_repeated_id_is_the_integrity_error_and_nothing_of_the_batch_is_written(
+    folder: Path,
+) -> None:
+    path = new_log(folder)
+    with open_compiled_writer(str(path), "batch") as writer:
+        writer.commit([removed(0), removed(1)])
+        with pytest.raises(sqlite3.IntegrityError, match="UNIQUE constraint failed"):
+            writer.commit([removed(2), removed(3), removed(1)])
+        writer.commit([removed(2)])  # the connection goes on, the failed batch left no row
+    assert [row[2] for row in table(path)] == [0, 1, 2]
+
+
+@pytest.mark.parametrize(
+    ("row", "error", "words"),
+    [
+        ((0, 1, "removed", 0, 1.0), TypeError, "a log row is a tuple"),
+        ((0, 1, "removed", 0, 1, b"x"), TypeError, "a log row is a tuple"),
+        ((0, True, "removed", 0, 1.0, b"x"), TypeError, "a log row is a tuple"),
+        ([0, 1, "removed", 0, 1.0, b"x"], TypeError, "a log row is a tuple"),
+        ((0, 2**63, "removed", 0, 1.0, b"x"), OverflowError, "too large"),
+    ],
+)
+def test_a_malformed_row_is_refused_before_anything_is_written(
+    folder: Path, row: Any, error: type[Exception], words: str
+) -> None:
+    path = new_log(folder)
+    with open_compiled_writer(str(path), "batch") as writer:
+        with pytest.raises(error, match=words):
+            writer.commit([removed(0), row])
+        with pytest.raises(TypeError, match="list"):
+            writer.commit((removed(0),))  # type: ignore[arg-type]
+    assert table(path) == []
+
+
+def test_opening_fails_as_sqlite3_does(tmp_path: Path) -> None:
+    with pytest.raises(sqlite3.OperationalError, match="unable to open database file"):
+        open_compiled_writer(str(tmp_path / "missing" / "events.db"), "batch")
+    (tmp_path / "not-a-log.db").write_bytes(b"x" * 4096)
+    with pytest.raises(sqlite3.DatabaseError, match="not a database"):
+        open_compiled_writer(str(tmp_path / "not-a-log.db"), "batch")
+    with pytest.raises(ValueError, match="synchronous must be"):
+        CompiledWriter(str(new_log(tmp_path)), "SOMETIMES", 100, insert_sql("qmark"))
+
+
+def test_a_closed_writer_refuses_to_commit(folder: Path) -> None:
+    writer = open_compiled_writer(str(new_log(folder)), "fsync")
+    writer.close()
+    writer.close()
+    with pytest.raises(sqlite3.InterfaceError, match="closed"):
+        writer.commit([removed(0)])
+
+
+def test_the_interpreter_runs_while_a_commit_waits_for_sqlite(folder: Path) -> None:
+    """A commit that waits on another connection's lock (SQLite's busy handler, inside the C
+    call) leaves the interpreter to other threads: here the one that then releases the lock.
+    If the commit held the GIL, that thread could not run until the busy timeout had failed
+    the commit."""
+    path = new_log(folder)
+    db, conn = hold_write_lock(f"sqlite:///{path}")
+    writer = CompiledWriter(str(path), "NORMAL", 30_000, insert_sql("qmark"))
+    started = threading.Event()
+    failure: list[BaseException] = []
+
+    def commit() -> None:
+        started.set()
+        try:
+            writer.commit([removed(0)])
+        except BaseException as exc:
+            failure.append(exc)
+
+    thread = threading.Thread(target=commit)
+    thread.start()
+    started.wait()
+    thread.join(0.3)  # Python code runs here while the commit waits inside SQLite
+    assert thread.is_alive()
+    conn.rollback()
+    conn.close()
+    db.dispose()
+    thread.join(30)
+    writer.close()
+    assert not thread.is_alive() and failure == []
+    assert [row[2] for row in table(path)] == [0]
+
+
+def test_a_locked_log_is_the_operational_error_the_outage_policy_retries(folder: Path) -> None:
+    path = new_log(folder)
+    db, conn = hold_write_lock(f"sqlite:///{path}")
+    try:
+        writer = CompiledWriter(str(path), "NORMAL", 50, insert_sql("qmark"))
+        with pytest.raises(sqlite3.OperationalError, match="database is locked"):
+            writer.commit([removed(0)])
+        writer.close()
+    finally:
+        conn.rollback()
+        conn.close()
+        db.dispose()
+    assert table(path) == []
+
+
+def test_the_environment_turns_it_off(tmp_path: Path) -> None:
+    """``KVLEDGER_PYTHON_WRITER=1``: the log's Python writer (multi-row INSERTs) serves."""
+    script = (
+        "import sys; from kvledger.events.log.database import compiled_writer_path; "
+        "sys.stdout.write(repr(compiled_writer_path(sys.argv[1])))"
+    )
+    url = f"sqlite:///{tmp_path / 'a.db'}"
+    for value, expected in (("1", "None"), ("0", repr(str(tmp_path / "a.db")))):
+        env = {**os.environ, "KVLEDGER_PYTHON_WRITER": value}
+        out = subprocess.run(
+            [sys.executable, "-c", script, url], env=env, capture_output=True, text=True, check=True
+        )
+        assert out.stdout == expected
