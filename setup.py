@@ -1,11 +1,12 @@
 """The C extensions, which pyproject.toml cannot declare without an experimental table.
 
 ``kvledger.events._speedups`` (events/_speedups.c) encodes the log's hot record kinds;
-``kvledger.events.log._sqlite_writer`` (events/log/_sqlite_writer.c) commits the SQLite log's
-batches with the GIL released, through the SQLite that Python's sqlite3 module runs (found when
-it is imported: nothing is linked, no SQLite headers are needed). Both are optional: where one
-does not build (no C compiler, no zlib headers) the install goes on, and the codec's Python
-encoders and the log's Python writer do the same work.
+``kvledger.events.log._sqlite`` (events/log/_sqlite.c) commits the SQLite log's
+batches and reads replay's chunks with the GIL released, through the SQLite that Python's
+sqlite3 module runs (found when it is imported: nothing of SQLite is linked, no SQLite headers
+are needed). Both are optional: where one does not build (no C compiler, no zlib headers) the
+install goes on, and the codec's Python encoders and the log's Python writer and reader do the
+same work.
 """
 
 from setuptools import Extension, setup
@@ -19,8 +20,8 @@ setup(
             optional=True,
         ),
         Extension(
-            "kvledger.events.log._sqlite_writer",
-            sources=["events/log/_sqlite_writer.c"],
+            "kvledger.events.log._sqlite",
+            sources=["events/log/_sqlite.c"],
             libraries=["dl"],
             optional=True,
         ),

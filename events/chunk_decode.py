@@ -5,8 +5,9 @@ record out with fixed-width fields (``codec.py``), so for a chunk of records joi
 buffer each field sits at an offset the fields before it determine: numpy can check every
 tag byte, length and cross-field rule of all records together and gather their hashes.
 
-Every version 3 record's checksum is verified: one ``zlib.crc32`` call per record (the only
-per-record Python work, about 0.2 us), compared with the CRC residue as an array. The rows'
+Every version 3 record's checksum is verified: its CRC-32 (one ``zlib.crc32`` call per record,
+the only per-record Python work, about 0.2 us; computed by replay's compiled reader as it reads
+the row, where that serves) compared with the CRC residue as an array. The rows'
 ``ts`` column, which replay uses to cut a ``--until-ts`` prefix and to date checkpoints, is
 compared with the verified timestamp inside each record.
 
@@ -111,13 +112,29 @@ def decode_chunk(
     record-by-record path. ``last_event_id`` is each worker's last event before the chunk;
     ``ts``, the rows' ``ts`` column, to be checked against the records. With
     ``until_event_id``, records of later events are checked but not folded."""
-    n = len(payloads)
+    lengths = np.fromiter(map(len, payloads), np.int64, len(payloads))
+    ends = np.cumsum(lengths)
+    crcs = np.fromiter(map(zlib.crc32, payloads), np.uint32, len(payloads))
+    buf = np.frombuffer(b"".join(payloads), np.uint8)
+    return decode_joined(buf, ends - lengths, ends, crcs, last_event_id, ts, until_event_id)
+
+
+def decode_joined(
+    buf: Bytes,
+    starts: Ints,
+    ends: Ints,
+    crcs: npt.NDArray[np.uint32],
+    last_event_id: Mapping[int, int],
+    ts: npt.NDArray[np.float64] | None = None,
+    until_event_id: int | None = None,
+) -> DecodedChunk | None:
+    """``decode_chunk`` of records already laid in one buffer: record ``i`` is
+    ``buf[starts[i]:ends[i]]`` and ``crcs[i]`` its CRC-32 (how replay's compiled reader hands
+    a chunk over, ``reader.RowChunk``). The buffer may hold other bytes around them."""
+    n = len(starts)
     if not n:
         return DecodedChunk({}, {})
-    lengths = np.fromiter(map(len, payloads), np.int64, n)
-    ends = np.cumsum(lengths)
-    starts = ends - lengths
-    buf = np.frombuffer(b"".join(payloads), np.uint8)
+    lengths = ends - starts
     if (lengths < HEADER_BYTES).any():
         return None
     head = _window(buf, HEADER_BYTES)[starts]
@@ -134,7 +151,7 @@ def decode_chunk(
     for at, byte in _HEADER_TAGS:
         if (head[:, at] != byte).any():
             return None
-    if checked.any() and not _checksums_match(payloads, buf, ends, checked):
+    if checked.any() and not _checksums_match(crcs, buf, ends, checked):
         return None
     if ts is not None and (np.ascontiguousarray(head[:, 32:40]).view(">f8").ravel() != ts).any():
         return None
@@ -171,13 +188,12 @@ def decode_chunk(
 
 
 def _checksums_match(
-    payloads: Sequence[bytes], buf: Bytes, ends: Ints, checked: npt.NDArray[np.bool_]
+    crcs: npt.NDArray[np.uint32], buf: Bytes, ends: Ints, checked: npt.NDArray[np.bool_]
 ) -> bool:
     """Whether every version 3 record (``checked``) ends with its checksum field and passes
-    it: the CRC-32 of a whole intact record is the residue."""
+    it: the CRC-32 of a whole intact record (``crcs``) is the residue."""
     if (buf[ends[checked] - CHECK_BYTES] != CHECK_TAG).any():
         return False
-    crcs = np.fromiter(map(zlib.crc32, payloads), np.uint32, len(payloads))
     return bool((crcs[checked] == CHECK_RESIDUE).all())
 
 

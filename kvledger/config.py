@@ -50,7 +50,7 @@ DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "u
 #: ``KVLEDGER_*`` variables that are not settings: the shared data folder (read by the test
 #: suite and benchmarks) and the switches that turn the compiled encoders and the compiled
 #: SQLite writer off (read by ``kvledger.events``, below any settings).
-OTHER_VARIABLES = ("KVLEDGER_SHARED_DATA", "KVLEDGER_PYTHON_ENCODERS", "KVLEDGER_PYTHON_WRITER")
+OTHER_VARIABLES = ("KVLEDGER_SHARED_DATA", "KVLEDGER_PYTHON_ENCODERS", "KVLEDGER_PYTHON_SQLITE")
 OTHER_PREFIXES = ("KVLEDGER_TEST_",)
 _warned: set[str] = set()
 

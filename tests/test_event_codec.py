@@ -24,6 +24,7 @@ from kvledger.events.codec import (
     encode_state,
     iter_decode,
 )
+from kvledger.events.log.reader import RowChunk
 from kvledger.events.log.replay import fold_chunk
 from kvledger.events.types import (
     AnyEvent,
@@ -398,16 +399,20 @@ SHORT_LOOKUP = (
 
 
 @settings(max_examples=400)
-@given(log_rows(), st.integers(1, 7), st.none() | st.integers(-1, 12))
-@example(rows=[(1, 0.0, SHORT_LOOKUP)], chunk=1, until_event_id=None)
+@given(log_rows(), st.integers(1, 7), st.none() | st.integers(-1, 12), st.booleans())
+@example(rows=[(1, 0.0, SHORT_LOOKUP)], chunk=1, until_event_id=None, shared=False)
 def test_chunk_fold_agrees_with_decode_and_apply(
-    rows: list[tuple[int, float, bytes]], chunk: int, until_event_id: int | None
+    rows: list[tuple[int, float, bytes]], chunk: int, until_event_id: int | None, shared: bool
 ) -> None:
+    """Folded in chunks of tuples, or of slices of one ``RowChunk`` whose buffer holds the
+    other chunks' records around theirs (how replay folds what its reader read)."""
     expected, error, position = fold_reference(rows, until_event_id)
     state = RegistryState()
+    whole = RowChunk.from_rows(rows)
     try:
         for start in range(0, len(rows), chunk):
-            fold_chunk(state, rows[start : start + chunk], until_event_id)
+            piece = whole[start : start + chunk] if shared else rows[start : start + chunk]
+            fold_chunk(state, piece, until_event_id)
     except ValueError as exc:
         assert error is not None, f"fast fold raised {exc!r}, reference did not"
         assert isinstance(exc, type(error))

@@ -23,7 +23,7 @@ from services import hold_write_lock, tiny_tmpfs
 
 from kvledger.events.codec import CodecError
 from kvledger.events.log import EventLog, EventLogError
-from kvledger.events.log.database import compiled_writer_path
+from kvledger.events.log.database import compiled_sqlite_path
 from kvledger.events.log.replay import replay, replay_report, verify
 from kvledger.events.log.schema import SchemaError
 from kvledger.events.types import AnyEvent, BlockInfo, Removed, Stored, Tier
@@ -520,10 +520,10 @@ def test_disk_full_is_one_clean_line(backend: str, writer: str, tmp_path: Path) 
         pytest.skip("filling a PostgreSQL server's disk is not done in a unit test")
     with tiny_tmpfs(tmp_path / "tiny", "256k") as mount:
         log_url = f"sqlite:///{mount / 'events.db'}"
-        if writer == "compiled" and compiled_writer_path(log_url) is None:
+        if writer == "compiled" and compiled_sqlite_path(log_url) is None:
             pytest.skip("the compiled writer is not built here (no C compiler at install)")
         with pytest.MonkeyPatch.context() as env:
-            env.setenv("KVLEDGER_PYTHON_WRITER", "1" if writer == "python" else "0")
+            env.setenv("KVLEDGER_PYTHON_SQLITE", "1" if writer == "python" else "0")
             log = EventLog(log_url, max_delay=0.01)
             emitter = EventEmitter(log.append)
             emit_some(emitter, 50)
@@ -551,7 +551,7 @@ def test_a_full_database_is_one_clean_line(
     SQLAlchemy's connections, which the compiled writer does not use.)"""
     if backend != "sqlite":
         pytest.skip("filling a PostgreSQL server's disk is not done in a unit test")
-    monkeypatch.setenv("KVLEDGER_PYTHON_WRITER", "1")
+    monkeypatch.setenv("KVLEDGER_PYTHON_SQLITE", "1")
     EventLog(log_url).close()
     path = cast(str, sa.make_url(log_url).database)  # a SQLite URL names its file
     with sqlite3.connect(path) as conn:

@@ -98,11 +98,11 @@ def test_the_light_install_has_no_torch(light: Path, tmp_path: Path) -> None:
     )
     assert imported.stdout.strip() == "[]"
     # pip built the compiled encoders (events/_speedups.c) and the compiled SQLite writer
-    # (events/log/_sqlite_writer.c) from the source, as a user's does
+    # (events/log/_sqlite.c) from the source, as a user's does
     compiled = _run(
         light, "python", "-c",
         "from kvledger.events import codec; from kvledger.events.log import database; "
-        "print(len(codec.COMPILED), database.compiled_writer_path('sqlite:///a.db'))",
+        "print(len(codec.COMPILED), database.compiled_sqlite_path('sqlite:///a.db'))",
         cwd=tmp_path,
     )  # fmt: skip
     assert compiled.stdout.strip() == "4 a.db"

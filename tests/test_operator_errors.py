@@ -220,7 +220,7 @@ def test_a_misspelt_variable_gets_one_warning_naming_the_setting(tmp_path: Path)
         "did you mean KVLEDGER_G2_BLOCKS?"
     ]
     others = {"KVLEDGER_SHARED_DATA": "x", "KVLEDGER_TEST_PG_HOST": "y"}
-    switches = {"KVLEDGER_PYTHON_ENCODERS": "1", "KVLEDGER_PYTHON_WRITER": "1"}
+    switches = {"KVLEDGER_PYTHON_ENCODERS": "1", "KVLEDGER_PYTHON_SQLITE": "1"}
     assert unknown_variables({**others, **switches}) == []
     proc = kvledger(
         "simulate",

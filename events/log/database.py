@@ -18,9 +18,10 @@ from kvledger.events.files import check_private, private_file
 from kvledger.events.log.rows import insert_sql
 
 try:
-    from kvledger.events.log._sqlite_writer import Writer as CompiledWriter
+    from kvledger.events.log._sqlite import Reader as CompiledReader
+    from kvledger.events.log._sqlite import Writer as CompiledWriter
 except ImportError:  # not built (no C compiler), or a Python whose sqlite3 hides SQLite's API
-    CompiledWriter = None  # type: ignore[assignment, misc]
+    CompiledReader = CompiledWriter = None  # type: ignore[assignment, misc]
 
 Durability = Literal["batch", "fsync", "none"]
 DURABILITY_MODES: tuple[Durability, ...] = ("batch", "fsync", "none")
@@ -103,12 +104,12 @@ def open_database(url: str, durability: Durability = "batch") -> sa.Engine:
     return db
 
 
-def compiled_writer_path(url: str) -> str | None:
-    """The file a SQLite log's compiled writer (``_sqlite_writer.c``) opens, or None where the
-    Python writer serves: another database, the extension not built, a SQLite URI or URL
-    options (which the compiled writer does not read), or ``KVLEDGER_PYTHON_WRITER=1`` in the
+def compiled_sqlite_path(url: str) -> str | None:
+    """The file a SQLite log's compiled writer and reader (``_sqlite.c``) open, or None where
+    the Python ones serve: another database, the extension not built, a SQLite URI or URL
+    options (which the compiled ones do not read), or ``KVLEDGER_PYTHON_SQLITE=1`` in the
     environment (to measure it, or to rule it out)."""
-    if CompiledWriter is None or os.environ.get("KVLEDGER_PYTHON_WRITER", "") not in ("", "0"):
+    if CompiledWriter is None or os.environ.get("KVLEDGER_PYTHON_SQLITE", "") not in ("", "0"):
         return None
     parsed = sa.make_url(url)
     path = parsed.database
@@ -126,6 +127,17 @@ def open_compiled_writer(path: str, durability: Durability) -> CompiledWriter:
     return CompiledWriter(
         path, _SQLITE_SYNC[durability], int(SQLITE_BUSY_S * 1000), insert_sql("qmark")
     )
+
+
+def open_compiled_reader(path: str, sql: str) -> CompiledReader | None:
+    """The compiled reader of ``sql`` (a SELECT of id, ts and payload) on a read-only
+    connection to the log file at ``path``; None where SQLite cannot open it so (a read-only
+    mount without the ``-shm`` file a WAL reader needs: ``open_read_only`` says more), and the
+    caller reads through SQLAlchemy's engine, which found a way."""
+    try:
+        return CompiledReader(path, sql, int(SQLITE_BUSY_S * 1000))
+    except sqlite3.OperationalError:
+        return None
 
 
 def open_async_database(url: str, durability: Durability = "batch") -> AsyncEngine:

@@ -4,7 +4,7 @@ Appends cost the caller an encode and a list append; a writer thread takes what 
 commits it in one transaction (group commit), so the engine's hot path never waits for the disk
 while the writer keeps up. When it does not, ``append`` waits (back-pressure, see
 ``core.Backlog``) rather than let the uncommitted tail, which a crash would lose, grow without
-bound. On SQLite the writer commits each batch with the GIL released (``_sqlite_writer.c``, when
+bound. On SQLite the writer commits each batch with the GIL released (``_sqlite.c``, when
 built); elsewhere, and without it, the rows go out as multi-row INSERTs (``rows.py`` says why),
 on PostgreSQL as one COPY.
 
@@ -34,12 +34,12 @@ from kvledger.events.log.checkpoints import Checkpoint
 from kvledger.events.log.core import RETRY_FOR, LogCore, Outage, not_yet_committed
 from kvledger.events.log.database import (
     Durability,
-    compiled_writer_path,
+    compiled_sqlite_path,
     open_compiled_writer,
     open_database,
     open_read_only,
 )
-from kvledger.events.log.reader import READ_CHUNK, LogSummary
+from kvledger.events.log.reader import READ_CHUNK, LogSummary, RowChunk
 from kvledger.events.log.rows import InsertStatements, Row, copy_rows, max_params
 from kvledger.events.log.schema import (
     DEFAULT_URL,
@@ -115,6 +115,8 @@ class EventLog(LogCore):
         )
         self.url = database_url(url)
         self._durability: Durability = durability
+        self._compiled_path = compiled_sqlite_path(self.url)
+        """The SQLite file the compiled writer and replay's reader open (None: Python's)."""
         parsed = sa.make_url(self.url)
         if parsed.get_backend_name() == "sqlite" and (read_only or not create):
             path = Path(parsed.database or "")
@@ -324,7 +326,7 @@ class EventLog(LogCore):
         batch: list[Row] = []  # taken from the backlog, not yet known to be committed
         events: list[LogRecord] = []  # their events, for the commit sinks (a tail of batch)
         outage = Outage(self.url, self.retry_for)
-        compiled = compiled_writer_path(self.url)
+        compiled = self._compiled_path
         while True:
             try:
                 with (
@@ -555,6 +557,18 @@ class EventLog(LogCore):
             columns=columns,
         )
         return reader.read_chunks(self._db, stmt, chunk_size)
+
+    def read_row_chunks(
+        self,
+        *,
+        after_position: int = 0,
+        until_position: int | None = None,
+        chunk_size: int = READ_CHUNK,
+    ) -> Generator[RowChunk, None, None]:
+        """Every row in the position bounds as ``RowChunk``s of up to ``chunk_size``: what
+        replay folds, read by the compiled reader where it serves (``reader.read_row_chunks``)."""
+        stmt = reader.select_rows(after_position=after_position, until_position=until_position)
+        return reader.read_row_chunks(self._db, stmt, chunk_size, self._compiled_path)
 
     def last_event_id(self, worker_id: int) -> int:
         """The worker's newest event id accepted by this log (queued or committed); -1 if none."""

@@ -8,13 +8,17 @@ worker's own ids, so without ``worker_id`` they select every worker's events
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Generator, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+import numpy.typing as npt
 import sqlalchemy as sa
 
 from kvledger.events.codec import decode
+from kvledger.events.log.database import open_compiled_reader
 from kvledger.events.log.schema import checkpoints, events
 from kvledger.events.types import AnyEvent, LogRecord, Lookup, Released, RunInfo, Tier
 
@@ -88,6 +92,103 @@ def read_chunks(
         with result:
             while rows := result.fetchmany(chunk_size):
                 yield rows  # type: ignore[misc]
+
+
+@dataclass(frozen=True, slots=True)
+class RowChunk:
+    """Rows ``(position, ts, payload)`` in append order, as arrays over one buffer of the
+    payloads end to end: what replay folds a chunk at a time (``chunk_decode.decode_joined``
+    reads the records where they lie). Row ``i``'s payload is ``buf[starts[i]:ends[i]]`` and
+    ``crcs[i]`` its CRC-32. A slice shares the buffer.
+
+    Replay's compiled reader (``_sqlite.c``) builds one without a Python object per row;
+    ``from_rows`` builds one from the tuples any other reader gives."""
+
+    positions: npt.NDArray[np.int64]
+    ts: npt.NDArray[np.float64]
+    buf: bytes
+    starts: npt.NDArray[np.int64]
+    ends: npt.NDArray[np.int64]
+    crcs: npt.NDArray[np.uint32]
+
+    @classmethod
+    def from_rows(cls, rows: Sequence[tuple[int, float, bytes]]) -> RowChunk:
+        n = len(rows)
+        payloads = [row[2] for row in rows]
+        lengths = np.fromiter(map(len, payloads), np.int64, n)
+        ends = np.cumsum(lengths)
+        return cls(
+            np.fromiter((row[0] for row in rows), np.int64, n),
+            np.fromiter((row[1] for row in rows), np.float64, n),
+            b"".join(payloads),
+            ends - lengths,
+            ends,
+            np.fromiter(map(zlib.crc32, payloads), np.uint32, n),
+        )
+
+    @classmethod
+    def from_buffers(
+        cls, positions: bytes, ts: bytes, buf: bytes, ends: bytes, crcs: bytes
+    ) -> RowChunk:
+        """From the compiled reader's five buffers (native-endian int64, float64, the
+        payloads, int64 end offsets, uint32 CRCs)."""
+        end = np.frombuffer(ends, np.int64)
+        starts = np.empty_like(end)
+        starts[0] = 0
+        starts[1:] = end[:-1]
+        return cls(
+            np.frombuffer(positions, np.int64),
+            np.frombuffer(ts, np.float64),
+            buf,
+            starts,
+            end,
+            np.frombuffer(crcs, np.uint32),
+        )
+
+    def __len__(self) -> int:
+        return len(self.positions)
+
+    def __getitem__(self, rows: slice) -> RowChunk:
+        return RowChunk(
+            self.positions[rows], self.ts[rows], self.buf, self.starts[rows], self.ends[rows],
+            self.crcs[rows],
+        )  # fmt: skip
+
+    def row(self, i: int) -> tuple[int, float, bytes]:
+        return (
+            int(self.positions[i]),
+            float(self.ts[i]),
+            self.buf[int(self.starts[i]) : int(self.ends[i])],
+        )
+
+    def rows(self) -> Iterator[tuple[int, float, bytes]]:
+        """Each row as the tuple ``(position, ts, payload)`` (the record-by-record path)."""
+        buf = self.buf
+        for position, ts, start, end in zip(
+            self.positions.tolist(), self.ts.tolist(), self.starts.tolist(), self.ends.tolist(),
+            strict=True,
+        ):  # fmt: skip
+            yield position, ts, buf[start:end]
+
+
+def read_row_chunks(
+    db: sa.Engine, stmt: sa.Select[Any], chunk_size: int = READ_CHUNK, path: str | None = None
+) -> Generator[RowChunk, None, None]:
+    """``read_chunks`` of ``(id, ts, payload)`` rows as ``RowChunk``s. With ``path`` (the log's
+    SQLite file, where the compiled reader is built: ``database.compiled_sqlite_path``), the
+    compiled reader steps the rows on a read-only connection of its own; a file it cannot
+    open so (on a read-only mount without its ``-shm``, say) is read through ``db``."""
+    reader = None
+    if path is not None:
+        sql = str(stmt.compile(db, compile_kwargs={"literal_binds": True}))
+        reader = open_compiled_reader(path, sql)
+    if reader is None:
+        for rows in read_chunks(db, stmt, chunk_size):
+            yield RowChunk.from_rows(rows)
+        return
+    with reader:
+        while (buffers := reader.read(chunk_size)) is not None:
+            yield RowChunk.from_buffers(*buffers)
 
 
 def decode_rows(

@@ -16,16 +16,15 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Callable, Generator, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from operator import itemgetter
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import numpy as np
 import sqlalchemy as sa
 
-from kvledger.events.chunk_decode import decode_chunk
+from kvledger.events.chunk_decode import decode_joined
 from kvledger.events.codec import (
     CodecError,
     decode,
@@ -35,13 +34,12 @@ from kvledger.events.codec import (
 )
 from kvledger.events.files import write_private
 from kvledger.events.log import Checkpoint, EventLog
+from kvledger.events.log.reader import RowChunk
 from kvledger.events.types import AnyEvent, LogRecord, Lookup, Released, RunInfo
 from kvledger.registry.columns import ops_from_events
 from kvledger.registry.state import EventOrderError, RegistryState, take_next
 
 DEFAULT_CHECKPOINT_EVERY = 100_000
-_TS = itemgetter(1)
-_PAYLOAD = itemgetter(2)
 
 
 class RowOrderError(EventOrderError):
@@ -140,23 +138,23 @@ def _replay(
     try:
         for chunk in chunks:
             stop_at: tuple[int, float, bytes] | None = None
-            if until_ts is not None and max(map(_TS, chunk)) > until_ts:
+            if until_ts is not None and chunk.ts.max() > until_ts:
                 # the prefix ends inside this chunk, at the first later event
-                cut = next(i for i, row in enumerate(chunk) if row[1] > until_ts)
-                chunk, stop_at = chunk[:cut], chunk[cut]
-            while chunk:
+                cut = int(np.argmax(chunk.ts > until_ts))
+                chunk, stop_at = chunk[:cut], chunk.row(cut)
+            while len(chunk):
                 # fold up to the next checkpoint boundary, store one there, go on
                 take = len(chunk) if not every else min(len(chunk), every - since_checkpoint)
                 piece, chunk = chunk[:take], chunk[take:]
                 try:
                     folded = fold_chunk(state, piece, until_event_id)
                 except (CodecError, RowOrderError) as exc:
-                    raise _stopped_at(log, exc, piece, report.last_position) from None
+                    raise _stopped_at(log, exc, piece.positions, report.last_position) from None
                 report.events += folded.events
                 report.lookup_records += folded.lookup_records
-                max_ts = max(max_ts, max(map(_TS, piece)))
+                max_ts = max(max_ts, float(piece.ts.max()))
                 report.rows_folded += len(piece)
-                report.last_position = piece[-1][0]
+                report.last_position = int(piece.positions[-1])
                 since_checkpoint += len(piece)
                 if every and since_checkpoint >= every:
                     if _try_checkpoint(log, report.last_position, state, max_ts):
@@ -178,7 +176,7 @@ def _chunks_to_read(
     start: int,
     until_position: int | None,
     until_event_id: int | None,
-) -> Generator[list[tuple[Any, ...]], None, None]:
+) -> Generator[RowChunk, None, None]:
     """The rows replay reads after ``start``: with ``until_event_id``, first those up to the
     last row that, by its columns, holds an event within the bound (``last_position_until``;
     no later row can hold one, since each worker's ids grow with the position), not every row
@@ -195,7 +193,7 @@ def _chunks_to_read(
     if until_event_id is not None:
         bound, targets = log.last_position_until(until_event_id)
         stop = bound if until_position is None else min(until_position, bound)
-    chunks = log.read_chunks(after_position=start, until_position=stop)
+    chunks = log.read_row_chunks(after_position=start, until_position=stop)
     try:
         yield from chunks
     finally:
@@ -206,7 +204,7 @@ def _chunks_to_read(
     last = state.last_event_id
     if all(last.get(worker, -1) >= target for worker, target in targets.items()):
         return
-    rest = log.read_chunks(after_position=max(start, stop), until_position=until_position)
+    rest = log.read_row_chunks(after_position=max(start, stop), until_position=until_position)
     try:
         yield from rest
     finally:
@@ -222,11 +220,11 @@ class Folded(NamedTuple):
 
 def fold_chunk(
     state: RegistryState,
-    chunk: Sequence[tuple[int, float, bytes]],
+    chunk: RowChunk | Sequence[tuple[int, float, bytes]],
     until_event_id: int | None = None,
 ) -> Folded:
-    """Fold log rows ``(position, ts, payload)`` into ``state``, skipping events after
-    ``until_event_id``.
+    """Fold log rows ``(position, ts, payload)`` (as tuples, or a ``RowChunk``, which is how
+    replay reads them) into ``state``, skipping events after ``until_event_id``.
 
     The same as ``state.apply(decode(payload, position))`` for each row, and as strict, but
     the whole chunk is checked and unpacked by array operations (``chunk_decode``) and folded
@@ -235,14 +233,18 @@ def fold_chunk(
     every record's checksum and its ``ts`` column are checked, skipped events' too.
     Returns how many events it folded and lookup records it passed over.
     """
-    if not chunk:
+    if not isinstance(chunk, RowChunk):
+        chunk = RowChunk.from_rows(chunk)
+    if not len(chunk):
         return Folded(0, 0)
-    ts = np.fromiter(map(_TS, chunk), np.float64, len(chunk))
-    decoded = decode_chunk(list(map(_PAYLOAD, chunk)), state.last_event_id, ts, until_event_id)
+    buf = np.frombuffer(chunk.buf, np.uint8)
+    decoded = decode_joined(
+        buf, chunk.starts, chunk.ends, chunk.crcs, state.last_event_id, chunk.ts, until_event_id
+    )
     if decoded is None:
         last_event_id = dict(state.last_event_id)
         counts = [0, 0]
-        ops = ops_from_events(_accepted(chunk, last_event_id, until_event_id, counts))
+        ops = ops_from_events(_accepted(chunk.rows(), last_event_id, until_event_id, counts))
         folded = Folded(*counts)
     else:
         ops, last_event_id = decoded.ops, decoded.last_event_id
@@ -254,7 +256,7 @@ def fold_chunk(
 
 
 def _accepted(
-    chunk: Sequence[tuple[int, float, bytes]],
+    chunk: Iterable[tuple[int, float, bytes]],
     last_event_id: dict[int, int],
     until_event_id: int | None,
     counts: list[int],
@@ -307,13 +309,14 @@ def _check_stop(log: EventLog, row: tuple[int, float, bytes], last_folded: int) 
 def _stopped_at(
     log: EventLog,
     exc: CodecError | RowOrderError,
-    rows: Sequence[tuple[int, float, bytes]],
+    positions: Iterable[int],
     last_folded: int,
 ) -> CodecError | RowOrderError:
     """``exc``, its message extended with what the row's columns say and the last good
-    position (the row read before it), which is also set as ``exc.last_good``."""
+    position (the row read before the failing one, of ``positions``), which is also set as
+    ``exc.last_good``."""
     position = exc.position
-    before = [row[0] for row in rows if position is not None and row[0] < position]
+    before = [int(p) for p in positions if position is not None and p < position]
     last_good = before[-1] if before else (last_folded or None)
     exc.last_good = last_good
     columns = ""

@@ -1,10 +1,14 @@
-"""The compiled SQLite writer (events/log/_sqlite_writer.c) against the Python one: the same rows
-in the same table for any batch, the same exception classes and SQLite's own words for what
-goes wrong, nothing of a failed batch written, and the interpreter free while SQLite works.
+"""The compiled SQLite writer and reader (events/log/_sqlite.c) against the Python ones.
+
+The writer: the same rows in the same table for any batch, the same exception classes and
+SQLite's own words for what goes wrong, nothing of a failed batch written, and the interpreter
+free while SQLite works. The reader: the same rows, positions and checksums as Python's sqlite3
+reads, for any bounds and chunk size.
 
 The rest of the suite's log tests (outages, kills, back-pressure, a full disk, a second process
-as the same worker) run through the compiled writer too, since the log picks it wherever it is
-built; test_event_log's full-disk test runs both."""
+as the same worker; replay of damaged rows, bounds, checkpoints and read-only mounts) run
+through them too, since the log picks them wherever they are built; test_event_log's full-disk
+test runs both writers."""
 
 from __future__ import annotations
 
@@ -26,10 +30,13 @@ from services import hold_write_lock
 from test_event_codec import events
 
 from kvledger.events.log import EventLog
-from kvledger.events.log._sqlite_writer import Writer as CompiledWriter
-from kvledger.events.log.database import compiled_writer_path, open_compiled_writer
+from kvledger.events.log._sqlite import Reader as CompiledReader
+from kvledger.events.log._sqlite import Writer as CompiledWriter
+from kvledger.events.log.database import compiled_sqlite_path, open_compiled_writer
+from kvledger.events.log.reader import RowChunk, read_chunks, read_row_chunks, select_rows
 from kvledger.events.log.rows import COLUMNS, Row, insert_sql, to_row
 from kvledger.events.types import Removed, Tier
+from kvledger.registry.emitter import EventEmitter
 
 _NAMES = itertools.count()
 
@@ -61,10 +68,10 @@ def test_this_install_built_it(tmp_path: Path) -> None:
     """The build is optional, so a broken one would pass unnoticed but for this module's
     import: the suite's install has a compiler (as for test_codec_compiled), and a plain SQLite
     log's writer is then the compiled one."""
-    assert compiled_writer_path(f"sqlite:///{tmp_path / 'a.db'}") == str(tmp_path / "a.db")
-    assert compiled_writer_path("postgresql+psycopg://u@127.0.0.1/db") is None
-    assert compiled_writer_path(f"sqlite:///file:{tmp_path / 'a.db'}?mode=ro&uri=true") is None
-    assert CompiledWriter.__module__ == "kvledger.events.log._sqlite_writer"
+    assert compiled_sqlite_path(f"sqlite:///{tmp_path / 'a.db'}") == str(tmp_path / "a.db")
+    assert compiled_sqlite_path("postgresql+psycopg://u@127.0.0.1/db") is None
+    assert compiled_sqlite_path(f"sqlite:///file:{tmp_path / 'a.db'}?mode=ro&uri=true") is None
+    assert CompiledWriter.__module__ == "kvledger.events.log._sqlite"
 
 
 @settings(
@@ -198,15 +205,85 @@ def test_a_locked_log_is_the_operational_error_the_outage_policy_retries(folder:
 
 
 def test_the_environment_turns_it_off(tmp_path: Path) -> None:
-    """``KVLEDGER_PYTHON_WRITER=1``: the log's Python writer (multi-row INSERTs) serves."""
+    """``KVLEDGER_PYTHON_SQLITE=1``: the log's Python writer (multi-row INSERTs) serves."""
     script = (
-        "import sys; from kvledger.events.log.database import compiled_writer_path; "
-        "sys.stdout.write(repr(compiled_writer_path(sys.argv[1])))"
+        "import sys; from kvledger.events.log.database import compiled_sqlite_path; "
+        "sys.stdout.write(repr(compiled_sqlite_path(sys.argv[1])))"
     )
     url = f"sqlite:///{tmp_path / 'a.db'}"
     for value, expected in (("1", "None"), ("0", repr(str(tmp_path / "a.db")))):
-        env = {**os.environ, "KVLEDGER_PYTHON_WRITER": value}
+        env = {**os.environ, "KVLEDGER_PYTHON_SQLITE": value}
         out = subprocess.run(
             [sys.executable, "-c", script, url], env=env, capture_output=True, text=True, check=True
         )
         assert out.stdout == expected
+
+
+# -- the reader ------------------------------------------------------------------------------
+
+
+def same_chunks(ours: list[RowChunk], theirs: list[RowChunk]) -> None:
+    assert [len(c) for c in ours] == [len(c) for c in theirs]
+    for a, b in zip(ours, theirs, strict=True):
+        assert a.positions.tolist() == b.positions.tolist()
+        assert a.ts.tolist() == b.ts.tolist()
+        assert list(a.rows()) == list(b.rows())
+        assert a.crcs.tolist() == b.crcs.tolist()
+
+
+@settings(
+    max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    st.lists(events(), min_size=0, max_size=40),
+    st.integers(1, 50),
+    st.integers(0, 45),
+    st.none() | st.integers(0, 45),
+)
+def test_reads_what_sqlite3_reads(
+    folder: Path, drawn: list[Any], chunk: int, after: int, until: int | None
+) -> None:
+    path = new_log(folder)
+    with open_compiled_writer(str(path), "batch") as writer:
+        writer.commit([to_row(replace_ids(event, i)) for i, event in enumerate(drawn)])
+    url = f"sqlite:///{path}"
+    with EventLog(url, read_only=True) as log:
+        db = log._db
+        stmt = select_rows(after_position=after, until_position=until)
+        ours = list(read_row_chunks(db, stmt, chunk, str(path)))
+        theirs = [RowChunk.from_rows(rows) for rows in read_chunks(db, stmt, chunk)]
+        same_chunks(ours, theirs)
+        same_chunks(
+            list(log.read_row_chunks(after_position=after, until_position=until, chunk_size=chunk)),
+            theirs,
+        )
+
+
+def test_a_reader_refuses_what_it_cannot_read(folder: Path) -> None:
+    path = new_log(folder)
+    with pytest.raises(ValueError, match="id, ts and payload"):
+        CompiledReader(str(path), "SELECT id FROM events", 100)
+    with pytest.raises(sqlite3.OperationalError, match="no such column"):
+        CompiledReader(str(path), "SELECT id, ts, no_payload FROM events", 100)
+    reader = CompiledReader(str(path), "SELECT id, ts, payload FROM events", 100)
+    with pytest.raises(ValueError, match="at least 1"):
+        reader.read(0)
+    assert reader.read(10) is None and reader.read(10) is None  # an empty log: at its end
+    reader.close()
+    with pytest.raises(sqlite3.InterfaceError, match="closed"):
+        reader.read(10)
+    with pytest.raises(sqlite3.OperationalError, match="unable to open"):
+        CompiledReader(str(folder / "missing.db"), "SELECT id, ts, payload FROM events", 100)
+
+
+def test_a_file_it_cannot_open_read_only_is_read_through_sqlalchemy(folder: Path) -> None:
+    """Where SQLite cannot open the file read-only (a WAL file on a read-only mount without
+    its -shm, say; here a path with nothing there), replay's reader falls back to the
+    connection the log opened, which found a way (``database.open_read_only``)."""
+    path = new_log(folder)
+    with EventLog(f"sqlite:///{path}") as log:
+        emitter = EventEmitter(log.append)
+        emitter.removed(Tier.G1, [1])
+        log.flush()
+        chunks = list(read_row_chunks(log._db, select_rows(), 10, str(folder / "nothing.db")))
+    assert [chunk.positions.tolist() for chunk in chunks] == [[1]]
