@@ -159,14 +159,112 @@ typedef struct {
     Py_ssize_t kind_len, payload_len;
 } Row;
 
+/* -- a connection: what the writer and the reader share ------------------------------------- */
+
+/* One connection and its one prepared statement (the writer's INSERT, the reader's SELECT);
+ * ``done``: the reader stepped its statement to the end. */
 typedef struct {
     PyObject_HEAD
     sqlite3 *db;
-    sqlite3_stmt *insert;
-} Writer;
+    sqlite3_stmt *stmt;
+    int done;
+} Connection;
 
-/* 1: an exact int within int64, in ``out``; 0: not an exact int; -1: past int64, with the
- * OverflowError sqlite3 raises for it. */
+static void close_connection(Connection *self) {
+    sqlite3 *db = self->db;
+    sqlite3_stmt *st = self->stmt;
+    self->db = NULL;
+    self->stmt = NULL;
+    if (db == NULL) return;
+    Py_BEGIN_ALLOW_THREADS
+    if (st != NULL) api.finalize(st);
+    api.close_v2(db); /* the last connection to a WAL file checkpoints it */
+    Py_END_ALLOW_THREADS
+}
+
+/* Open ``path`` with ``flags``, run each of ``pragmas`` (NULL-terminated) and prepare ``sql``:
+ * 0, or -1 with sqlite3's error (or ``bad_columns``, when ``columns`` is not -1 and the
+ * statement's count differs) raised and nothing left open. */
+static int open_connection(Connection *self, const char *path, int flags, int busy_ms,
+                           const char *const *pragmas, const char *sql, int columns) {
+    close_connection(self);
+    self->done = 0;
+    char message[512];
+    sqlite3 *db = NULL;
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = api.open_v2(path, &db, flags, NULL);
+    if (db != NULL) {
+        self->db = db;
+        if (rc == SQLITE_OK) rc = api.busy_timeout(db, busy_ms);
+        for (const char *const *pragma = pragmas; rc == SQLITE_OK && *pragma; pragma++)
+            rc = api.exec(db, *pragma, NULL, NULL, NULL);
+        if (rc == SQLITE_OK) rc = api.prepare_v2(db, sql, -1, &self->stmt, NULL);
+        if (rc != SQLITE_OK) {
+            rc = api.errcode(db) != SQLITE_OK ? api.errcode(db) : rc;
+            snprintf(message, sizeof message, "%s", api.errmsg(db));
+        }
+    } else {
+        snprintf(message, sizeof message, "out of memory opening %s", path);
+    }
+    Py_END_ALLOW_THREADS
+    if (rc == SQLITE_OK && columns >= 0 && api.column_count(self->stmt) != columns) {
+        close_connection(self);
+        PyErr_SetString(PyExc_ValueError, "the reader's SELECT must name id, ts and payload");
+        return -1;
+    }
+    if (rc != SQLITE_OK) {
+        close_connection(self);
+        raise_error(rc, message);
+        return -1;
+    }
+    return 0;
+}
+
+/* 1 when open; 0 with sqlite3's error for a closed connection raised. */
+static int check_open(Connection *self) {
+    if (self->db != NULL) return 1;
+    raise_error(SQLITE_MISUSE, "Cannot operate on a closed database.");
+    return 0;
+}
+
+static PyObject *Connection_close(Connection *self, PyObject *Py_UNUSED(ignored)) {
+    close_connection(self);
+    Py_RETURN_NONE;
+}
+
+static void Connection_dealloc(Connection *self) {
+    close_connection(self);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyObject *Connection_enter(Connection *self, PyObject *Py_UNUSED(ignored)) {
+    return Py_NewRef(self);
+}
+
+static PyObject *Connection_exit(Connection *self, PyObject *Py_UNUSED(args)) {
+    close_connection(self);
+    Py_RETURN_FALSE;
+}
+
+static PyMethodDef Connection_methods[] = {
+    {"close", (PyCFunction)Connection_close, METH_NOARGS, "Close the connection (again: no-op)."},
+    {"__enter__", (PyCFunction)Connection_enter, METH_NOARGS, NULL},
+    {"__exit__", (PyCFunction)Connection_exit, METH_VARARGS, NULL},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyTypeObject ConnectionType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "kvledger.events.log._sqlite.Connection",
+    .tp_basicsize = sizeof(Connection),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE,
+    .tp_doc = "A connection to a log file and its one statement (the Writer's, the Reader's).",
+    .tp_dealloc = (destructor)Connection_dealloc,
+    .tp_methods = Connection_methods,
+};
+
+/* -- the writer ---------------------------------------------------------------------------- */
+
 static int as_int64(PyObject *obj, long long *out) {
     if (!PyLong_CheckExact(obj)) return 0;
     *out = PyLong_AsLongLong(obj);
@@ -210,9 +308,9 @@ wrong:
 /* Bind and step every row, inside BEGIN ... COMMIT; SQLITE_OK or the failing call's code,
  * with the transaction rolled back and the message copied into ``message``. Runs without
  * the GIL: it reads only ``rows`` and the connection. */
-static int insert_all(Writer *self, const Row *rows, Py_ssize_t n, char *message, size_t size) {
+static int insert_all(Connection *self, const Row *rows, Py_ssize_t n, char *message, size_t size) {
     sqlite3 *db = self->db;
-    sqlite3_stmt *st = self->insert;
+    sqlite3_stmt *st = self->stmt;
     int rc = api.exec(db, "BEGIN", NULL, NULL, NULL);
     for (Py_ssize_t i = 0; rc == SQLITE_OK && i < n; i++) {
         const Row *r = &rows[i];
@@ -238,8 +336,8 @@ static int insert_all(Writer *self, const Row *rows, Py_ssize_t n, char *message
     return rc;
 }
 
-static PyObject *Writer_commit(Writer *self, PyObject *batch) {
-    if (self->db == NULL) return raise_error(SQLITE_MISUSE, "Cannot operate on a closed database.");
+static PyObject *Writer_commit(Connection *self, PyObject *batch) {
+    if (!check_open(self)) return NULL;
     if (!PyList_CheckExact(batch)) {
         PyErr_SetString(PyExc_TypeError, "commit takes a list of log rows");
         return NULL;
@@ -269,33 +367,10 @@ static PyObject *Writer_commit(Writer *self, PyObject *batch) {
     Py_RETURN_NONE;
 }
 
-static void close_db(Writer *self) {
-    sqlite3 *db = self->db;
-    sqlite3_stmt *st = self->insert;
-    self->db = NULL;
-    self->insert = NULL;
-    if (db == NULL) return;
-    Py_BEGIN_ALLOW_THREADS
-    if (st != NULL) api.finalize(st);
-    api.close_v2(db); /* may checkpoint the WAL into the database file */
-    Py_END_ALLOW_THREADS
-}
-
-static PyObject *Writer_close(Writer *self, PyObject *Py_UNUSED(ignored)) {
-    close_db(self);
-    Py_RETURN_NONE;
-}
-
-static int run(Writer *self, const char *sql, char *message, size_t size) {
-    int rc = api.exec(self->db, sql, NULL, NULL, NULL);
-    if (rc != SQLITE_OK) snprintf(message, size, "%s", api.errmsg(self->db));
-    return rc;
-}
-
 /* Writer(path, synchronous, busy_timeout_ms, insert_sql): a connection to an existing log
  * file, in WAL mode at the durability's ``synchronous`` level, with ``insert_sql`` (one row,
  * six ``?`` parameters in the row's column order) prepared. */
-static int Writer_init(Writer *self, PyObject *args, PyObject *kwargs) {
+static int Writer_init(Connection *self, PyObject *args, PyObject *kwargs) {
     static char *names[] = {"path", "synchronous", "busy_timeout_ms", "insert_sql", NULL};
     const char *path, *synchronous, *insert_sql;
     int busy_ms;
@@ -307,66 +382,25 @@ static int Writer_init(Writer *self, PyObject *args, PyObject *kwargs) {
                      synchronous);
         return -1;
     }
-    close_db(self);
-    char pragma[64], message[512];
+    char pragma[64];
     snprintf(pragma, sizeof pragma, "PRAGMA synchronous=%s", synchronous);
-    sqlite3 *db = NULL;
-    int rc;
-    Py_BEGIN_ALLOW_THREADS
-    rc = api.open_v2(path, &db, SQLITE_OPEN_READWRITE, NULL);
-    if (db != NULL) {
-        self->db = db;
-        if (rc == SQLITE_OK) rc = api.busy_timeout(db, busy_ms);
-        if (rc == SQLITE_OK) rc = run(self, "PRAGMA journal_mode=WAL", message, sizeof message);
-        if (rc == SQLITE_OK) rc = run(self, pragma, message, sizeof message);
-        if (rc == SQLITE_OK) rc = api.prepare_v2(db, insert_sql, -1, &self->insert, NULL);
-        if (rc != SQLITE_OK) {
-            rc = api.errcode(db) != SQLITE_OK ? api.errcode(db) : rc;
-            snprintf(message, sizeof message, "%s", api.errmsg(db));
-        }
-    } else {
-        snprintf(message, sizeof message, "out of memory opening %s", path);
-    }
-    Py_END_ALLOW_THREADS
-    if (rc != SQLITE_OK) {
-        close_db(self);
-        raise_error(rc, message);
-        return -1;
-    }
-    return 0;
-}
-
-static void Writer_dealloc(Writer *self) {
-    close_db(self);
-    Py_TYPE(self)->tp_free((PyObject *)self);
-}
-
-static PyObject *Writer_enter(Writer *self, PyObject *Py_UNUSED(ignored)) {
-    return Py_NewRef(self);
-}
-
-static PyObject *Writer_exit(Writer *self, PyObject *Py_UNUSED(args)) {
-    close_db(self);
-    Py_RETURN_FALSE;
+    const char *const pragmas[] = {"PRAGMA journal_mode=WAL", pragma, NULL};
+    return open_connection(self, path, SQLITE_OPEN_READWRITE, busy_ms, pragmas, insert_sql, -1);
 }
 
 static PyMethodDef Writer_methods[] = {
     {"commit", (PyCFunction)Writer_commit, METH_O,
      "Insert the rows as one transaction, the GIL released while SQLite works."},
-    {"close", (PyCFunction)Writer_close, METH_NOARGS, "Close the connection (again: no-op)."},
-    {"__enter__", (PyCFunction)Writer_enter, METH_NOARGS, NULL},
-    {"__exit__", (PyCFunction)Writer_exit, METH_VARARGS, NULL},
     {NULL, NULL, 0, NULL},
 };
 
 static PyTypeObject WriterType = {
     PyVarObject_HEAD_INIT(NULL, 0).tp_name = "kvledger.events.log._sqlite.Writer",
-    .tp_basicsize = sizeof(Writer),
+    .tp_basicsize = sizeof(Connection),
     .tp_flags = Py_TPFLAGS_DEFAULT,
     .tp_doc = "A connection that commits a batch of log rows with the GIL released.",
     .tp_new = PyType_GenericNew,
     .tp_init = (initproc)Writer_init,
-    .tp_dealloc = (destructor)Writer_dealloc,
     .tp_methods = Writer_methods,
 };
 
@@ -402,62 +436,15 @@ static uint32_t record_crc(const unsigned char *p, size_t n) {
     return c ^ 0xFFFFFFFFu;
 }
 
-typedef struct {
-    PyObject_HEAD
-    sqlite3 *db;
-    sqlite3_stmt *select;
-    int done;
-} Reader;
-
-static void close_reader(Reader *self) {
-    sqlite3 *db = self->db;
-    sqlite3_stmt *st = self->select;
-    self->db = NULL;
-    self->select = NULL;
-    if (db == NULL) return;
-    Py_BEGIN_ALLOW_THREADS
-    if (st != NULL) api.finalize(st);
-    api.close_v2(db);
-    Py_END_ALLOW_THREADS
-}
-
 /* Reader(path, sql, busy_timeout_ms): a read-only connection to the log file at ``path``, with
  * ``sql`` (a SELECT of id, ts, payload, in the order to read) prepared; nothing read yet. */
-static int Reader_init(Reader *self, PyObject *args, PyObject *kwargs) {
+static int Reader_init(Connection *self, PyObject *args, PyObject *kwargs) {
     static char *names[] = {"path", "sql", "busy_timeout_ms", NULL};
     const char *path, *sql;
     int busy_ms;
     if (!PyArg_ParseTupleAndKeywords(args, kwargs, "ssi", names, &path, &sql, &busy_ms)) return -1;
-    close_reader(self);
-    self->done = 0;
-    char message[512];
-    sqlite3 *db = NULL;
-    int rc;
-    Py_BEGIN_ALLOW_THREADS
-    rc = api.open_v2(path, &db, SQLITE_OPEN_READONLY, NULL);
-    if (db != NULL) {
-        self->db = db;
-        if (rc == SQLITE_OK) rc = api.busy_timeout(db, busy_ms);
-        if (rc == SQLITE_OK) rc = api.prepare_v2(db, sql, -1, &self->select, NULL);
-        if (rc != SQLITE_OK) {
-            rc = api.errcode(db) != SQLITE_OK ? api.errcode(db) : rc;
-            snprintf(message, sizeof message, "%s", api.errmsg(db));
-        }
-    } else {
-        snprintf(message, sizeof message, "out of memory opening %s", path);
-    }
-    Py_END_ALLOW_THREADS
-    if (rc == SQLITE_OK && api.column_count(self->select) != 3) {
-        close_reader(self);
-        PyErr_SetString(PyExc_ValueError, "the reader's SELECT must name id, ts and payload");
-        return -1;
-    }
-    if (rc != SQLITE_OK) {
-        close_reader(self);
-        raise_error(rc, message);
-        return -1;
-    }
-    return 0;
+    const char *const pragmas[] = {NULL};
+    return open_connection(self, path, SQLITE_OPEN_READONLY, busy_ms, pragmas, sql, 3);
 }
 
 typedef struct {
@@ -478,8 +465,8 @@ static void free_chunk(Chunk *c) {
 
 /* Step up to ``max_rows`` rows into ``c`` (no GIL): SQLITE_DONE at the end, SQLITE_ROW when
  * the chunk is full, SQLITE_NOMEM, or the failing step's code with its message copied. */
-static int step_rows(Reader *self, Chunk *c, size_t max_rows, char *message, size_t size) {
-    sqlite3_stmt *st = self->select;
+static int step_rows(Connection *self, Chunk *c, size_t max_rows, char *message, size_t size) {
+    sqlite3_stmt *st = self->stmt;
     while (c->rows < max_rows) {
         int rc = api.step(st);
         if (rc == SQLITE_DONE) return rc;
@@ -512,14 +499,14 @@ static int step_rows(Reader *self, Chunk *c, size_t max_rows, char *message, siz
 /* read(max_rows): the next chunk of up to ``max_rows`` rows as five bytes objects (positions
  * int64, ts float64, the payloads end to end, their end offsets int64, their CRC-32s uint32,
  * all native-endian), or None once every row was read. */
-static PyObject *Reader_read(Reader *self, PyObject *arg) {
+static PyObject *Reader_read(Connection *self, PyObject *arg) {
     Py_ssize_t max_rows = PyLong_AsSsize_t(arg);
     if (max_rows == -1 && PyErr_Occurred()) return NULL;
     if (max_rows < 1) {
         PyErr_SetString(PyExc_ValueError, "max_rows must be at least 1");
         return NULL;
     }
-    if (self->db == NULL) return raise_error(SQLITE_MISUSE, "Cannot operate on a closed database.");
+    if (!check_open(self)) return NULL;
     if (self->done) Py_RETURN_NONE;
     Chunk c = {0};
     size_t n = (size_t)max_rows;
@@ -558,42 +545,19 @@ static PyObject *Reader_read(Reader *self, PyObject *arg) {
     return out;
 }
 
-static PyObject *Reader_close(Reader *self, PyObject *Py_UNUSED(ignored)) {
-    close_reader(self);
-    Py_RETURN_NONE;
-}
-
-static void Reader_dealloc(Reader *self) {
-    close_reader(self);
-    Py_TYPE(self)->tp_free((PyObject *)self);
-}
-
-static PyObject *Reader_enter(Reader *self, PyObject *Py_UNUSED(ignored)) {
-    return Py_NewRef(self);
-}
-
-static PyObject *Reader_exit(Reader *self, PyObject *Py_UNUSED(args)) {
-    close_reader(self);
-    Py_RETURN_FALSE;
-}
-
 static PyMethodDef Reader_methods[] = {
     {"read", (PyCFunction)Reader_read, METH_O,
      "The next chunk of rows as five flat buffers, or None at the end."},
-    {"close", (PyCFunction)Reader_close, METH_NOARGS, "Close the connection (again: no-op)."},
-    {"__enter__", (PyCFunction)Reader_enter, METH_NOARGS, NULL},
-    {"__exit__", (PyCFunction)Reader_exit, METH_VARARGS, NULL},
     {NULL, NULL, 0, NULL},
 };
 
 static PyTypeObject ReaderType = {
     PyVarObject_HEAD_INIT(NULL, 0).tp_name = "kvledger.events.log._sqlite.Reader",
-    .tp_basicsize = sizeof(Reader),
+    .tp_basicsize = sizeof(Connection),
     .tp_flags = Py_TPFLAGS_DEFAULT,
     .tp_doc = "A read-only connection that reads log rows a chunk at a time into flat buffers.",
     .tp_new = PyType_GenericNew,
     .tp_init = (initproc)Reader_init,
-    .tp_dealloc = (destructor)Reader_dealloc,
     .tp_methods = Reader_methods,
 };
 
@@ -665,12 +629,16 @@ static struct PyModuleDef module = {
 PyMODINIT_FUNC PyInit__sqlite(void) {
     sqlite_module = PyImport_ImportModule("sqlite3");
     if (sqlite_module == NULL || !bind_api()) return NULL;
-    if (PyType_Ready(&WriterType) < 0 || PyType_Ready(&ReaderType) < 0) return NULL;
+    WriterType.tp_base = ReaderType.tp_base = &ConnectionType;
+    if (PyType_Ready(&ConnectionType) < 0 || PyType_Ready(&WriterType) < 0 ||
+        PyType_Ready(&ReaderType) < 0)
+        return NULL;
     make_crc_table();
     PyObject *m = PyModule_Create(&module);
     if (m == NULL) return NULL;
     if (PyModule_AddObjectRef(m, "Writer", (PyObject *)&WriterType) < 0 ||
         PyModule_AddObjectRef(m, "Reader", (PyObject *)&ReaderType) < 0 ||
+        PyModule_AddObjectRef(m, "Connection", (PyObject *)&ConnectionType) < 0 ||
         PyModule_AddIntConstant(m, "sqlite_version_number", api.libversion_number()) < 0) {
         Py_DECREF(m);
         return NULL;
