@@ -135,21 +135,26 @@ def fold(base: BlockColumns, ops: BlockOps) -> BlockColumns:
     if not len(base):
         return BlockColumns(seqs, ops.local[added], ops.parent[added], ops.has_parent[added])
     # both sides are sorted and disjoint: the i-th new block lands at its search position
-    # in the base plus the i new blocks before it
-    merged = np.zeros(len(base) + len(seqs), np.bool_)
-    merged[np.searchsorted(base.seq, seqs) + np.arange(len(seqs))] = True
+    # in the base plus the i new blocks before it, and the base's blocks fill the rest (their
+    # places found once, as indices, for the four columns)
+    new_at = np.searchsorted(base.seq, seqs) + np.arange(len(seqs))
+    is_old = np.ones(len(base) + len(seqs), np.bool_)
+    is_old[new_at] = False
+    old_at = np.flatnonzero(is_old)
     return BlockColumns(
-        _merge(base.seq, seqs, merged),
-        _merge(base.local, ops.local[added], merged),
-        _merge(base.parent, ops.parent[added], merged),
-        _merge(base.has_parent, ops.has_parent[added], merged),
+        _merge(base.seq, seqs, old_at, new_at),
+        _merge(base.local, ops.local[added], old_at, new_at),
+        _merge(base.parent, ops.parent[added], old_at, new_at),
+        _merge(base.has_parent, ops.has_parent[added], old_at, new_at),
     )
 
 
-def _merge(old: npt.NDArray[_T], new: npt.NDArray[_T], is_new: Flags) -> npt.NDArray[_T]:
-    out = np.empty(len(is_new), old.dtype)
-    out[is_new] = new
-    out[~is_new] = old
+def _merge(
+    old: npt.NDArray[_T], new: npt.NDArray[_T], old_at: npt.NDArray[np.intp], new_at: npt.NDArray[np.intp]
+) -> npt.NDArray[_T]:
+    out = np.empty(len(old) + len(new), old.dtype)
+    out[new_at] = new
+    out[old_at] = old
     return out
 
 
