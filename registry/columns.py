@@ -150,7 +150,10 @@ def fold(base: BlockColumns, ops: BlockOps) -> BlockColumns:
 
 
 def _merge(
-    old: npt.NDArray[_T], new: npt.NDArray[_T], old_at: npt.NDArray[np.intp], new_at: npt.NDArray[np.intp]
+    old: npt.NDArray[_T],
+    new: npt.NDArray[_T],
+    old_at: npt.NDArray[np.intp],
+    new_at: npt.NDArray[np.intp],
 ) -> npt.NDArray[_T]:
     out = np.empty(len(old) + len(new), old.dtype)
     out[new_at] = new
