@@ -54,6 +54,7 @@ from typing import Any
 
 import torch
 
+from kvledger.events.files import private_folder
 from kvledger.tiers.disk.fileio import kvikio_unavailable_reason
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -397,8 +398,8 @@ def main() -> int:
     args = p.parse_args()
     started = time.monotonic()
     out, scratch = Path(args.out), Path(args.scratch)
-    out.mkdir(parents=True, exist_ok=True)
-    scratch.mkdir(parents=True, exist_ok=True)
+    private_folder(out)  # owner-only, as kvledger makes its folders (and a missing parent)
+    private_folder(scratch)
     parts = make_parts(args, out, scratch)
     names = [part.name for part in parts]
     if args.only:

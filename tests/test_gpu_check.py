@@ -32,8 +32,17 @@ no_cuda = pytest.mark.skipif(
 def check(
     out: Path, *args: str, timeout: float = 600
 ) -> tuple[subprocess.CompletedProcess[str], Any]:
+    scratch = out / "scratch"  # not the default under the checkout's kvledger-data
     done = subprocess.run(
-        [sys.executable, str(BENCH / "gpu_check.py"), "--out", str(out), *args],
+        [
+            sys.executable,
+            str(BENCH / "gpu_check.py"),
+            "--out",
+            str(out),
+            "--scratch",
+            str(scratch),
+            *args,
+        ],
         capture_output=True,
         text=True,
         timeout=timeout,
