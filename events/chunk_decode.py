@@ -112,11 +112,19 @@ def decode_chunk(
     record-by-record path. ``last_event_id`` is each worker's last event before the chunk;
     ``ts``, the rows' ``ts`` column, to be checked against the records. With
     ``until_event_id``, records of later events are checked but not folded."""
-    lengths = np.fromiter(map(len, payloads), np.int64, len(payloads))
+    joined, starts, ends, crcs = join_records(payloads)
+    buf = np.frombuffer(joined, np.uint8)
+    return decode_joined(buf, starts, ends, crcs, last_event_id, ts, until_event_id)
+
+
+def join_records(payloads: Sequence[bytes]) -> tuple[bytes, Ints, Ints, npt.NDArray[np.uint32]]:
+    """``payloads`` end to end, where each starts and ends there, and each one's CRC-32: the
+    form ``decode_joined`` reads (and replay's compiled reader builds as it reads)."""
+    n = len(payloads)
+    lengths = np.fromiter(map(len, payloads), np.int64, n)
     ends = np.cumsum(lengths)
-    crcs = np.fromiter(map(zlib.crc32, payloads), np.uint32, len(payloads))
-    buf = np.frombuffer(b"".join(payloads), np.uint8)
-    return decode_joined(buf, ends - lengths, ends, crcs, last_event_id, ts, until_event_id)
+    crcs = np.fromiter(map(zlib.crc32, payloads), np.uint32, n)
+    return b"".join(payloads), ends - lengths, ends, crcs
 
 
 def decode_joined(

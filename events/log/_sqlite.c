@@ -3,9 +3,10 @@
  * batch) and replay's read (``Reader``: a chunk of rows stepped without the lock into a few flat
  * arrays, never a Python object per row).
  *
- * Why the writer: Python's sqlite3 gives the GIL up around each statement it steps and must take it back
- * to bind the next one. Beside a producer thread that runs flat out (an engine appending one
- * event at a time), every take waits up to the switch interval, so the writer's pace, and
+ * Why the writer: Python's sqlite3 gives the GIL up around each statement it steps and must
+ * take it back to bind the next one. Beside a producer thread that runs flat out (an engine
+ * appending one event at a time), every take waits up to the switch interval, so the writer's
+ * pace, and
  * with it the back-pressure the producer feels, was set by those waits rather than by SQLite:
  * a 512-row INSERT thread beside a spinning one did 46k rows/s against 466k alone. Here the
  * rows are read into C once, with the lock held (a pointer and a length per column: nothing
@@ -152,12 +153,13 @@ static PyObject *raise_error(int code, const char *message) {
     return NULL;
 }
 
-typedef struct {
-    long long worker, event_id, tier;
-    double ts;
-    const char *kind, *payload;
-    Py_ssize_t kind_len, payload_len;
-} Row;
+/* A failed call's result code (the connection's extended code where it has one), its message
+ * copied into ``message``: what ``raise_error`` turns into sqlite3's exception once the GIL is
+ * back (the message buffer outlives the connection's own). */
+static int failure(sqlite3 *db, int rc, char *message, size_t size) {
+    snprintf(message, size, "%s", api.errmsg(db));
+    return api.errcode(db) != SQLITE_OK ? api.errcode(db) : rc;
+}
 
 /* -- a connection: what the writer and the reader share ------------------------------------- */
 
@@ -183,8 +185,8 @@ static void close_connection(Connection *self) {
 }
 
 /* Open ``path`` with ``flags``, run each of ``pragmas`` (NULL-terminated) and prepare ``sql``:
- * 0, or -1 with sqlite3's error (or ``bad_columns``, when ``columns`` is not -1 and the
- * statement's count differs) raised and nothing left open. */
+ * 0, or -1 with sqlite3's error raised (a ValueError where ``columns`` is not -1 and the
+ * statement has another number of columns) and nothing left open. */
 static int open_connection(Connection *self, const char *path, int flags, int busy_ms,
                            const char *const *pragmas, const char *sql, int columns) {
     close_connection(self);
@@ -200,10 +202,7 @@ static int open_connection(Connection *self, const char *path, int flags, int bu
         for (const char *const *pragma = pragmas; rc == SQLITE_OK && *pragma; pragma++)
             rc = api.exec(db, *pragma, NULL, NULL, NULL);
         if (rc == SQLITE_OK) rc = api.prepare_v2(db, sql, -1, &self->stmt, NULL);
-        if (rc != SQLITE_OK) {
-            rc = api.errcode(db) != SQLITE_OK ? api.errcode(db) : rc;
-            snprintf(message, sizeof message, "%s", api.errmsg(db));
-        }
+        if (rc != SQLITE_OK) rc = failure(db, rc, message, sizeof message);
     } else {
         snprintf(message, sizeof message, "out of memory opening %s", path);
     }
@@ -264,6 +263,14 @@ static PyTypeObject ConnectionType = {
 };
 
 /* -- the writer ---------------------------------------------------------------------------- */
+
+/* A log row's columns, read out of its tuple: what the INSERT binds. */
+typedef struct {
+    long long worker, event_id, tier;
+    double ts;
+    const char *kind, *payload;
+    Py_ssize_t kind_len, payload_len;
+} Row;
 
 static int as_int64(PyObject *obj, long long *out) {
     if (!PyLong_CheckExact(obj)) return 0;
@@ -330,8 +337,7 @@ static int insert_all(Connection *self, const Row *rows, Py_ssize_t n, char *mes
     }
     if (rc == SQLITE_OK) rc = api.exec(db, "COMMIT", NULL, NULL, NULL);
     if (rc == SQLITE_OK) return rc;
-    rc = api.errcode(db) != SQLITE_OK ? api.errcode(db) : rc;
-    snprintf(message, size, "%s", api.errmsg(db));
+    rc = failure(db, rc, message, size);
     if (!api.get_autocommit(db)) api.exec(db, "ROLLBACK", NULL, NULL, NULL);
     return rc;
 }
@@ -346,13 +352,12 @@ static PyObject *Writer_commit(Connection *self, PyObject *batch) {
     if (n == 0) Py_RETURN_NONE;
     Row *rows = PyMem_Malloc((size_t)n * sizeof(Row));
     if (rows == NULL) return PyErr_NoMemory();
-    /* the rows' objects stay alive through ``batch``, a list no other thread holds, and the
-     * tuple items it references are immutable: their buffers are read below without the GIL */
-    Py_INCREF(batch);
+    /* the rows' objects stay alive through ``batch``, which the caller holds through the call
+     * and no other thread holds at all, and the tuple items it references are immutable: their
+     * buffers are read below without the GIL */
     for (Py_ssize_t i = 0; i < n; i++) {
         if (!read_row(PyList_GET_ITEM(batch, i), &rows[i])) {
             PyMem_Free(rows);
-            Py_DECREF(batch);
             return NULL;
         }
     }
@@ -362,7 +367,6 @@ static PyObject *Writer_commit(Connection *self, PyObject *batch) {
     rc = insert_all(self, rows, n, message, sizeof message);
     Py_END_ALLOW_THREADS
     PyMem_Free(rows);
-    Py_DECREF(batch);
     if (rc != SQLITE_OK) return raise_error(rc, message);
     Py_RETURN_NONE;
 }
@@ -377,7 +381,8 @@ static int Writer_init(Connection *self, PyObject *args, PyObject *kwargs) {
     if (!PyArg_ParseTupleAndKeywords(args, kwargs, "ssis", names, &path, &synchronous, &busy_ms,
                                      &insert_sql))
         return -1;
-    if (strcmp(synchronous, "OFF") && strcmp(synchronous, "NORMAL") && strcmp(synchronous, "FULL")) {
+    if (strcmp(synchronous, "OFF") && strcmp(synchronous, "NORMAL") &&
+        strcmp(synchronous, "FULL")) {
         PyErr_Format(PyExc_ValueError, "synchronous must be OFF, NORMAL or FULL, got %s",
                      synchronous);
         return -1;
@@ -470,11 +475,7 @@ static int step_rows(Connection *self, Chunk *c, size_t max_rows, char *message,
     while (c->rows < max_rows) {
         int rc = api.step(st);
         if (rc == SQLITE_DONE) return rc;
-        if (rc != SQLITE_ROW) {
-            rc = api.errcode(self->db) != SQLITE_OK ? api.errcode(self->db) : rc;
-            snprintf(message, size, "%s", api.errmsg(self->db));
-            return rc;
-        }
+        if (rc != SQLITE_ROW) return failure(self->db, rc, message, size);
         const unsigned char *payload = api.column_blob(st, 2);
         size_t n = (size_t)api.column_bytes(st, 2);
         if (c->size + n > c->room) {

@@ -8,7 +8,6 @@ worker's own ids, so without ``worker_id`` they select every worker's events
 
 from __future__ import annotations
 
-import zlib
 from collections.abc import Generator, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -17,6 +16,7 @@ import numpy as np
 import numpy.typing as npt
 import sqlalchemy as sa
 
+from kvledger.events.chunk_decode import join_records
 from kvledger.events.codec import decode
 from kvledger.events.log.database import open_compiled_reader
 from kvledger.events.log.schema import checkpoints, events
@@ -66,6 +66,13 @@ def select_rows(
     return stmt
 
 
+def literal_sql(stmt: sa.Select[Any], bind: sa.Engine | sa.Connection) -> str:
+    """``stmt`` as SQL text with its bounds inlined, for a cursor of the driver's own (or the
+    compiled reader's): every bound is an int, so inlining them as literals is exact and
+    safe."""
+    return str(stmt.compile(bind, compile_kwargs={"literal_binds": True}))
+
+
 def read_chunks(
     db: sa.Engine, stmt: sa.Select[Any], chunk_size: int = READ_CHUNK
 ) -> Generator[list[tuple[Any, ...]], None, None]:
@@ -77,8 +84,7 @@ def read_chunks(
     """
     with db.connect() as conn:
         if conn.dialect.name == "sqlite":
-            # Every bound is an int, so inlining them as literals is exact and safe.
-            sql = str(stmt.compile(conn, compile_kwargs={"literal_binds": True}))
+            sql = literal_sql(stmt, conn)
             cursor = conn.connection.driver_connection.execute(sql)  # type: ignore[union-attr]
             try:
                 while chunk := cursor.fetchmany(chunk_size):
@@ -114,16 +120,14 @@ class RowChunk:
     @classmethod
     def from_rows(cls, rows: Sequence[tuple[int, float, bytes]]) -> RowChunk:
         n = len(rows)
-        payloads = [row[2] for row in rows]
-        lengths = np.fromiter(map(len, payloads), np.int64, n)
-        ends = np.cumsum(lengths)
+        buf, starts, ends, crcs = join_records([row[2] for row in rows])
         return cls(
             np.fromiter((row[0] for row in rows), np.int64, n),
             np.fromiter((row[1] for row in rows), np.float64, n),
-            b"".join(payloads),
-            ends - lengths,
+            buf,
+            starts,
             ends,
-            np.fromiter(map(zlib.crc32, payloads), np.uint32, n),
+            crcs,
         )
 
     @classmethod
@@ -180,8 +184,7 @@ def read_row_chunks(
     open so (on a read-only mount without its ``-shm``, say) is read through ``db``."""
     reader = None
     if path is not None:
-        sql = str(stmt.compile(db, compile_kwargs={"literal_binds": True}))
-        reader = open_compiled_reader(path, sql)
+        reader = open_compiled_reader(path, literal_sql(stmt, db))
     if reader is None:
         for rows in read_chunks(db, stmt, chunk_size):
             yield RowChunk.from_rows(rows)
