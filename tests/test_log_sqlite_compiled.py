@@ -29,11 +29,13 @@ from hypothesis import strategies as st
 from services import hold_write_lock
 from test_event_codec import events
 
+from kvledger.events.codec import CodecError
 from kvledger.events.log import EventLog
 from kvledger.events.log._sqlite import Reader as CompiledReader
 from kvledger.events.log._sqlite import Writer as CompiledWriter
 from kvledger.events.log.database import compiled_sqlite_path, open_compiled_writer
 from kvledger.events.log.reader import RowChunk, read_chunks, read_row_chunks, select_rows
+from kvledger.events.log.replay import replay
 from kvledger.events.log.rows import COLUMNS, Row, insert_sql, to_row
 from kvledger.events.types import Removed, Tier
 from kvledger.registry.emitter import EventEmitter
@@ -287,3 +289,20 @@ def test_a_file_it_cannot_open_read_only_is_read_through_sqlalchemy(folder: Path
         log.flush()
         chunks = list(read_row_chunks(log._db, select_rows(), 10, str(folder / "nothing.db")))
     assert [chunk.positions.tolist() for chunk in chunks] == [[1]]
+
+
+@pytest.mark.parametrize("python", ["0", "1"])
+def test_a_chunk_of_empty_payloads_is_a_damaged_row_not_a_crash(
+    folder: Path, python: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A row whose payload was emptied (damage): both readers hand it to the decoder, which
+    names the row, where the compiled reader once handed over None for a chunk of no bytes."""
+    monkeypatch.setenv("KVLEDGER_PYTHON_SQLITE", python)
+    path = new_log(folder)
+    with EventLog(f"sqlite:///{path}") as log:
+        EventEmitter(log.append).removed(Tier.G1, [1])
+        log.flush()
+    with sqlite3.connect(path) as conn:
+        conn.execute("UPDATE events SET payload = x''")
+    with pytest.raises(CodecError, match="event at position 1: not a msgpack record"):
+        replay(f"sqlite:///{path}", use_checkpoints=False)

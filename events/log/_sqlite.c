@@ -534,9 +534,11 @@ static PyObject *Reader_read(Connection *self, PyObject *arg) {
         if (c.rows == 0) {
             out = Py_NewRef(Py_None);
         } else {
+            /* no payload bytes at all (damaged rows) leave ``data`` NULL, which y# makes None */
+            const char *data = c.data != NULL ? (const char *)c.data : "";
             out = Py_BuildValue("(y#y#y#y#y#)", (char *)c.positions,
                                 (Py_ssize_t)(c.rows * sizeof(int64_t)), (char *)c.ts,
-                                (Py_ssize_t)(c.rows * sizeof(double)), (char *)c.data,
+                                (Py_ssize_t)(c.rows * sizeof(double)), data,
                                 (Py_ssize_t)c.size, (char *)c.ends,
                                 (Py_ssize_t)(c.rows * sizeof(int64_t)), (char *)c.crcs,
                                 (Py_ssize_t)(c.rows * sizeof(uint32_t)));
