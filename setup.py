@@ -4,9 +4,11 @@
 ``kvledger.events.log._sqlite`` (events/log/_sqlite.c) commits the SQLite log's
 batches and reads replay's chunks with the GIL released, through the SQLite that Python's
 sqlite3 module runs (found when it is imported: nothing of SQLite is linked, no SQLite headers
-are needed). Both are optional: where one does not build (no C compiler, no zlib headers) the
-install goes on, and the codec's Python encoders and the log's Python writer and reader do the
-same work.
+are needed); ``kvledger.registry._pool`` (registry/_pool.c) runs the block pool's per-block
+loops (match, register, release, eviction) over the pool's own lists and dicts. Each is
+optional: where one does not build (no C compiler, no zlib headers) the install goes on, and
+the codec's Python encoders, the log's Python writer and reader and the pool's Python loops do
+the same work.
 """
 
 from setuptools import Extension, setup
@@ -23,6 +25,11 @@ setup(
             "kvledger.events.log._sqlite",
             sources=["events/log/_sqlite.c"],
             libraries=["dl"],
+            optional=True,
+        ),
+        Extension(
+            "kvledger.registry._pool",
+            sources=["registry/_pool.c"],
             optional=True,
         ),
     ]

@@ -8,10 +8,15 @@ The pool is pure bookkeeping: slots are integers, bytes live elsewhere (``tiers`
 kept in flat per-slot lists rather than per-block objects, and every operation takes a whole
 request's blocks at once, because engines call this on every scheduling step and per-block
 Python objects would dominate the cost.
+
+The per-block loops of ``match``, ``register``, ``release`` and eviction run compiled where
+``registry/_pool.c`` was built (``COMPILED``), over the same lists and dicts: the Python loops
+below stay the reference, and take over wherever the compiled ones leave a case to them.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 from array import array
 from collections.abc import Iterable, Sequence
@@ -23,6 +28,19 @@ from kvledger.registry.errors import PoolBusy, PoolExhausted
 from kvledger.registry.policies import EvictionPolicy, make_policy
 
 __all__ = ["BlockPool", "PoolBusy", "PoolExhausted"]
+
+try:
+    from kvledger.registry import _pool
+except ImportError:  # the Python loops serve
+    COMPILED = False
+else:
+    COMPILED = os.environ.get("KVLEDGER_PYTHON_POOL", "") in ("", "0")
+"""Whether new pools run their per-block loops compiled (``registry/_pool.c``): about 1.5 times
+the block operations a second on bench/registry_bench.py (what is left is mostly the dict and
+OrderedDict work itself, and the events), with the same results, events and state
+(``tests/test_pool_compiled.py`` holds the two to that). False where the module was not built
+(no C compiler at install) or ``KVLEDGER_PYTHON_POOL=1`` is in the environment (to measure the
+Python loops, or to rule the compiled ones out)."""
 
 
 def token_bytes(tokens: BlockTokens) -> bytes:
@@ -83,6 +101,7 @@ class BlockPool:
         self._unused = capacity if fresh_first else 0
         self._policy = make_policy(policy) if isinstance(policy, str) else policy
         self._policy.bind(capacity)
+        self._compiled = COMPILED
 
     # -- queries -------------------------------------------------------------------------
 
@@ -169,19 +188,22 @@ class BlockPool:
         The first miss ends the prefix. Returns the slots; release them when done.
         """
         ref, policy = self._ref, self._policy
-        slots: list[int] = []
         revived: list[int] = []
         queue = policy.queue
-        # a revived block leaves the policy's queue here, or is collected for ``activated``
-        revive = revived.append if queue is None else queue.pop
-        for slot in map(self._by_hash.get, sequence_hashes):  # the lookups called from C
-            if slot is None:
-                break
-            count = ref[slot]
-            if not count:
-                revive(slot)
-            ref[slot] = count + 1
-            slots.append(slot)
+        if self._compiled:
+            slots = _pool.match(self._by_hash, ref, queue, revived, sequence_hashes)
+        else:
+            slots = []
+            # a revived block leaves the policy's queue here, or is collected for ``activated``
+            revive = revived.append if queue is None else queue.pop
+            for slot in map(self._by_hash.get, sequence_hashes):  # the lookups called from C
+                if slot is None:
+                    break
+                count = ref[slot]
+                if not count:
+                    revive(slot)
+                ref[slot] = count + 1
+                slots.append(slot)
         if revived:
             policy.activated(revived)
         if policy.tracks_access and slots:
@@ -240,8 +262,11 @@ class BlockPool:
         if self._fresh_first:
             slots.reverse()  # the order one pop at a time would give
             self._unused = max(0, self._unused - count)
-        for slot in slots:
-            ref[slot] = 1
+        if self._compiled:
+            _pool.take(ref, slots)
+        else:
+            for slot in slots:
+                ref[slot] = 1
         return slots
 
     def register(
@@ -273,8 +298,15 @@ class BlockPool:
         # block an engine computes passes here once), so it checks each slot and names it in
         # one pass; the first block the pool already holds hands the rest to
         # _register_known, which first puts back what was named here if a later slot fails.
-        parent = parent_hash
-        for i, slot in enumerate(slots):
+        # The compiled loop names the plain new blocks first; this one goes on from where
+        # it stopped (a refused slot, a block held already, anything but the plain case).
+        start = 0
+        if self._compiled:
+            start = _pool.name_new(
+                ref, hashes, local_of, parent_of, by_hash, slots, blocks, parent_hash
+            )
+        parent = blocks[start - 1][0] if start else parent_hash
+        for i, slot in enumerate(slots[start:], start) if start else enumerate(slots):
             seq, local = blocks[i]
             if hashes[slot] is not None or not ref[slot]:
                 self._unname(slots[:i], blocks[:i])
@@ -501,9 +533,14 @@ class BlockPool:
         # else into a dict (ordered, like the queue) handed to ``released`` at the end.
         queue = self._policy.queue
         inactive: dict[int, None] = {} if queue is None else queue
+        # The compiled loop releases the plain slots first; this one goes on from where it
+        # stopped (an over-release, a slot for below the never-used run, an odd slot).
+        start = 0
+        if self._compiled:
+            start = _pool.release(ref, hashes, free, inactive, order, self._unused)
         # an iterator rather than enumerate: only a failure needs the position, and a list
         # iterator knows how many items it has left
-        remaining = iter(order)
+        remaining = iter(order[start:] if start else order)
         for slot in remaining:
             count = ref[slot] - 1
             if count < 0:
@@ -560,19 +597,27 @@ class BlockPool:
             self._free.extend(slots)
 
     def _evict(self, count: int) -> None:
-        victims = self._policy.pick_victims(count)
+        queue = self._policy.queue
+        if self._compiled and queue is not None:  # its oldest entries: what LRU picks
+            victims = _pool.oldest(queue, count)
+        else:
+            victims = self._policy.pick_victims(count)
         if victims:
             self._drop(victims)
 
     def _drop(self, slots: list[int]) -> list[int]:
         by_hash, hashes, tokens, keys = self._by_hash, self._hash, self._tokens, self._keys
-        gone: list[int] = []
-        for slot in slots:
-            seq = hashes[slot]
-            assert seq is not None
-            del by_hash[seq]
-            hashes[slot] = None
-            gone.append(seq)
+        gone: list[int]
+        if self._compiled:
+            gone = _pool.drop(by_hash, hashes, slots)
+        else:
+            gone = []
+            for slot in slots:
+                seq = hashes[slot]
+                assert seq is not None
+                del by_hash[seq]
+                hashes[slot] = None
+                gone.append(seq)
         if self._carries_tokens:
             for slot in slots:
                 tokens[slot] = keys[slot] = None
