@@ -4,11 +4,13 @@
 ``kvledger.events.log._sqlite`` (events/log/_sqlite.c) commits the SQLite log's
 batches and reads replay's chunks with the GIL released, through the SQLite that Python's
 sqlite3 module runs (found when it is imported: nothing of SQLite is linked, no SQLite headers
-are needed); ``kvledger.registry._pool`` (registry/_pool.c) runs the block pool's per-block
-loops (match, register, release, eviction) over the pool's own lists and dicts. Each is
-optional: where one does not build (no C compiler, no zlib headers) the install goes on, and
-the codec's Python encoders, the log's Python writer and reader and the pool's Python loops do
-the same work.
+are needed); ``kvledger.events.log._gather`` (events/log/_gather.c) is an append buffer's
+queue, which encodes each event into its row as it comes and takes no lock;
+``kvledger.registry._pool`` (registry/_pool.c) runs the block pool's per-block loops (match,
+register, release, eviction) over the pool's own lists and dicts. Each is optional: where one
+does not build (no C compiler) the install goes on, and the codec's Python encoders, the log's
+Python writer, reader and buffer and the pool's Python loops do the same work. Nothing is
+linked but Python itself (and libdl): the record's CRC-32 is events/crc32.h's.
 """
 
 from setuptools import Extension, setup
@@ -18,13 +20,19 @@ setup(
         Extension(
             "kvledger.events._speedups",
             sources=["events/_speedups.c"],
-            libraries=["z"],
+            depends=["events/crc32.h"],
             optional=True,
         ),
         Extension(
             "kvledger.events.log._sqlite",
             sources=["events/log/_sqlite.c"],
+            depends=["events/crc32.h"],
             libraries=["dl"],
+            optional=True,
+        ),
+        Extension(
+            "kvledger.events.log._gather",
+            sources=["events/log/_gather.c"],
             optional=True,
         ),
         Extension(

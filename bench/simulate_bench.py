@@ -4,9 +4,11 @@ Sides, all on the same 12031 requests in arrival order, block size 512 (the trac
 G1 pool of ``--g1-blocks`` with LRU eviction:
 - kvledger engine off: ``replay_cache`` (match, admit, release per request) with every event
   built and counted; this includes hashing each request's block chain;
-- kvledger engine off + log: the same, appending every event to a SQLite event log in a temp
-  folder (closed, i.e. committed, inside the timing): what ``kvledger simulate --engine off``
-  costs;
+- kvledger engine off + log: the same, every event handed to a SQLite event log in a temp
+  folder the way ``kvledger simulate --engine off --log`` hands them: a worker from the
+  builder (``open_worker``, without the Redis and ZMQ views), whose sink puts each event into
+  the log's append buffer; the worker and the log are closed, i.e. everything committed,
+  inside the timing;
 - kvledger engine on: the mock engine (batching, chunked prefill, decode blocks,
   preemption) over the same trace, events built and counted;
 - vLLM 0.33 BlockPool, engine-off style (find cached prefix, touch, allocate,
@@ -38,8 +40,8 @@ from pathlib import Path
 
 from vllm_reference import run_block_pool
 
+from kvledger.builder import open_worker
 from kvledger.config import Settings
-from kvledger.events.log import EventLog
 from kvledger.mocker.cache import SimulatedCache
 from kvledger.mocker.engine import EngineConfig, MockEngine, SimClock
 from kvledger.mocker.engine_off import replay_cache
@@ -65,11 +67,12 @@ def engine_off(requests: list[TraceRequest], g1: int) -> tuple[float, int]:
 
 def engine_off_logged(requests: list[TraceRequest], g1: int) -> tuple[float, int]:
     with tempfile.TemporaryDirectory() as tmp:
-        log = EventLog(f"sqlite:///{tmp}/events.db")
-        cache = SimulatedCache.build(g1, policy="lru", emitter=EventEmitter(log.append))
+        settings = Settings.load(event_log_url=f"sqlite:///{tmp}/events.db", block_size=BLOCK)
+        worker = open_worker(settings, redis=False, zmq=False)
+        cache = SimulatedCache.build(g1, policy="lru", emitter=worker.emitter())
         start = time.perf_counter()
         stats = replay_cache(requests, cache, BLOCK)
-        log.close()
+        worker.close()
         return time.perf_counter() - start, stats.blocks_hit
 
 

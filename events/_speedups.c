@@ -13,13 +13,14 @@
  * this module writes is one the Python encoder would have written.
  *
  * The layout is ``codec``'s docstring's: a fixed 40-byte header, the body, the checksum tag
- * 0xce and zlib's CRC-32 of everything before it, little-endian.
+ * 0xce and the CRC-32 (zlib's polynomial: events/crc32.h) of everything before it,
+ * little-endian.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include "crc32.h"
 #include <stdint.h>
 #include <string.h>
-#include <zlib.h>
 
 #define NIL 0xC0
 #define UINT64 0xCF
@@ -135,7 +136,7 @@ static unsigned char *put_head(unsigned char *p, unsigned char array, unsigned c
  * and including that tag (the CRC-32 of a whole record is then codec.CHECK_RESIDUE). */
 static void put_check(unsigned char *start, unsigned char *p) {
     *p++ = CHECK_TAG;
-    uLong crc = crc32(0L, start, (uInt)(p - start));
+    uint32_t crc = record_crc(start, (size_t)(p - start));
     p[0] = (unsigned char)crc;
     p[1] = (unsigned char)(crc >> 8);
     p[2] = (unsigned char)(crc >> 16);
@@ -364,6 +365,12 @@ static PyObject *row_of(PyObject *event, RecordWriter write, PyObject *kind) {
         row = tier == NULL ? NULL
                            : PyTuple_Pack(6, head.values[0], head.values[1], kind, tier,
                                           head.values[4], record);
+        /* ints, a str, a float and bytes: no cycle can pass through it, which the collector
+         * would find at its first look and untrack it then. A row waits in the log's queue
+         * until its commit, through several young collections; tracked, each walked it, and
+         * the survivors it promoted brought the full collections sooner (a logged simulation
+         * spent 5% of its samples in the collector, against 1.6% unlogged). */
+        if (row != NULL) PyObject_GC_UnTrack(row);
         Py_XDECREF(tier);
         Py_DECREF(record);
     }
@@ -433,6 +440,7 @@ static struct PyModuleDef module = {
 };
 
 PyMODINIT_FUNC PyInit__speedups(void) {
+    make_crc_table();
 #define INTERN(var, text) \
     if ((var = PyUnicode_InternFromString(text)) == NULL) return NULL
     INTERN(s_worker_id, "worker_id");

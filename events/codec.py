@@ -361,7 +361,7 @@ COMPILED: dict[type[LogRecord], Callable[[Any], bytes | None]] = {}
 encoders at a third to a fifth of their cost (``tests/test_codec_compiled.py`` holds them to
 the same records). Each returns None where it leaves the event to the Python encoder: all but
 the plain case (exact ints in range, a float ts), so every error and its message stay in one
-place. Empty where the module was not built (no C compiler or zlib headers at install) or
+place. Empty where the module was not built (no C compiler at install) or
 ``KVLEDGER_PYTHON_ENCODERS=1`` is in the environment (to measure it, or to rule it out)."""
 LogRow = tuple[int, int, str, int, float, bytes]
 """A log row's columns (``rows.Row``: worker, event id, kind, tier, ts, record), as the

@@ -103,8 +103,9 @@ class Worker:
     def sink(self, event: LogRecord) -> None:
         """Hand one event (or lookup record) to the log, in order, and count it in the
         metrics: what an emitter calls."""
-        if self.buffer is not None:
-            self.buffer.extend((event,))
+        buffer = self.buffer
+        if buffer is not None:
+            buffer.add(event)
         if self._observe is not None and not isinstance(event, _LOOKUP_TYPES):
             self._observe(event)
 

@@ -97,15 +97,17 @@ def test_the_light_install_has_no_torch(light: Path, tmp_path: Path) -> None:
         cwd=tmp_path,
     )
     assert imported.stdout.strip() == "[]"
-    # pip built the compiled encoders (events/_speedups.c) and the compiled SQLite writer
-    # (events/log/_sqlite.c) from the source, as a user's does
+    # pip built the compiled encoders (events/_speedups.c), the compiled SQLite writer
+    # (events/log/_sqlite.c) and the append buffer's queue (events/log/_gather.c) from the
+    # source, as a user's does
     compiled = _run(
         light, "python", "-c",
-        "from kvledger.events import codec; from kvledger.events.log import database; "
-        "print(len(codec.COMPILED), database.compiled_sqlite_path('sqlite:///a.db'))",
+        "from kvledger.events import codec; from kvledger.events.log import buffer, database; "
+        "print(len(codec.COMPILED), database.compiled_sqlite_path('sqlite:///a.db'), "
+        "buffer.COMPILED_GATHER)",
         cwd=tmp_path,
     )  # fmt: skip
-    assert compiled.stdout.strip() == "4 a.db"
+    assert compiled.stdout.strip() == "4 a.db True"
 
 
 def test_what_holds_bytes_says_which_extra_to_install(light: Path, tmp_path: Path) -> None:

@@ -17,10 +17,23 @@ import pytest
 from services import wait_until
 
 from kvledger.events.log import AppendBuffer, EventLog, EventLogError
+from kvledger.events.log import buffer as buffer_module
 from kvledger.events.log.replay import replay
 from kvledger.events.types import AnyEvent, LogRecord, Removed, Stored, Tier
 from kvledger.registry.emitter import EventEmitter
 from kvledger.registry.state import RegistryState
+
+
+@pytest.fixture(autouse=True, params=["compiled queue", "Python queue"])
+def queue(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Every test runs with each of the buffer's queues (``buffer.COMPILED_GATHER``, read when a
+    buffer is made), where the compiled one is built."""
+    if request.param == "compiled queue":
+        if not buffer_module.COMPILED_GATHER:
+            pytest.skip("kvledger.events.log._gather is not built (or KVLEDGER_PYTHON_BUFFER=1)")
+    else:
+        monkeypatch.setattr(buffer_module, "COMPILED_GATHER", False)
+    return str(request.param)
 
 
 def events(n: int, worker: int = 0, start: int = 0) -> list[LogRecord]:

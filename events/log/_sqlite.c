@@ -35,6 +35,7 @@
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include "../crc32.h"
 #include <dlfcn.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -411,35 +412,6 @@ static PyTypeObject WriterType = {
 
 
 /* -- the reader ---------------------------------------------------------------------------- */
-
-/* CRC-32 (zlib's: the reflected IEEE polynomial), slicing by eight. zlib's own ``crc32`` is
- * built for long buffers: on a log record of ~90 bytes its set-up cost half of what reading a
- * row cost (about 100 ns a record here, where this takes under half of it). */
-static uint32_t crc_table[8][256];
-
-static void make_crc_table(void) {
-    for (uint32_t n = 0; n < 256; n++) {
-        uint32_t c = n;
-        for (int k = 0; k < 8; k++) c = c & 1 ? 0xEDB88320u ^ (c >> 1) : c >> 1;
-        crc_table[0][n] = c;
-    }
-    for (uint32_t n = 0; n < 256; n++)
-        for (int t = 1; t < 8; t++)
-            crc_table[t][n] = (crc_table[t - 1][n] >> 8) ^ crc_table[0][crc_table[t - 1][n] & 0xFF];
-}
-
-static uint32_t record_crc(const unsigned char *p, size_t n) {
-    uint32_t c = 0xFFFFFFFFu;
-    for (; n >= 8; n -= 8, p += 8) {
-        uint32_t lo = c ^ ((uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 |
-                           (uint32_t)p[3] << 24);
-        c = crc_table[7][lo & 0xFF] ^ crc_table[6][(lo >> 8) & 0xFF] ^
-            crc_table[5][(lo >> 16) & 0xFF] ^ crc_table[4][lo >> 24] ^ crc_table[3][p[4]] ^
-            crc_table[2][p[5]] ^ crc_table[1][p[6]] ^ crc_table[0][p[7]];
-    }
-    while (n--) c = crc_table[0][(c ^ *p++) & 0xFF] ^ (c >> 8);
-    return c ^ 0xFFFFFFFFu;
-}
 
 /* Reader(path, sql, busy_timeout_ms): a read-only connection to the log file at ``path``, with
  * ``sql`` (a SELECT of id, ts, payload, in the order to read) prepared; nothing read yet. */

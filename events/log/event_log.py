@@ -29,6 +29,7 @@ from typing import Any, Protocol
 
 import sqlalchemy as sa
 
+from kvledger.events.codec import decode
 from kvledger.events.log import checkpoints, reader
 from kvledger.events.log.checkpoints import Checkpoint
 from kvledger.events.log.core import RETRY_FOR, LogCore, Outage, not_yet_committed
@@ -78,6 +79,10 @@ class Feed(Protocol):
     @property
     def waiting(self) -> int:
         """Events handed to the buffer and not yet to the log."""
+
+    def keep_events(self, keep: bool) -> None:
+        """Whether the log has commit sinks, which want each event beside its row (called
+        under the log's lock: must not take the buffer's)."""
 
 
 class EventLog(LogCore):
@@ -203,10 +208,20 @@ class EventLog(LogCore):
         self._append_many(batch, wait=True)
 
     def _append_many(self, batch: Iterable[LogRecord], *, wait: bool) -> None:
-        """``append_many``; with ``wait`` False, queued whatever the backlog holds: how the
-        writer itself hands over what waits in an ``AppendBuffer`` (it would wait for itself)."""
+        """``append_many``; with ``wait`` False, queued whatever the backlog holds."""
         events = list(batch)
-        rows = [self._to_row(e) for e in events]
+        self._append_items(events, events, wait=wait)
+
+    def _append_items(
+        self, items: Sequence[Row | LogRecord], events: Sequence[LogRecord], *, wait: bool
+    ) -> None:
+        """``append_many`` of an ``AppendBuffer``'s queue: each item an event's row, or an
+        event no compiled function encoded (encoded here, which refuses a bad one), and
+        ``events`` the events of the newest items (a buffer keeps them only while the log has
+        commit sinks). With ``wait`` False, queued whatever the backlog holds: how the writer
+        itself hands over what waits in a buffer (it would wait for itself)."""
+        to_row = self._to_row
+        rows = [item if isinstance(item, tuple) else to_row(item) for item in items]
         backlog = self._backlog
         with self._lock:
             if wait:
@@ -217,6 +232,10 @@ class EventLog(LogCore):
                 return
             if not self._accept_run(rows):
                 self._accept_ids(rows, self._committed_ids(rows))
+            if self._pending_events is not None and len(events) < len(rows):
+                # rows queued before a commit sink came: their events from their records
+                missing = len(rows) - len(events)
+                events = [decode(row[5]) for row in rows[:missing]] + list(events)
             now = monotonic()
             if not wait or backlog.room(now) >= len(rows):  # the usual case
                 if self._pending_events is not None:
@@ -412,6 +431,8 @@ class EventLog(LogCore):
             self._commit_sinks.append((sink, worker_id))
             if self._pending_events is None:
                 self._pending_events = []
+                for feed in self._feeds:
+                    feed.keep_events(True)
 
     def off_commit(self, sink: CommitSink) -> None:
         """Stop handing committed events to ``sink``."""
@@ -419,6 +440,8 @@ class EventLog(LogCore):
             self._commit_sinks = [(s, w) for s, w in self._commit_sinks if s is not sink]
             if not self._commit_sinks:
                 self._pending_events = None
+                for feed in self._feeds:
+                    feed.keep_events(False)
 
     def _hand_to_commit_sinks(self, pairs: list[tuple[LogRecord, bytes]]) -> None:
         with self._lock:
@@ -452,6 +475,7 @@ class EventLog(LogCore):
         with self._lock:
             self._check_open()
             self._feeds.append(feed)
+            feed.keep_events(self._pending_events is not None)
 
     def _detach(self, feed: Feed) -> None:
         with self._lock:
