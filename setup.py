@@ -40,5 +40,10 @@ setup(
             sources=["registry/_pool.c"],
             optional=True,
         ),
+        Extension(
+            "kvledger.registry._index",
+            sources=["registry/_index.c"],
+            optional=True,
+        ),
     ]
 )

@@ -49,14 +49,16 @@ DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "u
 
 #: ``KVLEDGER_*`` variables that are not settings: the shared data folder (read by the test
 #: suite and benchmarks) and the switches that turn the compiled encoders, the compiled
-#: SQLite writer, the append buffer's compiled queue and the block pool's compiled loops off
-#: (read by ``kvledger.events`` and ``kvledger.registry``, below any settings).
+#: SQLite writer, the append buffer's compiled queue, the block pool's compiled loops and the
+#: router index's compiled fold off (read by ``kvledger.events`` and ``kvledger.registry``,
+#: below any settings).
 OTHER_VARIABLES = (
     "KVLEDGER_SHARED_DATA",
     "KVLEDGER_PYTHON_ENCODERS",
     "KVLEDGER_PYTHON_SQLITE",
     "KVLEDGER_PYTHON_POOL",
     "KVLEDGER_PYTHON_BUFFER",
+    "KVLEDGER_PYTHON_INDEX",
 )
 OTHER_PREFIXES = ("KVLEDGER_TEST_",)
 _warned: set[str] = set()

@@ -18,11 +18,17 @@ long prompts. A node splits where a chain branches or its blocks' holders start 
 joins its only child again when their holders become equal. A block nobody holds any more stays
 in the tree, with no holder, while blocks below it are held, so that storing it again links
 them up as the per-block link table did; it goes once nothing below it is held.
+
+A router's index also folds every event every worker emits, and on short prompts that fold
+costs more than the queries: ``apply``'s usual cases (a Stored chain new to everyone, a
+Removed of a run's end) run compiled where ``registry/_index.c`` was built (``COMPILED_APPLY``),
+over the same nodes and dicts, and leave every other case to the Python methods below.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+import os
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from itertools import repeat
 from typing import Literal, TypeAlias, TypeVar
 
@@ -828,6 +834,23 @@ class RouterIndex:
         return {
             (worker, dp) for (worker, dp, _tier), (_bit, nodes) in self._places.items() if nodes
         }
+
+
+PYTHON_APPLY = RouterIndex.apply
+"""The Python fold of one event: the reference the compiled one is held to."""
+COMPILED_APPLY: Callable[[RouterIndex, AnyEvent], bool] | None = None
+"""``RouterIndex.apply`` compiled (``registry/_index.c``), which hands every case but the usual
+Stored and Removed to ``PYTHON_APPLY`` and the methods it calls; None where the module was not
+built (no C compiler at install). It is the class's ``apply`` unless ``KVLEDGER_PYTHON_INDEX=1``
+is in the environment (to measure the Python fold, or to rule the compiled one out)."""
+try:
+    from kvledger.registry import _index
+except ImportError:  # the Python fold serves
+    pass
+else:
+    COMPILED_APPLY = _index.bind(RouterIndex, _Node, Stored, Removed, PYTHON_APPLY)
+    if os.environ.get("KVLEDGER_PYTHON_INDEX", "") in ("", "0"):
+        RouterIndex.apply = COMPILED_APPLY  # type: ignore[method-assign]
 
 
 def chain_order(blocks: Sequence[BlockInfo]) -> list[BlockInfo]:

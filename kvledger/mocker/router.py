@@ -201,17 +201,23 @@ class KvRouter(Router):
         self.overlap_blocks = 0
         self.asked_blocks = 0
 
+    def devices(self, hashes: list[int]) -> list[int]:
+        """Per worker: the leading blocks of ``hashes`` it holds on G1 (its device prefix)."""
+        out = [0] * self.workers
+        slot = self._slot
+        for key, per_tier in self.index.find_matches(hashes, kind="sequence").items():
+            i = slot.get(key)
+            if i is not None:
+                out[i] = per_tier.get(_G1, 0)
+        return out
+
     def overlaps(self, hashes: list[int]) -> list[tuple[int, int, int, int]]:
         """Per worker: (device, host, disk, shared) blocks, as the cost weighs them."""
         n = self.workers
+        if not self.tiers and not self.shared:
+            return [(device, 0, 0, 0) for device in self.devices(hashes)]
         out = [(0, 0, 0, 0)] * n
         slot = self._slot
-        if not self.tiers and not self.shared:
-            for key, per_tier in self.index.find_matches(hashes, kind="sequence").items():
-                i = slot.get(key)
-                if i is not None:
-                    out[i] = (per_tier.get(_G1, 0), 0, 0, 0)
-            return out
         reach = self.index.tier_reach(hashes)
         g2_depth = [0] * n  # for G4: how far each worker's G2 alone reaches
         if self.shared:
@@ -241,34 +247,37 @@ class KvRouter(Router):
         """Each worker's cost, and its device prefix (in blocks) for this prompt."""
         cfg = self.config
         bs = self.block_size
-        credit, host_w, disk_w = (
-            cfg.overlap_score_credit,
-            cfg.host_cache_hit_weight,
-            cfg.disk_cache_hit_weight,
-        )
-        shared_w = cfg.shared_cache_multiplier
+        credit = cfg.overlap_score_credit
         scale, per_request = cfg.prefill_load_scale, cfg.decode_active_request_weight
         track = cfg.router_track_prefill_tokens
+        if self.tiers or self.shared:
+            host_w, disk_w = cfg.host_cache_hit_weight, cfg.disk_cache_hit_weight
+            shared_w = cfg.shared_cache_multiplier
+            found = self.overlaps(hashes)
+            devices = [device for device, _host, _disk, _shared in found]
+            credits = [
+                credit * device + host_w * host + disk_w * disk + shared_w * shared
+                for device, host, disk, shared in found
+            ]
+        else:  # G1 alone: the other terms would add 0.0, which changes no float
+            devices = self.devices(hashes)
+            credits = [credit * device for device in devices]
         costs: list[float] = []
-        devices: list[int] = []
         n = len(hashes)
-        for load, (device, host, disk, shared) in zip(
-            self.loads, self.overlaps(hashes), strict=True
-        ):
+        first = hashes[0] if n else None
+        for load, overlap in zip(self.loads, credits, strict=True):
             # Dynamo's arithmetic, in its order, so that ties are ties here too
             raw = (load.prefill_tokens + prompt_tokens) / bs if track else 0.0
-            overlap = credit * device + host_w * host + disk_w * disk + shared_w * shared
             prefill = raw - overlap
             blocks = load.blocks
             cost: float = len(blocks) + n
-            if n and hashes[0] in blocks:
+            if first in blocks:
                 cost -= load.active_prefix(hashes)
             if prefill > 0:
                 cost += scale * prefill
             if per_request:
                 cost += per_request * len(load.requests)
             costs.append(cost)
-            devices.append(device)
         return costs, devices
 
     def _pick(self, request: int, hashes: list[int], prompt_tokens: int) -> int:
