@@ -148,14 +148,27 @@ def prompts(index: RouterIndex) -> list[list[int]]:
 
 
 @settings(max_examples=300, deadline=None)
-@given(events=streams(), queries=st.lists(st.lists(st.integers(0, 130), max_size=8), max_size=4))
+@given(
+    events=streams(),
+    queries=st.lists(st.lists(st.integers(0, 130), max_size=8), max_size=4),
+    leave=st.none() | st.tuples(st.integers(0, 59), st.integers(0, 2)),
+)
 def test_the_compiled_fold_answers_as_the_python_fold(
-    events: list[AnyEvent], queries: list[list[int]]
+    events: list[AnyEvent], queries: list[list[int]], leave: tuple[int, int] | None
 ) -> None:
+    """``leave``: after that event, a worker leaves (``remove_worker``: its slot is freed for
+    another) and comes back with a fresh stream."""
     python, compiled = RouterIndex(), RouterIndex()
     assert COMPILED is not None
-    for event in events:
+    renumbered: dict[int, int] = {}
+    for i, event in enumerate(events):
+        if event.worker_id in renumbered:
+            event = replace(event, event_id=renumbered[event.worker_id])
+            renumbered[event.worker_id] += 1
         assert COMPILED(compiled, event) == PYTHON_APPLY(python, event)
+        if leave is not None and i == leave[0]:
+            assert compiled.remove_worker(leave[1]) == python.remove_worker(leave[1])
+            renumbered[leave[1]] = 0
         same_answers(python, compiled, queries + prompts(python) + prompts(compiled))
 
 
