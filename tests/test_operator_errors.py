@@ -333,6 +333,8 @@ GOOD_ROW = '{"timestamp": 0, "input_length": 600, "output_length": 5, "hash_ids"
         (GOOD_ROW.replace("[1, 2]", "[1, true]"), "hash_ids must be whole numbers"),
         (GOOD_ROW.replace("[1, 2]", "[1, -2]"), "hash_ids must be whole numbers"),
         (GOOD_ROW.replace("[1, 2]", f"[1, {1 << 64}]"), "hash_ids must be whole numbers"),
+        # two rows on one line: the whole-file read would take them as two, the line refuses
+        (f"{GOOD_ROW}, {GOOD_ROW}", "Extra data"),
     ],
 )
 def test_a_bad_trace_row_names_file_and_line(
