@@ -1,4 +1,4 @@
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 def bind(
@@ -9,3 +9,5 @@ def bind(
     python_apply: Callable[..., bool],
     /,
 ) -> Callable[..., bool]: ...
+def count(counts: dict[int, int], keys: Iterable[int], /) -> None: ...
+def uncount(counts: dict[int, int], keys: Iterable[int], /) -> None: ...

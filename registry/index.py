@@ -836,6 +836,24 @@ class RouterIndex:
         }
 
 
+def python_count(counts: dict[int, int], keys: Iterable[int]) -> None:
+    """``counts[key] = counts.get(key, 0) + 1`` for each key: a router's count of the active
+    requests that hold each block, as it routes one (``kvledger.mocker.router.WorkerLoad``)."""
+    for key in keys:
+        counts[key] = counts.get(key, 0) + 1
+
+
+def python_uncount(counts: dict[int, int], keys: Iterable[int]) -> None:
+    """``counts[key] - 1`` for each key, the key gone at 0 (a request finished); KeyError for a
+    key not there."""
+    for key in keys:
+        left = counts[key] - 1
+        if left:
+            counts[key] = left
+        else:
+            del counts[key]
+
+
 PYTHON_APPLY = RouterIndex.apply
 """The Python fold of one event: the reference the compiled one is held to."""
 COMPILED_APPLY: Callable[[RouterIndex, AnyEvent], bool] | None = None
@@ -843,14 +861,23 @@ COMPILED_APPLY: Callable[[RouterIndex, AnyEvent], bool] | None = None
 Stored and Removed to ``PYTHON_APPLY`` and the methods it calls; None where the module was not
 built (no C compiler at install). It is the class's ``apply`` unless ``KVLEDGER_PYTHON_INDEX=1``
 is in the environment (to measure the Python fold, or to rule the compiled one out)."""
+Counting: TypeAlias = Callable[[dict[int, int], Iterable[int]], None]
+COMPILED_COUNTS: tuple[Counting, Counting] | None = None
+"""``python_count`` and ``python_uncount`` compiled, the same way: a request's twenty to a few
+hundred blocks are a loop of dict updates, twice a request."""
+count: Counting = python_count
+uncount: Counting = python_uncount
+"""What a router counts with: the compiled pair unless not built or switched off."""
 try:
     from kvledger.registry import _index
-except ImportError:  # the Python fold serves
+except ImportError:  # the Python fold and counts serve
     pass
 else:
     COMPILED_APPLY = _index.bind(RouterIndex, _Node, Stored, Removed, PYTHON_APPLY)
+    COMPILED_COUNTS = (_index.count, _index.uncount)
     if os.environ.get("KVLEDGER_PYTHON_INDEX", "") in ("", "0"):
         RouterIndex.apply = COMPILED_APPLY  # type: ignore[method-assign]
+        count, uncount = COMPILED_COUNTS
 
 
 def chain_order(blocks: Sequence[BlockInfo]) -> list[BlockInfo]:

@@ -11,6 +11,7 @@ twice, unknown parents, links two blocks claim, copies, clears, repeats and gaps
 from __future__ import annotations
 
 import os
+import random
 import subprocess
 import sys
 from dataclasses import replace
@@ -240,3 +241,35 @@ def test_the_switch_turns_the_compiled_fold_off(value: str, compiled: bool) -> N
         [sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True
     )
     assert out.stdout.split() == [str(compiled), str(not compiled)]
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    requests=st.lists(st.lists(st.integers(0, 12), max_size=12), max_size=8),
+    order=st.randoms(use_true_random=False),
+    extra=st.lists(st.integers(0, 14), max_size=3),
+)
+def test_the_compiled_counts_count_as_python(
+    requests: list[list[int]], order: random.Random, extra: list[int]
+) -> None:
+    """A router's active blocks: requests counted in, then out in another order, then keys
+    counted out that are not there (a KeyError, after the same keys before it went)."""
+    assert index_module.COMPILED_COUNTS is not None
+    compiled_count, compiled_uncount = index_module.COMPILED_COUNTS
+    python: dict[int, int] = {}
+    compiled: dict[int, int] = {}
+    for keys in requests:
+        index_module.python_count(python, keys)
+        compiled_count(compiled, keys)
+        assert compiled == python
+    for keys in order.sample(requests, len(requests)):
+        index_module.python_uncount(python, iter(keys))
+        compiled_uncount(compiled, iter(keys))
+        assert compiled == python
+    errors = []
+    for uncount, counts in ((index_module.python_uncount, python), (compiled_uncount, compiled)):
+        with pytest.raises(KeyError) as caught:
+            uncount(counts, [*extra, 99])
+        errors.append(caught.value.args)
+    assert errors[0] == errors[1]
+    assert compiled == python

@@ -42,7 +42,7 @@ from typing import ClassVar
 
 from kvledger.events.types import Tier
 from kvledger.mocker.routing import ROUTERS, KvRouterConfig
-from kvledger.registry.index import RouterIndex
+from kvledger.registry.index import RouterIndex, count, uncount
 
 _G1, _G2 = Tier.G1, Tier.G2
 
@@ -84,9 +84,7 @@ class WorkerLoad:
         return low
 
     def add(self, request: int, hashes: list[int], prefill_tokens: int) -> None:
-        blocks = self.blocks
-        for h in hashes:
-            blocks[h] = blocks.get(h, 0) + 1
+        count(self.blocks, hashes)
         self.requests[request] = hashes
         if prefill_tokens > 0:
             self.prefill[request] = prefill_tokens
@@ -98,15 +96,8 @@ class WorkerLoad:
     def free(self, request: int) -> None:
         self.prefill_done(request)
         hashes = self.requests.pop(request, None)
-        if hashes is None:
-            return
-        blocks = self.blocks
-        for h in hashes:
-            left = blocks[h] - 1
-            if left:
-                blocks[h] = left
-            else:
-                del blocks[h]
+        if hashes is not None:
+            uncount(self.blocks, hashes)
 
 
 class Router:
