@@ -556,14 +556,15 @@ static PyObject *bind(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssi
     return PyDescr_NewMethod((PyTypeObject *)args[0], &apply_def);
 }
 
-/* count(counts, keys): ``counts[key] = counts.get(key, 0) + 1`` for each key, in order. */
-static PyObject *count(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs) {
+/* count and uncount: ``counts[key]`` one up (from 0) or one down (gone at 0, KeyError for a
+ * key not there) for each key, in order. One loop serves both. */
+static PyObject *tally(PyObject *const *args, Py_ssize_t nargs, int down, const char *usage) {
     if (nargs != 2 || !PyDict_CheckExact(args[0])) {
-        PyErr_SetString(PyExc_TypeError, "count(counts: dict, keys)");
+        PyErr_SetString(PyExc_TypeError, usage);
         return NULL;
     }
     PyObject *counts = args[0];
-    PyObject *keys = PySequence_Fast(args[1], "count: keys must be iterable");
+    PyObject *keys = PySequence_Fast(args[1], "keys must be iterable");
     if (keys == NULL) return NULL;
     PyObject *one = PyLong_FromLong(1);
     int failed = one == NULL;
@@ -571,13 +572,18 @@ static PyObject *count(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ss
     for (Py_ssize_t i = 0; i < n && !failed; i++) {
         PyObject *key = PySequence_Fast_GET_ITEM(keys, i);
         PyObject *held = PyDict_GetItemWithError(counts, key);
-        if (held == NULL && PyErr_Occurred()) {
+        if (held == NULL && (PyErr_Occurred() || down)) {
+            if (!PyErr_Occurred()) PyErr_SetObject(PyExc_KeyError, key);
             failed = 1;
             break;
         }
-        PyObject *more = held == NULL ? Py_NewRef(one) : PyNumber_Add(held, one);
-        failed = more == NULL || PyDict_SetItem(counts, key, more) < 0;
-        Py_XDECREF(more);
+        PyObject *now = held == NULL ? Py_NewRef(one)
+                        : down       ? PyNumber_Subtract(held, one)
+                                     : PyNumber_Add(held, one);
+        int keep = now == NULL ? -1 : down ? PyObject_IsTrue(now) : 1;
+        failed = keep < 0 ||
+                 (keep ? PyDict_SetItem(counts, key, now) : PyDict_DelItem(counts, key)) < 0;
+        Py_XDECREF(now);
     }
     Py_XDECREF(one);
     Py_DECREF(keys);
@@ -585,40 +591,12 @@ static PyObject *count(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ss
     Py_RETURN_NONE;
 }
 
-/* uncount(counts, keys): ``counts[key] - 1`` for each key, in order, the key gone at 0;
- * KeyError for a key not there. */
+static PyObject *count(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs) {
+    return tally(args, nargs, 0, "count(counts: dict, keys)");
+}
+
 static PyObject *uncount(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 2 || !PyDict_CheckExact(args[0])) {
-        PyErr_SetString(PyExc_TypeError, "uncount(counts: dict, keys)");
-        return NULL;
-    }
-    PyObject *counts = args[0];
-    PyObject *keys = PySequence_Fast(args[1], "uncount: keys must be iterable");
-    if (keys == NULL) return NULL;
-    PyObject *one = PyLong_FromLong(1);
-    int failed = one == NULL;
-    Py_ssize_t n = failed ? 0 : PySequence_Fast_GET_SIZE(keys);
-    for (Py_ssize_t i = 0; i < n && !failed; i++) {
-        PyObject *key = PySequence_Fast_GET_ITEM(keys, i);
-        PyObject *held = PyDict_GetItemWithError(counts, key);
-        if (held == NULL) {
-            if (!PyErr_Occurred()) PyErr_SetObject(PyExc_KeyError, key);
-            failed = 1;
-            break;
-        }
-        PyObject *left = PyNumber_Subtract(held, one);
-        if (left == NULL) {
-            failed = 1;
-            break;
-        }
-        int some = PyObject_IsTrue(left);
-        failed = some < 0 || (some ? PyDict_SetItem(counts, key, left) : PyDict_DelItem(counts, key)) < 0;
-        Py_DECREF(left);
-    }
-    Py_XDECREF(one);
-    Py_DECREF(keys);
-    if (failed) return NULL;
-    Py_RETURN_NONE;
+    return tally(args, nargs, 1, "uncount(counts: dict, keys)");
 }
 
 static PyMethodDef methods[] = {
