@@ -352,6 +352,12 @@ class BlockPool:
             if hashes[slot] is not None or not ref[slot]:
                 self._unname(slots[:named], blocks[:named])
                 raise ValueError(f"register: {self.tier.name} slot {slot} is not a mutable block")
+        if len(set(slots)) != len(slots):
+            # a slot given twice: its first use could free it (a held block), the second name
+            # it; the loop that names blocks one by one refuses it, this one must ask
+            twice = next(slot for i, slot in enumerate(slots) if slot in slots[:i])
+            self._unname(slots[:named], blocks[:named])
+            raise ValueError(f"register: {self.tier.name} slot {twice} is not a mutable block")
         out = list(slots)
         new = list(slots[:named])
         new_hashes = [seq for seq, _ in blocks[:named]]

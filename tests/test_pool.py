@@ -69,6 +69,8 @@ def test_register_refusal_after_naming_some_blocks_changes_nothing() -> None:
         ([fresh[0], fresh[1], held[0]], [(2, 2), (3, 3), (4, 4)]),  # all new, one slot taken
         ([fresh[0], fresh[1], fresh[0]], [(2, 2), (3, 3), (4, 4)]),  # one slot named twice
         ([fresh[0], fresh[1], held[0]], [(2, 2), (1, 1), (4, 4)]),  # a duplicate, then refused
+        ([fresh[0], fresh[0]], [(1, 1), (2, 2)]),  # twice, first for a held block (was freed)
+        ([fresh[1], fresh[0], fresh[0]], [(2, 2), (1, 1), (3, 3)]),  # the same, after a new one
     ):
         before = (counts(p), p.resident_blocks(), [p.refcount(s) for s in range(8)])
         with pytest.raises(ValueError, match="not a mutable block"):
