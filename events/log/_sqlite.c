@@ -410,7 +410,6 @@ static PyTypeObject WriterType = {
     .tp_methods = Writer_methods,
 };
 
-
 /* -- the reader ---------------------------------------------------------------------------- */
 
 /* Reader(path, sql, busy_timeout_ms): a read-only connection to the log file at ``path``, with

@@ -22,11 +22,10 @@ import threading
 from collections.abc import Callable, Sequence
 from time import monotonic
 
-from kvledger.events.codec import COMPILED_ROWS, COMPILED_STORED_ROW_WITHOUT_TOKENS
 from kvledger.events.log.core import EventLogError
 from kvledger.events.log.event_log import EventLog
-from kvledger.events.log.rows import Row
-from kvledger.events.types import LogRecord, Stored
+from kvledger.events.log.rows import Row, compiled_rows
+from kvledger.events.types import LogRecord, lookup_stream
 
 try:
     from kvledger.events.log._gather import Gather
@@ -224,13 +223,14 @@ class AppendBuffer:
         if self._gather is not None:
             self._gather.blocked = True
 
-    def _take(self) -> tuple[list[Row | LogRecord], list[LogRecord]]:
+    def _take(self) -> tuple[Sequence[Row | LogRecord], list[LogRecord]]:
         """Every waiting item (a row, or an event still to encode), in order, and the events
-        of the newest items (all of them in the Python queue); none waits after (lock held)."""
+        of the newest items (all of them in the Python queue, whose items they are); none
+        waits after (lock held)."""
         if self._gather is not None:
             return self._gather.take()
         batch, self._events = self._events, []
-        return list(batch), batch
+        return batch, batch
 
     def _append(self, *, wait: bool) -> None:
         """Hand every waiting event to the log (lock held).
@@ -249,7 +249,7 @@ class AppendBuffer:
             raise
 
     def _append_one_by_one(
-        self, items: list[Row | LogRecord], events: list[LogRecord], wait: bool
+        self, items: Sequence[Row | LogRecord], events: list[LogRecord], wait: bool
     ) -> None:
         refused: list[tuple[Row | LogRecord, ValueError]] = []
         without = len(items) - len(events)  # the oldest items have no event beside them
@@ -285,20 +285,9 @@ class AppendBuffer:
             ) from error
 
 
-def compiled_rows(token_ids: bool) -> dict[type, Callable[[LogRecord], Row | None]]:
-    """The compiled row functions by event type, for a log that keeps token ids or not
-    (``EventLog.token_ids``): what the compiled queue encodes each event with."""
-    rows: dict[type, Callable[[LogRecord], Row | None]] = dict(COMPILED_ROWS)
-    if not token_ids:
-        rows.pop(Stored, None)
-        if COMPILED_STORED_ROW_WITHOUT_TOKENS is not None:
-            rows[Stored] = COMPILED_STORED_ROW_WITHOUT_TOKENS  # type: ignore[assignment]
-    return rows
-
-
 def _ids_of(item: Row | LogRecord) -> tuple[int, int]:
     """(worker id, event id) of a queued item, for a message."""
     if isinstance(item, tuple):
         worker, event_id = item[0], item[1]
-        return (~worker if worker < 0 else worker), event_id  # a lookup stream's key
+        return (lookup_stream(worker) if worker < 0 else worker), event_id  # its own inverse
     return item.worker_id, item.event_id

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import sqlite3
 import struct
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from itertools import chain
 from typing import Any
 
@@ -83,6 +83,18 @@ def to_row_without_tokens(event: LogRecord) -> Row:
                 return row
         return to_row(without_token_ids(event))
     return to_row(event)
+
+
+def compiled_rows(token_ids: bool) -> dict[type, Callable[[LogRecord], Row | None]]:
+    """The compiled row functions by event type (``to_row``'s, or with ``token_ids`` False
+    ``to_row_without_tokens``'s): what an append buffer's compiled queue encodes each event
+    with. Empty where the encoders were not built."""
+    rows: dict[type, Callable[[LogRecord], Row | None]] = dict(COMPILED_ROWS)
+    if not token_ids:
+        rows.pop(Stored, None)
+        if COMPILED_STORED_ROW_WITHOUT_TOKENS is not None:
+            rows[Stored] = COMPILED_STORED_ROW_WITHOUT_TOKENS  # type: ignore[assignment]
+    return rows
 
 
 def row_worker(record: LogRecord) -> int:
