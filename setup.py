@@ -7,10 +7,13 @@ sqlite3 module runs (found when it is imported: nothing of SQLite is linked, no 
 are needed); ``kvledger.events.log._gather`` (events/log/_gather.c) is an append buffer's
 queue, which encodes each event into its row as it comes and takes no lock;
 ``kvledger.registry._pool`` (registry/_pool.c) runs the block pool's per-block loops (match,
-register, release, eviction) over the pool's own lists and dicts. Each is optional: where one
-does not build (no C compiler) the install goes on, and the codec's Python encoders, the log's
-Python writer, reader and buffer and the pool's Python loops do the same work. Nothing is
-linked but Python itself (and libdl): the record's CRC-32 is events/crc32.h's.
+register, release, eviction) over the pool's own lists and dicts; ``kvledger.registry._index``
+(registry/_index.c) folds a router index's usual events; ``kvledger.mocker._trace``
+(kvledger/mocker/_trace.c) reads a plain Mooncake trace in one pass. Each is optional: where
+one does not build (no C compiler) the install goes on, and the codec's Python encoders, the
+log's Python writer, reader and buffer, the pool's and the index's Python loops and the
+trace's ``json`` reader do the same work. Nothing is linked but Python itself (and libdl): the
+record's CRC-32 is events/crc32.h's.
 """
 
 from setuptools import Extension, setup
@@ -43,6 +46,11 @@ setup(
         Extension(
             "kvledger.registry._index",
             sources=["registry/_index.c"],
+            optional=True,
+        ),
+        Extension(
+            "kvledger.mocker._trace",
+            sources=["kvledger/mocker/_trace.c"],
             optional=True,
         ),
     ]

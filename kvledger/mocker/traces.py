@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import random
 from array import array
 from collections.abc import Callable, Iterator
@@ -37,10 +38,26 @@ class TraceError(ValueError):
     """A trace file that cannot be read; the message names the file and line."""
 
 
+ReadRows = Callable[[str, type[TraceRequest], int], "list[TraceRequest] | None"]
+COMPILED_READ: ReadRows | None = None
+"""The plain trace read in one pass (``kvledger/mocker/_trace.c``): the rows the Python reader
+gives, or None for a text it does not take (not ASCII, another field, a float where a whole
+number belongs, a row that fails a check, ...), which the Python reader then reads and names
+the fault of. None where the module was not built (no C compiler at install). It is what
+``load_mooncake`` tries first unless ``KVLEDGER_PYTHON_TRACE=1`` is in the environment (to
+measure the Python reader, or to rule the compiled one out)."""
+try:
+    from kvledger.mocker import _trace
+except ImportError:  # the json reader serves
+    pass
+else:
+    COMPILED_READ = _trace.read
+_read_plain = COMPILED_READ if os.environ.get("KVLEDGER_PYTHON_TRACE", "") in ("", "0") else None
+
+
 def load_mooncake(path: str | Path) -> list[TraceRequest]:
     """Read a Mooncake trace: one JSON object per line with ``timestamp`` (ms),
     ``input_length``, ``output_length`` and ``hash_ids`` (512-token blocks)."""
-    requests: list[TraceRequest] = []
     path = Path(path)
     try:
         text = path.read_text(encoding="utf-8")
@@ -51,6 +68,17 @@ def load_mooncake(path: str | Path) -> list[TraceRequest]:
             f"{path}: not a Mooncake trace: byte {exc.start} is not UTF-8 text "
             "(a trace is JSON lines in UTF-8)"
         ) from None
+    if _read_plain is not None:
+        plain_rows = _read_plain(text, TraceRequest, MOONCAKE_BLOCK_TOKENS)
+        if plain_rows is not None:
+            return plain_rows
+    return _read_rows(path, text)
+
+
+def _read_rows(path: Path, text: str) -> list[TraceRequest]:
+    """The rows of a trace's text through ``json``, each checked: what ``load_mooncake`` falls
+    back to for a text the compiled reader does not take, and where every message is made."""
+    requests: list[TraceRequest] = []
     numbered = [
         (n, line) for n, line in enumerate(text.splitlines(), 1) if line and not line.isspace()
     ]
