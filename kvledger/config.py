@@ -18,7 +18,6 @@ pydantic cost a short ``kvledger simulate`` run 90 of its 190 ms of start-up
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import math
 import os
 import types
@@ -520,6 +519,8 @@ def unknown_variables(environ: Any) -> list[str]:
             continue
         if upper.startswith(OTHER_PREFIXES) or upper.removeprefix("KVLEDGER_") in known:
             continue
+        import difflib  # here: only a misspelt variable needs it, and it costs every start
+
         close = difflib.get_close_matches(upper.removeprefix("KVLEDGER_"), known, n=1)
         hint = f"did you mean KVLEDGER_{close[0]}?" if close else "see the Settings table"
         out.append(f"{name} is not a kvledger setting and is ignored; {hint}")

@@ -11,7 +11,6 @@ The arrays' module (numpy) is imported only when arrays are used: a live registr
 
 from __future__ import annotations
 
-import hashlib
 import sys
 from array import array
 from collections.abc import Iterable, Iterator, Mapping
@@ -190,6 +189,8 @@ class RegistryState:
 
     def digest(self) -> str:
         """A short fingerprint of the state: sorted sequence hashes per (worker, tier)."""
+        import hashlib  # here: OpenSSL's start costs every process that folds a log a third of a ms
+
         h = hashlib.sha256()
         self._settle()
         for key in sorted(self._dicts.keys() | self._columns.keys()):
