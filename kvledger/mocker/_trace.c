@@ -38,12 +38,19 @@ static int read_whole(Cursor *c, uint64_t *out) {
     const char *p = c->p;
     if (p >= c->end || !is_digit(*p)) return -1;
     if (*p == '0' && p + 1 < c->end && is_digit(p[1])) return -1; /* JSON has no leading zeros */
+    const char *start = p;
     uint64_t value = 0;
     while (p < c->end && is_digit(*p)) {
-        unsigned digit = (unsigned)(*p - '0');
-        if (value > (UINT64_MAX - digit) / 10) return -1;
-        value = value * 10 + digit;
+        value = value * 10 + (unsigned)(*p - '0'); /* 19 digits cannot overflow 64 bits */
         p++;
+        if (p - start == 19 && p < c->end && is_digit(*p)) { /* the 20th, with care */
+            unsigned digit = (unsigned)(*p - '0');
+            if (value > (UINT64_MAX - digit) / 10) return -1;
+            value = value * 10 + digit;
+            p++;
+            if (p < c->end && is_digit(*p)) return -1; /* 21 digits */
+            break;
+        }
     }
     if (p < c->end && (*p == '.' || *p == 'e' || *p == 'E')) return -1; /* a float */
     c->p = p;
