@@ -116,10 +116,13 @@ class SimulatedCache:
         """
         reg = self.tiered
         g1 = self._g1
-        wanted = len(sequence_hashes) if limit is None else min(limit, len(sequence_hashes))
+        wanted = len(sequence_hashes)
+        if limit is not None and limit < wanted:
+            wanted = limit
         hashes = sequence_hashes[:wanted]
         if match is None or match.total > wanted:
             match = reg.match(hashes)
+        total = match.total
         slots = g1.match(hashes[: match.g1])
         onboarded: dict[Tier, int] = {}
         if self._offloads:  # lower tiers: count the request there, bring their hits up
@@ -131,7 +134,7 @@ class SimulatedCache:
             for transfer in onboard:
                 slots.extend(transfer.landed)
         start = len(slots)
-        fresh = g1.allocate_upto(wanted - start) if start == match.total else []
+        fresh = g1.allocate_upto(wanted - start) if start == total else []
         admission = Admission(slots, match, onboarded, start, start)
         if fresh:
             self._place(admission, fresh, hashes, local_hashes, wanted if full is None else full)
@@ -155,12 +158,18 @@ class SimulatedCache:
         unnamed after it."""
         slots = admission.slots
         start = len(slots)
-        named = max(0, min(len(fresh), full - start))
+        # how many to name, in 0..len(fresh) (comparisons, not min() and max(): once per
+        # admission, the builtins cost more than the arithmetic)
+        named = full - start
+        if named > len(fresh):
+            named = len(fresh)
+        elif named < 0:
+            named = 0
         if named:
             end = start + named
             blocks = list(zip(sequence_hashes[start:end], local_hashes[start:end], strict=True))
             parent = sequence_hashes[start - 1] if start else None
-            registered = self._g1.register(fresh[:named], blocks[:named], parent)
+            registered = self._g1.register(fresh[:named], blocks, parent)
             slots.extend(registered)
             admission.registered = len(slots)
             if self._offloads:
@@ -184,7 +193,9 @@ class SimulatedCache:
         With ``full``, blocks from ``full`` on are still filling (no name, as in ``admit``), and
         held blocks that filled up since (before ``full``) are named, once every block asked
         for has a slot (as vLLM caches a step's full blocks only when its allocation succeeded)."""
-        wanted = len(sequence_hashes) if blocks is None else min(blocks, len(sequence_hashes))
+        wanted = len(sequence_hashes)
+        if blocks is not None and blocks < wanted:
+            wanted = blocks
         if full is not None:
             return self._extend_unnamed(admission, sequence_hashes, local_hashes, full, wanted)
         g1 = self._g1
@@ -232,8 +243,9 @@ class SimulatedCache:
             slots.extend(g1.allocate_upto(wanted - len(slots)))
             admission.placed = len(slots)
         at = admission.registered
-        upto = min(full, len(slots))
-        if len(slots) == wanted and upto > at:
+        held = len(slots)
+        upto = full if full < held else held
+        if held == wanted and upto > at:
             if upto == at + 1:  # the one block a decode step filled
                 blocks = [(sequence_hashes[at], local_hashes[at])]
             else:

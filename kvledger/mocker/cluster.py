@@ -259,18 +259,33 @@ class Cluster:
             return ClusterRun(workers, router, placement, time.perf_counter() - started)
         wall0 = time.monotonic()
         track = self._index_last_ids is not None
-        done = 0
+        done = reported = 0
+        # per worker: its index, engine, clock and the replies the router has not yet heard
+        lanes = [
+            (worker, engine, engine.clock, replies)
+            for worker, (engine, replies) in enumerate(zip(engines, self._replies, strict=True))
+        ]
+        heard_first, heard_finish = router.prefill_done, router.finished
         for index, req in enumerate(arrivals):
             now = req.arrival_ms
-            for engine in engines:
+            for worker, engine, clock, replies in lanes:
                 # a worker whose step runs past this arrival has no step to start before it
-                if (engine.waiting or engine.running) and engine.clock.now_ms < now:
+                if clock.now_ms < now and (engine.waiting or engine.running):
                     done += engine.advance(now)
-            if progress is not None and done:
+                # what happened by now reaches the router (as _deliver does, in line: this
+                # runs for every worker at every arrival). Workers only meet at the router,
+                # so hearing of one before the next one runs changes nothing.
+                while replies and replies[0][0] <= now:
+                    _at, first_token, request = replies.popleft()
+                    if first_token:
+                        heard_first(worker, request)
+                    else:
+                        heard_finish(worker, request)
+            if progress is not None and done != reported:
                 progress(done)
+                reported = done
             if self.sim_speedup:
                 self._pace(wall0, now - arrivals[0].arrival_ms)
-            self._deliver(now)
             if feed is not None:
                 feed.catch_up(now)
             if track:

@@ -24,6 +24,7 @@ sleeps so that simulated time runs ``speedup`` times faster than the wall clock.
 
 from __future__ import annotations
 
+import math
 import struct
 import time
 from collections import deque
@@ -151,7 +152,8 @@ class StepRecord(NamedTuple):
 def _output_tokens(req: TraceRequest) -> int:
     """Tokens a request generates: at least one, the first, which its last prefill step
     samples (a trace row with output length 0 still gets it)."""
-    return max(1, req.output_length)
+    n = req.output_length
+    return n if n > 1 else 1
 
 
 @dataclass(slots=True, eq=False)
@@ -232,7 +234,8 @@ class MockEngine:
         self._joined = 0
         self._wall_start = time.monotonic()
         self._sim_start_ms = 0.0
-        self._capacity_tokens = cache.tiered.g1.capacity * config.block_size
+        self._g1 = cache.tiered.g1  # the registry's tiers are fixed when it is built
+        self._capacity_tokens = self._g1.capacity * config.block_size
         #: prompt tokens at every admission (re-admissions after preemption too), and the
         #: cached part of them: Dynamo's ``prefix_cache_reused_ratio``
         self.admitted_tokens = 0
@@ -427,14 +430,12 @@ class MockEngine:
         else:
             context = steady.context(self.steps) if steady is not None else 0
             step_ms = self._dynamo_step_ms(batch, context) + onboard_ms
-        self.clock.now_ms += step_ms
+        now = self.clock.now_ms = self.clock.now_ms + step_ms
         self.onboard_ms += onboard_ms
-        self.steps += 1
+        step = self.steps = self.steps + 1
         if self.on_step is not None:
             tokens = sum(n for _, n in batch) + parked
-            self.on_step(
-                StepRecord(self.clock.now_ms, step_ms, len(batch) + parked, tokens, prefill_tokens)
-            )
+            self.on_step(StepRecord(now, step_ms, len(batch) + parked, tokens, prefill_tokens))
         done: list[_Sequence] = []
         for s, n in batch:
             computed = s.computed = s.computed + n
@@ -443,19 +444,21 @@ class MockEngine:
             s.generated += 1  # the step that feeds the last token samples the next one
             s.tokens += 1
             if s.first_token_ms is None:
-                s.first_token_ms = self.clock.now_ms
-                stats.ttft_ms.append(self.clock.now_ms - s.req.arrival_ms)
+                s.first_token_ms = now
+                stats.ttft_ms.append(now - s.req.arrival_ms)
                 if self.on_first_token is not None:
                     self.on_first_token(s)
             if s.generated >= s.output_length:
                 done.append(s)
         if done:
             self._finish(done, running)
-        self._pace()
+        if self.config.speedup:
+            self._pace()
         if steady is not None:
+            park = steady.park
             for s, _ in batch:
                 if s.admission is not None and s.parked_at < 0:
-                    steady.park(s, self.steps)
+                    park(s, step)
         return done
 
     def _dynamo_step_ms(self, batch: list[tuple[_Sequence, int]], context: int = 0) -> float:
@@ -472,7 +475,8 @@ class MockEngine:
             if before < prompt:
                 prefilling += 1
                 starts += before
-                ends += min(before + n, prompt)
+                end = before + n
+                ends += end if end < prompt else prompt
             elif before + n >= s.tokens:
                 context += s.tokens
         if prefilling > 1:
@@ -481,7 +485,8 @@ class MockEngine:
             prompt_tokens = prefilling * (ends // prefilling - starts // prefilling)
         else:
             prompt_tokens = ends - starts
-        step_ms = timing.prefill_ms(prompt_tokens)
+        # (prefill_ms is 0.0 for no tokens: a pure-decode pass skips the call)
+        step_ms = timing.prefill_ms(prompt_tokens) if prompt_tokens > 0 else 0.0
         if context:
             step_ms += timing.decode_ms(context, self._capacity_tokens)
         return step_ms
@@ -506,12 +511,16 @@ class MockEngine:
         capacity = self._capacity_tokens
         on_step = self.on_step
         now = self.clock.now_ms
+        until = math.inf if next_arrival_ms is None else next_arrival_ms
+        decode_ms = timing.decode_ms if timing is not None else None
+        context = steady.context(self.steps)  # grows by n, a token each, every quiet step
         j = 0
-        while j < quiet and (next_arrival_ms is None or now < next_arrival_ms):
-            if timing is None:
+        while j < quiet and now < until:
+            if decode_ms is None:
                 step_ms = costs.step_ms + costs.per_seq_ms * n
             else:
-                step_ms = timing.decode_ms(steady.context(self.steps + j), capacity)
+                step_ms = decode_ms(context, capacity)
+                context += n
             now += step_ms
             j += 1
             if on_step is not None:
@@ -520,7 +529,8 @@ class MockEngine:
             return False
         self.clock.now_ms = now
         self.steps += j
-        self._pace()
+        if self.config.speedup:
+            self._pace()
         return True
 
     def _finish(self, done: list[_Sequence], running: list[_Sequence]) -> None:
@@ -541,7 +551,7 @@ class MockEngine:
         """Place a waiting sequence's cached prefix and first chunk on G1, or None to wait."""
         bs = self.config.block_size
         cache = self.cache
-        g1 = cache.tiered.g1
+        g1 = self._g1
         whole_prompt = self.config.admission == "whole_prompt"
         if whole_prompt and self._refused is not None:
             # Refused before, and nothing that could change the answer happened since: no
@@ -560,47 +570,64 @@ class MockEngine:
             self._grow_hashes(s, prompt_blocks)
         hashes, local = s.seq[:prompt_blocks], s.local[:prompt_blocks]
         probe = cache.tiered.match(hashes)
+        hits, total = probe.g1, probe.total
         if whole_prompt:
             # Dynamo: the whole uncached prompt must fit in free or evictable blocks now;
-            # cached blocks nobody holds are not evictable for it (it is about to use them)
-            idle_hits = g1.count_inactive(hashes[: probe.g1])
+            # cached blocks nobody holds are not evictable for it (it is about to use them).
+            # Those idle hits are between none and all of the hits, so they need counting
+            # only when the whole prompt is more than the room (under load, rarely).
             room = g1.num_free + g1.num_inactive
-            if prompt_blocks - probe.g1 > room - idle_hits:
-                after = hashes[probe.g1] if probe.g1 < prompt_blocks else None
+            if prompt_blocks > room and prompt_blocks - hits > room - g1.count_inactive(
+                hashes[:hits]
+            ):
+                after = hashes[hits] if hits < prompt_blocks else None
                 self._refused = (s.index, room, after)
                 return None
+        tokens = s.tokens
         remote, remote_ms = 0, 0.0
-        if self.peers is not None and probe.total < prompt_blocks:
-            remote, remote_ms = self.peers(hashes, probe.total)
-        cached = min((probe.total + remote) * bs, s.tokens - 1)
-        upto = cached + min(budget, s.tokens - cached)
+        if self.peers is not None and total < prompt_blocks:
+            remote, remote_ms = self.peers(hashes, total)
+        # (comparisons rather than min() and max(), here and below: once per admission,
+        # the builtins cost more than the arithmetic; the values are the same)
+        cached = (total + remote) * bs
+        if cached > tokens - 1:
+            cached = tokens - 1
+        upto = cached + (budget if budget < tokens - cached else tokens - cached)
         need = -(-upto // bs)
-        limit = max(need, probe.total)
+        limit = need if need > total else total
         if others_run and not whole_prompt:
             # keep a fraction of G1 free for the running sequences' next blocks
-            spare = g1.num_free + g1.num_inactive - (limit - probe.g1)
+            spare = g1.num_free + g1.num_inactive - (limit - hits)
             if spare < self.config.watermark * g1.capacity:
                 return None
         full = None if self.config.cache_partial_blocks else upto // bs
         admission = cache.admit(
-            hashes, local, limit=limit, full=full, match=probe, num_tokens=s.tokens
+            hashes, local, limit=limit, full=full, match=probe, num_tokens=tokens
         )
         copy_ms = 0.0
-        for src, n in admission.onboarded.items():
-            copy_ms += self.config.bandwidth.copy_ms(src, Tier.G1, n)
+        onboarded = admission.onboarded
+        hit_blocks = admission.match.g1
+        if onboarded:
+            hit_blocks = admission.hit_blocks
+            for src, n in onboarded.items():
+                copy_ms += self.config.bandwidth.copy_ms(src, Tier.G1, n)
         if remote:
             # a peer's blocks, registered here as they land: copied, not computed
-            remote = max(0, min(remote, admission.placed - admission.hit_blocks))
+            remote = max(0, min(remote, admission.placed - hit_blocks))
             copy_ms += remote_ms
-        s.computed = min((admission.hit_blocks + remote) * bs, s.tokens - 1)
-        n = min(budget, s.tokens - s.computed)
-        if admission.placed < -(-(s.computed + n) // bs):
+        computed = (hit_blocks + remote) * bs
+        if computed > tokens - 1:
+            computed = tokens - 1
+        s.computed = computed
+        n = budget if budget < tokens - computed else tokens - computed
+        if admission.placed < -(-(computed + n) // bs):
             cache.finish(admission)  # G1 is full of running sequences' blocks: wait
             s.computed = 0
             return None
         s.admission = admission
-        self.admitted_tokens += s.req.input_length
-        self.reused_tokens += min(s.computed, s.req.input_length)
+        prompt = s.req.input_length
+        self.admitted_tokens += prompt
+        self.reused_tokens += computed if computed < prompt else prompt
         if not s.recorded:
             s.recorded = True
             stats.record(s.req, admission, bs, prompt_blocks, remote=remote)

@@ -256,10 +256,12 @@ class KvRouter(Router):
         costs: list[float] = []
         n = len(hashes)
         first = hashes[0] if n else None
-        for load, overlap in zip(self.loads, credits, strict=True):
+        # (indexing rather than zip(strict=True): its keyword costs more than the check
+        # earns, once a request; there is a credit per load by construction)
+        for i, load in enumerate(self.loads):
             # Dynamo's arithmetic, in its order, so that ties are ties here too
             raw = (load.prefill_tokens + prompt_tokens) / bs if track else 0.0
-            prefill = raw - overlap
+            prefill = raw - credits[i]
             blocks = load.blocks
             cost: float = len(blocks) + n
             if first in blocks:
@@ -285,6 +287,9 @@ class KvRouter(Router):
 
     def _cheapest(self, costs: list[float]) -> int:
         """The cheapest worker; among equals, each is as likely (reservoir sampling)."""
+        if len(set(costs)) == len(costs):
+            # no two alike: the loop below would draw nothing and find the one minimum
+            return costs.index(min(costs))
         best, best_cost, ties = 0, math.inf, 0
         rng = self._rng
         for i, cost in enumerate(costs):

@@ -161,8 +161,10 @@ class SimStats:
             self.hits_by_tier[tier] += n
         if remote:
             self.hits_by_tier[Tier.G4] += remote
-        self.tokens_requested += req.input_length
-        self.tokens_hit += min(hit * block_size, req.input_length)
+        prompt = req.input_length
+        self.tokens_requested += prompt
+        hit_tokens = hit * block_size  # (a comparison, not min(): the builtin costs more)
+        self.tokens_hit += hit_tokens if hit_tokens < prompt else prompt
         self.blocks_unplaced += n_blocks - admission.placed
 
     @property

@@ -49,6 +49,12 @@ class DynamoTiming:
     def decode_ms(self, context_tokens: int, capacity_tokens: int) -> float:
         """Time of one decode pass over sequences holding ``context_tokens`` in all, on a G1 of
         ``capacity_tokens`` (blocks x block size)."""
-        p = min(1.0, context_tokens / capacity_tokens)
+        # (comparisons rather than min() and max(): this runs at every decode step, and the
+        # builtins cost more than the rest of it; the values are the same)
+        p = context_tokens / capacity_tokens
+        if p > 1.0:
+            p = 1.0
         ms = self.decode_quadratic * p * p + self.decode_linear * p + self.decode_constant
-        return max(1.0, ms) / self.speedup_ratio
+        if ms < 1.0:
+            ms = 1.0
+        return ms / self.speedup_ratio
