@@ -8,10 +8,11 @@ are needed); ``kvledger.events.log._gather`` (events/log/_gather.c) is an append
 queue, which encodes each event into its row as it comes and takes no lock;
 ``kvledger.registry._pool`` (registry/_pool.c) runs the block pool's per-block loops (match,
 register, release, eviction) over the pool's own lists and dicts; ``kvledger.registry._index``
-(registry/_index.c) folds a router index's usual events; ``kvledger.mocker._trace``
+(registry/_index.c) folds a router index's usual events; ``kvledger.registry._chain``
+(registry/_chain.c) hashes block chains; ``kvledger.mocker._trace``
 (kvledger/mocker/_trace.c) reads a plain Mooncake trace in one pass. Each is optional: where
 one does not build (no C compiler) the install goes on, and the codec's Python encoders, the
-log's Python writer, reader and buffer, the pool's and the index's Python loops and the
+log's Python writer, reader and buffer, the pool's and the index's Python loops, xxhash and the
 trace's ``json`` reader do the same work. Nothing is linked but Python itself (and libdl): the
 record's CRC-32 is events/crc32.h's.
 """
@@ -46,6 +47,11 @@ setup(
         Extension(
             "kvledger.registry._index",
             sources=["registry/_index.c"],
+            optional=True,
+        ),
+        Extension(
+            "kvledger.registry._chain",
+            sources=["registry/_chain.c"],
             optional=True,
         ),
         Extension(

@@ -20,6 +20,7 @@ simulator) is spared its start-up cost.
 
 from __future__ import annotations
 
+import os
 import struct
 import sys
 from array import array
@@ -40,6 +41,18 @@ DEFAULT_CHAIN_SEED = 1337
 _U32_LIMIT = 1 << 32
 _U64_MASK = (1 << 64) - 1
 _PACK_PAIR = struct.Struct("<QQ").pack
+
+try:
+    from kvledger.registry import _chain
+except ImportError:  # xxhash through struct serves
+    COMPILED_CHAIN = False
+else:
+    COMPILED_CHAIN = os.environ.get("KVLEDGER_PYTHON_CHAIN", "") in ("", "0")
+"""Whether a pair's hash and a chain's sequence hashes are computed by ``registry/_chain.c``
+(XXH3-64 of the 16 packed bytes, about a dozen instructions where the pack and the xxhash call
+cost some 650), with the same values (``tests/test_hashing_compiled.py``). False where the
+module was not built (no C compiler at install) or ``KVLEDGER_PYTHON_CHAIN=1`` is in the
+environment."""
 
 if TYPE_CHECKING:
     import numpy as np
@@ -166,9 +179,17 @@ def local_hashes(tokens: Tokens, block_size: int, *, seed: int = BLOCK_HASH_SEED
     return _local_hashes_of_bytes(token_bytes(tokens), block_size, seed)
 
 
+def pair_hash(low: int, high: int, seed: int) -> int:
+    """XXH3-64 of two u64s packed little-endian: how a sequence hash names a block after its
+    parent, and how the simulator names a request's decode blocks."""
+    if COMPILED_CHAIN:
+        return _chain.pair(low, high, seed)
+    return xxh3_64_intdigest(_PACK_PAIR(low, high), seed)
+
+
 def sequence_hash(parent: int, local_hash: int, *, seed: int = DEFAULT_CHAIN_SEED) -> int:
     """The sequence hash of a block whose prefix before it is named ``parent``."""
-    return xxh3_64_intdigest(_PACK_PAIR(parent, local_hash), seed)
+    return pair_hash(parent, local_hash, seed)
 
 
 def chain_sequence_hashes(
@@ -181,6 +202,11 @@ def chain_sequence_hashes(
     """
     if not local_hashes:
         return []
+    if COMPILED_CHAIN:
+        try:
+            return _chain.chain(local_hashes, parent, seed)
+        except (OverflowError, TypeError):
+            pass  # a value that is not a u64: the loop below names it
     try:
         if parent is None:
             prev = local_hashes[0]

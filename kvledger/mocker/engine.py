@@ -25,14 +25,11 @@ sleeps so that simulated time runs ``speedup`` times faster than the wall clock.
 from __future__ import annotations
 
 import math
-import struct
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import NamedTuple
-
-from xxhash import xxh3_64_intdigest
 
 from kvledger.config import Settings
 from kvledger.events.types import Tier
@@ -41,9 +38,7 @@ from kvledger.mocker.stats import SimStats, occupancy
 from kvledger.mocker.steady import SteadyDecoders
 from kvledger.mocker.timing import DynamoTiming
 from kvledger.mocker.traces import TraceRequest, iter_arrivals, request_hashes
-from kvledger.registry.hashing import sequence_hash
-
-_PACK_DECODE = struct.Struct("<QQ").pack
+from kvledger.registry.hashing import pair_hash, sequence_hash
 
 
 @dataclass(frozen=True, slots=True)
@@ -673,7 +668,7 @@ class MockEngine:
         """Name the decode blocks up to ``blocks``: local hash from (request, block number),
         chained onto the request's last block like any other block."""
         while len(s.seq) < blocks:
-            local = xxh3_64_intdigest(_PACK_DECODE(s.index, len(s.seq)))
+            local = pair_hash(s.index, len(s.seq), 0)
             s.seq.append(sequence_hash(s.seq[-1], local) if s.seq else local)
             s.local.append(local)
 
