@@ -265,22 +265,19 @@ class Cluster:
             (worker, engine, engine.clock, replies)
             for worker, (engine, replies) in enumerate(zip(engines, self._replies, strict=True))
         ]
-        heard_first, heard_finish = router.prefill_done, router.finished
+        hand_over = self._hand_over
         for index, req in enumerate(arrivals):
             now = req.arrival_ms
             for worker, engine, clock, replies in lanes:
                 # a worker whose step runs past this arrival has no step to start before it
                 if clock.now_ms < now and (engine.waiting or engine.running):
                     done += engine.advance(now)
-                # what happened by now reaches the router (as _deliver does, in line: this
-                # runs for every worker at every arrival). Workers only meet at the router,
-                # so hearing of one before the next one runs changes nothing.
-                while replies and replies[0][0] <= now:
-                    _at, first_token, request = replies.popleft()
-                    if first_token:
-                        heard_first(worker, request)
-                    else:
-                        heard_finish(worker, request)
+                # what happened by now reaches the router, worker by worker in the same pass
+                # (workers only meet at the router, so hearing of one before the next one runs
+                # changes nothing); the test in line, as this runs for every worker at every
+                # arrival and most find nothing due
+                if replies and replies[0][0] <= now:
+                    hand_over(worker, replies, now)
             if progress is not None and done != reported:
                 progress(done)
                 reported = done
@@ -299,22 +296,22 @@ class Cluster:
             done += engine.advance(None)
         if progress is not None:
             progress(done)
-        self._deliver(None)
+        for worker, replies in enumerate(self._replies):
+            self._hand_over(worker, replies, math.inf)
         if feed is not None:
             feed.settle({w.worker_id: w.emitter.next_event_id - 1 for w in workers})
         return ClusterRun(workers, router, placement, time.perf_counter() - started, behind=behind)
 
-    def _deliver(self, now_ms: float | None) -> None:
-        """Tell the router of the first tokens and finishes that happened by ``now_ms``."""
+    def _hand_over(self, worker: int, replies: deque[_Reply], until_ms: float) -> None:
+        """Tell the router of ``worker``'s first tokens and finishes that happened by
+        ``until_ms``."""
         router = self.router
-        until = math.inf if now_ms is None else now_ms
-        for worker, replies in enumerate(self._replies):
-            while replies and replies[0][0] <= until:
-                _at, first, request = replies.popleft()
-                if first:
-                    router.prefill_done(worker, request)
-                else:
-                    router.finished(worker, request)
+        while replies and replies[0][0] <= until_ms:
+            _at, first, request = replies.popleft()
+            if first:
+                router.prefill_done(worker, request)
+            else:
+                router.finished(worker, request)
 
     def _behind(self) -> int:
         assert self._index_last_ids is not None

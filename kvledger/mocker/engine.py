@@ -447,8 +447,7 @@ class MockEngine:
                 done.append(s)
         if done:
             self._finish(done, running)
-        if self.config.speedup:
-            self._pace()
+        self._pace()
         if steady is not None:
             park = steady.park
             for s, _ in batch:
@@ -480,8 +479,7 @@ class MockEngine:
             prompt_tokens = prefilling * (ends // prefilling - starts // prefilling)
         else:
             prompt_tokens = ends - starts
-        # (prefill_ms is 0.0 for no tokens: a pure-decode pass skips the call)
-        step_ms = timing.prefill_ms(prompt_tokens) if prompt_tokens > 0 else 0.0
+        step_ms = timing.prefill_ms(prompt_tokens)
         if context:
             step_ms += timing.decode_ms(context, self._capacity_tokens)
         return step_ms
@@ -524,8 +522,7 @@ class MockEngine:
             return False
         self.clock.now_ms = now
         self.steps += j
-        if self.config.speedup:
-            self._pace()
+        self._pace()
         return True
 
     def _finish(self, done: list[_Sequence], running: list[_Sequence]) -> None:
@@ -600,12 +597,9 @@ class MockEngine:
             hashes, local, limit=limit, full=full, match=probe, num_tokens=tokens
         )
         copy_ms = 0.0
-        onboarded = admission.onboarded
-        hit_blocks = admission.match.g1
-        if onboarded:
-            hit_blocks = admission.hit_blocks
-            for src, n in onboarded.items():
-                copy_ms += self.config.bandwidth.copy_ms(src, Tier.G1, n)
+        for src, n in admission.onboarded.items():
+            copy_ms += self.config.bandwidth.copy_ms(src, Tier.G1, n)
+        hit_blocks = admission.hit_blocks
         if remote:
             # a peer's blocks, registered here as they land: copied, not computed
             remote = max(0, min(remote, admission.placed - hit_blocks))
