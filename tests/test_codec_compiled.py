@@ -4,14 +4,12 @@ plain case, no answer of their own, so the Python encoder's record or error stan
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from collections.abc import Callable
 from typing import Any
 
 import pytest
 from hypothesis import given
+from switches import python_with
 from test_event_codec import G1, events
 
 from kvledger.events import _speedups, codec
@@ -201,8 +199,5 @@ def test_the_environment_turns_them_off() -> None:
         "blocks=((1, 2), (3, 4)), token_ids=((5,), (6, 7))); "
         "sys.stdout.write(codec.encode(e).hex())"
     )
-    env = {**os.environ, "KVLEDGER_PYTHON_ENCODERS": "1"}
-    out = subprocess.run(
-        [sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True
-    )
+    out = python_with("KVLEDGER_PYTHON_ENCODERS", "1", script)
     assert bytes.fromhex(out.stdout) == codec.encode(event)

@@ -9,14 +9,12 @@ and without a parent; a value that is not a u64 gets the Python path's message.
 
 from __future__ import annotations
 
-import os
 import struct
-import subprocess
-import sys
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from switches import python_with
 from xxhash import xxh3_64_intdigest
 
 from kvledger.registry import hashing
@@ -82,8 +80,5 @@ def test_a_bad_value_gets_the_python_message(
 def test_the_switch_turns_the_compiled_hashes_off(value: str, compiled: bool) -> None:
     """``KVLEDGER_PYTHON_CHAIN=1``: xxhash through struct."""
     code = "from kvledger.registry import hashing as h; print(h.COMPILED_CHAIN)"
-    env = {**os.environ, "KVLEDGER_PYTHON_CHAIN": value}
-    out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True
-    )
+    out = python_with("KVLEDGER_PYTHON_CHAIN", value, code)
     assert out.stdout.split() == [str(compiled)]

@@ -10,15 +10,13 @@ twice, unknown parents, links two blocks claim, copies, clears, repeats and gaps
 
 from __future__ import annotations
 
-import os
 import random
-import subprocess
-import sys
 from dataclasses import replace
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from switches import python_with
 
 from kvledger.events.types import AnyEvent, BlockInfo, Removed, Stored, Tier
 from kvledger.registry import index as index_module
@@ -236,10 +234,7 @@ def test_the_switch_turns_the_compiled_fold_off(value: str, compiled: bool) -> N
         "from kvledger.registry import index as m; "
         "print(m.RouterIndex.apply is m.COMPILED_APPLY, m.RouterIndex.apply is m.PYTHON_APPLY)"
     )
-    env = {**os.environ, "KVLEDGER_PYTHON_INDEX": value}
-    out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True
-    )
+    out = python_with("KVLEDGER_PYTHON_INDEX", value, code)
     assert out.stdout.split() == [str(compiled), str(not compiled)]
 
 

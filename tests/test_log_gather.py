@@ -8,8 +8,6 @@ from __future__ import annotations
 import contextlib
 import gc
 import os
-import subprocess
-import sys
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -17,6 +15,7 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from switches import python_with
 
 from kvledger.events.log import AppendBuffer, EventLog, EventLogError
 from kvledger.events.log import buffer as buffer_module
@@ -216,11 +215,5 @@ def test_the_queue_refuses_bad_arguments() -> None:
 def test_kvledger_python_buffer_turns_the_compiled_queue_off() -> None:
     code = "from kvledger.events.log import buffer; print(buffer.COMPILED_GATHER)"
     for value, expected in (("1", "False"), ("0", "True")):
-        out = subprocess.run(
-            [sys.executable, "-c", code],
-            env={**os.environ, "KVLEDGER_PYTHON_BUFFER": value},
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout.strip()
+        out = python_with("KVLEDGER_PYTHON_BUFFER", value, code).stdout.strip()
         assert out == expected

@@ -13,10 +13,7 @@ test runs both writers."""
 from __future__ import annotations
 
 import itertools
-import os
 import sqlite3
-import subprocess
-import sys
 import threading
 from collections.abc import Iterator
 from dataclasses import replace
@@ -27,6 +24,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from services import hold_write_lock
+from switches import python_with
 from test_event_codec import events
 
 from kvledger.events.codec import CodecError
@@ -214,10 +212,7 @@ def test_the_environment_turns_it_off(tmp_path: Path) -> None:
     )
     url = f"sqlite:///{tmp_path / 'a.db'}"
     for value, expected in (("1", "None"), ("0", repr(str(tmp_path / "a.db")))):
-        env = {**os.environ, "KVLEDGER_PYTHON_SQLITE": value}
-        out = subprocess.run(
-            [sys.executable, "-c", script, url], env=env, capture_output=True, text=True, check=True
-        )
+        out = python_with("KVLEDGER_PYTHON_SQLITE", value, script, url)
         assert out.stdout == expected
 
 

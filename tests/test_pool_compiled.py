@@ -18,8 +18,6 @@ from __future__ import annotations
 
 import os
 import random
-import subprocess
-import sys
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 from unittest import mock
@@ -28,6 +26,7 @@ import pytest
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from switches import python_with
 
 from kvledger.events.types import AnyEvent, HashKey, Tier
 from kvledger.registry import pool as pool_module
@@ -321,10 +320,7 @@ def test_the_environment_turns_it_off() -> None:
         "sys.stdout.write(repr((pool.COMPILED, p._compiled, p.num_free)))"
     )
     for value, expected in (("1", "(False, False, 0)"), ("0", None), ("", None)):
-        env = {**os.environ, "KVLEDGER_PYTHON_POOL": value}
-        out = subprocess.run(
-            [sys.executable, "-c", script], env=env, capture_output=True, text=True, check=False
-        )
+        out = python_with("KVLEDGER_PYTHON_POOL", value, script, check=False)
         if expected is None:  # compiled: the call into the module it was robbed of fails
             assert out.returncode != 0 and "AttributeError" in out.stderr
         else:

@@ -14,13 +14,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from switches import python_with
 
 from kvledger.mocker import traces
 from kvledger.mocker.traces import MOONCAKE_BLOCK_TOKENS, TraceError, TraceRequest
@@ -196,8 +195,5 @@ def test_bad_arguments() -> None:
 def test_the_switch_turns_the_compiled_reader_off(value: str, compiled: bool) -> None:
     """``KVLEDGER_PYTHON_TRACE=1``: load_mooncake reads through json alone."""
     code = "from kvledger.mocker import traces as m; print(m._read_plain is m.COMPILED_READ)"
-    env = {**os.environ, "KVLEDGER_PYTHON_TRACE": value}
-    out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True
-    )
+    out = python_with("KVLEDGER_PYTHON_TRACE", value, code)
     assert out.stdout.split() == [str(compiled)]
