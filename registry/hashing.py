@@ -183,7 +183,10 @@ def pair_hash(low: int, high: int, seed: int) -> int:
     """XXH3-64 of two u64s packed little-endian: how a sequence hash names a block after its
     parent, and how the simulator names a request's decode blocks."""
     if COMPILED_CHAIN:
-        return _chain.pair(low, high, seed)
+        try:
+            return _chain.pair(low, high, seed)
+        except (OverflowError, TypeError):
+            pass  # not u64s: struct and xxhash take or refuse them as they always did
     return xxh3_64_intdigest(_PACK_PAIR(low, high), seed)
 
 

@@ -10,6 +10,7 @@ and without a parent; a value that is not a u64 gets the Python path's message.
 from __future__ import annotations
 
 import struct
+from collections.abc import Callable
 
 import pytest
 from hypothesis import given, settings
@@ -74,6 +75,27 @@ def test_a_bad_value_gets_the_python_message(
 ) -> None:
     with pytest.raises(ValueError, match=message):
         hashing.chain_sequence_hashes(locals_, parent=parent)  # type: ignore[arg-type]
+
+
+def outcome(hash_: Callable[[], int]) -> int | tuple[type[BaseException], str]:
+    """What a hash call gives: its value, or its exception's type and message."""
+    try:
+        return hash_()
+    except Exception as exc:
+        return type(exc), str(exc)
+
+
+@pytest.mark.parametrize(
+    "low, high, seed", [(-1, 2, 0), (1, 2**64, 0), (1, 2, -1), ("1", 2, 0), (1, 2.0, 0)]
+)
+def test_a_pair_that_is_not_u64s_goes_as_the_python_path_goes(
+    low: int, high: int, seed: int
+) -> None:
+    """The same exception and message with the compiled hashes or without them, or the same
+    value where xxhash takes what the compiled pair does not (a negative seed)."""
+    python = outcome(lambda: xxh3_64_intdigest(struct.pack("<QQ", low, high), seed))
+    assert outcome(lambda: hashing.pair_hash(low, high, seed)) == python
+    assert outcome(lambda: hashing.sequence_hash(low, high, seed=seed)) == python
 
 
 @pytest.mark.parametrize("value, compiled", [("1", False), ("0", True), ("", True)])
