@@ -1,7 +1,8 @@
 """The C extensions, which pyproject.toml cannot declare without an experimental table.
 
 ``kvledger.events._speedups`` (events/_speedups.c) encodes the log's hot record kinds;
-``kvledger.events.log._sqlite`` (events/log/_sqlite.c) commits the SQLite log's
+``kvledger.events._records`` (events/_records.c) builds event records from positional
+values; ``kvledger.events.log._sqlite`` (events/log/_sqlite.c) commits the SQLite log's
 batches and reads replay's chunks with the GIL released, through the SQLite that Python's
 sqlite3 module runs (found when it is imported: nothing of SQLite is linked, no SQLite headers
 are needed); ``kvledger.events.log._gather`` (events/log/_gather.c) is an append buffer's
@@ -11,10 +12,10 @@ register, release, eviction) over the pool's own lists and dicts; ``kvledger.reg
 (registry/_index.c) folds a router index's usual events; ``kvledger.registry._chain``
 (registry/_chain.c) hashes block chains; ``kvledger.mocker._trace``
 (kvledger/mocker/_trace.c) reads a plain Mooncake trace in one pass. Each is optional: where
-one does not build (no C compiler) the install goes on, and the codec's Python encoders, the
-log's Python writer, reader and buffer, the pool's and the index's Python loops, xxhash and the
-trace's ``json`` reader do the same work. Nothing is linked but Python itself (and libdl): the
-record's CRC-32 is events/crc32.h's.
+one does not build (no C compiler) the install goes on, and the records' dataclass constructors,
+the codec's Python encoders, the log's Python writer, reader and buffer, the pool's and the
+index's Python loops, xxhash and the trace's ``json`` reader do the same work. Nothing is
+linked but Python itself (and libdl): the record's CRC-32 is events/crc32.h's.
 """
 
 from setuptools import Extension, setup
@@ -25,6 +26,11 @@ setup(
             "kvledger.events._speedups",
             sources=["events/_speedups.c"],
             depends=["events/crc32.h"],
+            optional=True,
+        ),
+        Extension(
+            "kvledger.events._records",
+            sources=["events/_records.c"],
             optional=True,
         ),
         Extension(

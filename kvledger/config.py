@@ -49,9 +49,9 @@ DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "u
 #: ``KVLEDGER_*`` variables that are not settings: the shared data folder (read by the test
 #: suite and benchmarks) and the switches that turn the compiled encoders, the compiled
 #: SQLite writer, the append buffer's compiled queue, the block pool's compiled loops, the
-#: router index's compiled fold, the compiled chain hashes and the compiled trace reader off
-#: (read by ``kvledger.events``, ``kvledger.registry`` and ``kvledger.mocker.traces``, below
-#: any settings).
+#: router index's compiled fold, the compiled chain hashes, the compiled trace reader and the
+#: compiled record makers off (read by ``kvledger.events``, ``kvledger.registry`` and
+#: ``kvledger.mocker.traces``, below any settings).
 OTHER_VARIABLES = (
     "KVLEDGER_SHARED_DATA",
     "KVLEDGER_PYTHON_ENCODERS",
@@ -61,6 +61,7 @@ OTHER_VARIABLES = (
     "KVLEDGER_PYTHON_INDEX",
     "KVLEDGER_PYTHON_CHAIN",
     "KVLEDGER_PYTHON_TRACE",
+    "KVLEDGER_PYTHON_RECORDS",
 )
 OTHER_PREFIXES = ("KVLEDGER_TEST_",)
 _warned: set[str] = set()

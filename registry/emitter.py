@@ -11,6 +11,7 @@ import time
 from array import array
 from collections.abc import Callable, Iterable, Sequence
 
+from kvledger.events.makers import maker
 from kvledger.events.types import (
     AnyEvent,
     BlockInfo,
@@ -24,6 +25,17 @@ from kvledger.events.types import (
 )
 
 EventSink = Callable[[AnyEvent], None]
+
+# The hot records' constructors by position (``events.makers``: a twentieth of the keyword
+# ``__init__``'s cost where compiled), each call's values in its dataclass's field order
+_STORED = maker(Stored)  # event_id, worker_id, dp_rank, tier, ts, parent_hash, blocks,
+#                          token_ids, lora_name, salt
+_REMOVED = maker(Removed)  # event_id, worker_id, dp_rank, tier, ts, sequence_hashes
+# event_id, worker_id, dp_rank, tier, ts, src_tier, blocks, token_ids, hash_keys
+_COPIED: dict[bool, Callable[..., Offloaded | Onboarded]] = {
+    True: maker(Offloaded),
+    False: maker(Onboarded),
+}
 
 BlockTokens = bytes | Sequence[int]
 """One block's token ids: as the little-endian u32 bytes the pools keep, or as integers."""
@@ -94,17 +106,17 @@ class EventEmitter:
         if self.sink is None:
             return
         self.sink(
-            Stored(
-                event_id=eid,
-                worker_id=self.worker_id,
-                dp_rank=self.dp_rank,
-                tier=tier,
-                ts=self.clock(),
-                parent_hash=parent_hash,
-                blocks=tuple(blocks),
-                token_ids=None if token_ids is None else tuple(map(token_tuple, token_ids)),
-                lora_name=None if key is None else key[0],
-                salt=None if key is None else key[1],
+            _STORED(
+                eid,
+                self.worker_id,
+                self.dp_rank,
+                tier,
+                self.clock(),
+                parent_hash,
+                tuple(blocks),
+                None if token_ids is None else tuple(map(token_tuple, token_ids)),
+                None if key is None else key[0],
+                None if key is None else key[1],
             )
         )
 
@@ -116,16 +128,7 @@ class EventEmitter:
         self.next_event_id = eid + 1
         if self.sink is None:
             return
-        self.sink(
-            Removed(
-                event_id=eid,
-                worker_id=self.worker_id,
-                dp_rank=self.dp_rank,
-                tier=tier,
-                ts=self.clock(),
-                sequence_hashes=hashes,
-            )
-        )
+        self.sink(_REMOVED(eid, self.worker_id, self.dp_rank, tier, self.clock(), hashes))
 
     def copied(
         self,
@@ -145,18 +148,17 @@ class EventEmitter:
         self.next_event_id = eid + 1
         if self.sink is None:
             return
-        kind = Offloaded if dst_tier > src_tier else Onboarded
         self.sink(
-            kind(
-                event_id=eid,
-                worker_id=self.worker_id,
-                dp_rank=self.dp_rank,
-                tier=dst_tier,
-                ts=self.clock(),
-                src_tier=src_tier,
-                blocks=tuple(blocks),
-                token_ids=None if tokens is None else tuple(map(token_tuple, tokens)),
-                hash_keys=None if keys is None or not any(keys) else tuple(keys),
+            _COPIED[dst_tier > src_tier](
+                eid,
+                self.worker_id,
+                self.dp_rank,
+                dst_tier,
+                self.clock(),
+                src_tier,
+                tuple(blocks),
+                None if tokens is None else tuple(map(token_tuple, tokens)),
+                None if keys is None or not any(keys) else tuple(keys),
             )
         )
 
