@@ -1,7 +1,7 @@
 """The C extensions, which pyproject.toml cannot declare without an experimental table.
 
 ``kvledger.events._speedups`` (events/_speedups.c) encodes the log's hot record kinds;
-``kvledger.events._records`` (events/_records.c) builds event records from positional
+``kvledger.registry._records`` (registry/_records.c) builds event records from positional
 values; ``kvledger.events.log._sqlite`` (events/log/_sqlite.c) commits the SQLite log's
 batches and reads replay's chunks with the GIL released, through the SQLite that Python's
 sqlite3 module runs (found when it is imported: nothing of SQLite is linked, no SQLite headers
@@ -29,8 +29,8 @@ setup(
             optional=True,
         ),
         Extension(
-            "kvledger.events._records",
-            sources=["events/_records.c"],
+            "kvledger.registry._records",
+            sources=["registry/_records.c"],
             optional=True,
         ),
         Extension(

@@ -571,7 +571,14 @@ static PyObject *tally(PyObject *const *args, Py_ssize_t nargs, int down, const 
     Py_ssize_t n = failed ? 0 : PySequence_Fast_GET_SIZE(keys);
     for (Py_ssize_t i = 0; i < n && !failed; i++) {
         PyObject *key = PySequence_Fast_GET_ITEM(keys, i);
-        PyObject *held = PyDict_GetItemWithError(counts, key);
+        /* the key's hash once for the lookup and the store (a u64 hash's is a loop over its
+         * digits, and a prompt's blocks pass here twice a request) */
+        Py_hash_t hash = PyObject_Hash(key);
+        if (hash == -1) {
+            failed = 1;
+            break;
+        }
+        PyObject *held = _PyDict_GetItem_KnownHash(counts, key, hash);
         if (held == NULL && (PyErr_Occurred() || down)) {
             if (!PyErr_Occurred()) PyErr_SetObject(PyExc_KeyError, key);
             failed = 1;
@@ -581,8 +588,8 @@ static PyObject *tally(PyObject *const *args, Py_ssize_t nargs, int down, const 
                         : down       ? PyNumber_Subtract(held, one)
                                      : PyNumber_Add(held, one);
         int keep = now == NULL ? -1 : down ? PyObject_IsTrue(now) : 1;
-        failed = keep < 0 ||
-                 (keep ? PyDict_SetItem(counts, key, now) : PyDict_DelItem(counts, key)) < 0;
+        failed = keep < 0 || (keep ? _PyDict_SetItem_KnownHash(counts, key, now, hash)
+                                   : _PyDict_DelItem_KnownHash(counts, key, hash)) < 0;
         Py_XDECREF(now);
     }
     Py_XDECREF(one);

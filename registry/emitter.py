@@ -11,7 +11,6 @@ import time
 from array import array
 from collections.abc import Callable, Iterable, Sequence
 
-from kvledger.events.makers import maker
 from kvledger.events.types import (
     AnyEvent,
     BlockInfo,
@@ -23,10 +22,11 @@ from kvledger.events.types import (
     Stored,
     Tier,
 )
+from kvledger.registry.makers import maker
 
 EventSink = Callable[[AnyEvent], None]
 
-# The hot records' constructors by position (``events.makers``: a twentieth of the keyword
+# The hot records' constructors by position (``registry.makers``: a twentieth of the keyword
 # ``__init__``'s cost where compiled), each call's values in its dataclass's field order
 _STORED = maker(Stored)  # event_id, worker_id, dp_rank, tier, ts, parent_hash, blocks,
 #                          token_ids, lora_name, salt

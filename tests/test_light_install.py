@@ -101,12 +101,12 @@ def test_the_light_install_has_no_torch(light: Path, tmp_path: Path) -> None:
     # (events/log/_sqlite.c), the append buffer's queue (events/log/_gather.c), the pool's
     # loops (registry/_pool.c), the router index's fold (registry/_index.c), the chain hashes
     # (registry/_chain.c), the trace reader (kvledger/mocker/_trace.c) and the record makers
-    # (events/_records.c) from the source, as a user's does
+    # (registry/_records.c) from the source, as a user's does
     compiled = _run(
         light, "python", "-c",
         "from kvledger.events import codec; from kvledger.events.log import buffer, database; "
         "from kvledger.registry import hashing, index, pool; from kvledger.mocker import traces; "
-        "from kvledger.events import makers; "
+        "from kvledger.registry import makers; "
         "print(len(codec.COMPILED), database.compiled_sqlite_path('sqlite:///a.db'), "
         "buffer.COMPILED_GATHER, pool.COMPILED, index.COMPILED_APPLY is not None, "
         "hashing.COMPILED_CHAIN, traces.COMPILED_READ is not None, makers.COMPILED_MAKERS)",

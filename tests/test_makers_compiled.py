@@ -1,4 +1,4 @@
-"""The compiled record makers (events/_records.c) build what the dataclasses' own constructors
+"""The compiled record makers (registry/_records.c) build what the dataclasses' own constructors
 build: the same class, the same fields, still frozen, compared, hashed and shown alike."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from switches import python_with
 
-from kvledger.events import makers
 from kvledger.events.types import (
     Baseline,
     BlockInfo,
@@ -26,9 +26,9 @@ from kvledger.events.types import (
     Stored,
     Tier,
 )
-from tests.switches import python_with
+from kvledger.registry import makers
 
-pytestmark = pytest.mark.skipif(not makers.COMPILED_MAKERS, reason="events/_records.c not built")
+pytestmark = pytest.mark.skipif(not makers.COMPILED_MAKERS, reason="registry/_records.c not built")
 
 RECORDS = (Stored, Removed, Offloaded, Onboarded, Cleared, Baseline, Lookup, Released, RunInfo)
 
@@ -142,7 +142,7 @@ def test_a_class_a_maker_cannot_build_is_refused(cls: type[Any], message: str) -
 
 
 def test_the_compiled_maker_refuses_what_is_not_a_slot() -> None:
-    _records = pytest.importorskip("kvledger.events._records")
+    _records = pytest.importorskip("kvledger.registry._records")
     with pytest.raises(ValueError, match="Stored has no slot 'sequence_hashes'"):
         _records.maker(Stored, ["event_id", "sequence_hashes"])  # a property
     with pytest.raises(ValueError, match="no __dict__"):
@@ -156,7 +156,7 @@ def test_the_switch_turns_the_compiled_makers_off(value: str, compiled: bool) ->
     """``KVLEDGER_PYTHON_RECORDS=1``: the dataclasses' own constructors, with the same
     records."""
     code = (
-        "from kvledger.events import makers, types as t; "
+        "from kvledger.registry import makers; from kvledger.events import types as t; "
         "m = makers.maker(t.Removed); e = m(1, 2, 0, t.Tier.G1, 0.5, (3,)); "
         "print(makers.COMPILED_MAKERS, type(m).__name__, e == t.Removed(event_id=1, "
         "worker_id=2, dp_rank=0, tier=t.Tier.G1, ts=0.5, sequence_hashes=(3,)))"

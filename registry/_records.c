@@ -11,7 +11,7 @@
  * descriptors say where each lives) and, called with one value per name in that order,
  * allocates an instance and stores the values there: what ``__init__`` leaves behind, without
  * the dict or the calls. The class stays what it is: frozen, compared and shown by its
- * dataclass methods. ``events/makers.py`` passes every field of the dataclass, so every slot is
+ * dataclass methods. ``registry/makers.py`` passes every field of the dataclass, so every slot is
  * filled; ``tests/test_makers_compiled.py`` holds the two ways of building to equal records.
  */
 #define PY_SSIZE_T_CLEAN
@@ -62,7 +62,7 @@ static PyObject *maker_call(Maker *self, PyObject *const *args, size_t nargsf, P
 
 static PyTypeObject MakerType = {
     PyVarObject_HEAD_INIT(NULL, 0)
-    .tp_name = "kvledger.events._records.Maker",
+    .tp_name = "kvledger.registry._records.Maker",
     .tp_basicsize = sizeof(Maker),
     .tp_dealloc = (destructor)maker_dealloc,
     .tp_vectorcall_offset = offsetof(Maker, vectorcall),
@@ -148,7 +148,7 @@ static PyMethodDef methods[] = {
 };
 
 static struct PyModuleDef module = {
-    PyModuleDef_HEAD_INIT, "_records", "Positional constructors of records (see events.makers).",
+    PyModuleDef_HEAD_INIT, "_records", "Positional constructors of records (see registry.makers).",
     -1, methods, NULL, NULL, NULL, NULL,
 };
 

@@ -4,7 +4,7 @@ An event's dataclass ``__init__`` takes its fields by keyword and sets each thro
 ``object.__setattr__``, as a frozen class must: about 13,000 instructions for a ``Stored``,
 paid for every transition the registry reports to a log or a router's feed. ``maker(cls)``
 gives a constructor that takes every field by position, in the dataclass's field order; where
-``events/_records.c`` is built it stores the values straight into the record's slots, which
+``registry/_records.c`` is built it stores the values straight into the record's slots, which
 is what ``__init__`` leaves behind, at about a twentieth of the cost. The record is the same
 either way: the same class, frozen, compared and shown by its dataclass methods
 (``tests/test_makers_compiled.py``).
@@ -18,12 +18,12 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 try:
-    from kvledger.events import _records
+    from kvledger.registry import _records
 except ImportError:  # not built: the dataclass's own __init__ serves
     COMPILED_MAKERS = False
 else:
     COMPILED_MAKERS = os.environ.get("KVLEDGER_PYTHON_RECORDS", "") in ("", "0")
-"""Whether ``maker`` builds records through ``events/_records.c``: built, and
+"""Whether ``maker`` builds records through ``registry/_records.c``: built, and
 ``KVLEDGER_PYTHON_RECORDS=1`` not in the environment (to measure it, or to rule it out)."""
 
 R = TypeVar("R")
