@@ -25,7 +25,7 @@ setup(
         Extension(
             "kvledger.events._speedups",
             sources=["events/_speedups.c"],
-            depends=["events/crc32.h"],
+            depends=["events/crc32.h", "registry/fields.h"],
             optional=True,
         ),
         Extension(
@@ -53,6 +53,7 @@ setup(
         Extension(
             "kvledger.registry._index",
             sources=["registry/_index.c"],
+            depends=["registry/fields.h"],
             optional=True,
         ),
         Extension(

@@ -22,6 +22,11 @@
 #include <stdint.h>
 #include <string.h>
 
+/* The fields read, by their index in ``field_names`` (registry/fields.h reads them) */
+enum { F_WORKER_ID, F_EVENT_ID, F_DP_RANK, F_TIER, F_TS, F_PARENT_HASH, F_BLOCKS, F_TOKEN_IDS,
+       F_SEQUENCE_HASHES, F_SRC_TIER, FIELD_NAMES };
+#include "../registry/fields.h"
+
 #define NIL 0xC0
 #define UINT64 0xCF
 #define INT64 0xD3
@@ -33,9 +38,6 @@
 #define STORED_ARRAY (0x90 + 7 + 3 + 1)
 #define REMOVED_ARRAY (0x90 + 7 + 1 + 1)
 #define COPIED_ARRAY (0x90 + 7 + 3 + 1)
-
-static PyObject *s_worker_id, *s_event_id, *s_dp_rank, *s_tier, *s_ts;
-static PyObject *s_parent_hash, *s_blocks, *s_token_ids, *s_sequence_hashes, *s_src_tier;
 
 static inline unsigned char *put_u64(unsigned char *p, uint64_t v) {
     for (int i = 7; i >= 0; i--) {
@@ -54,12 +56,39 @@ static inline unsigned char *put_u32(unsigned char *p, uint32_t v) {
 }
 
 /* An exact int in 0..2**64-1; 0 when ``obj`` is anything else (no exception set).
- * Range by sign and bit length, then the masked conversion: PyLong_AsUnsignedLongLong goes
+ *
+ * Before 3.12 an int is its signed digit count and its 30-bit digits, and a u64 is at most
+ * three of them: read in place, a hash word costs a few instructions where the calls below
+ * (sign, bit length, the masked conversion) cost about seventy, a fifth of a logged
+ * simulation's encoding. Elsewhere (3.12's tagged layout, 15-bit digits) those calls run:
+ * range by sign and bit length, then the masked conversion, as PyLong_AsUnsignedLongLong goes
  * through a generic byte-array conversion on 3.11, three times slower for a hash word. */
 static inline int as_u64(PyObject *obj, uint64_t *out) {
-    if (!PyLong_CheckExact(obj) || _PyLong_Sign(obj) < 0 || _PyLong_NumBits(obj) > 64) return 0;
+    if (!PyLong_CheckExact(obj)) return 0;
+#if PY_VERSION_HEX < 0x030C0000 && PyLong_SHIFT == 30
+    const digit *d = ((PyLongObject *)obj)->ob_digit;
+    switch (Py_SIZE(obj)) { /* negative for a negative int */
+    case 0:
+        *out = 0;
+        return 1;
+    case 1:
+        *out = d[0];
+        return 1;
+    case 2:
+        *out = (uint64_t)d[0] | (uint64_t)d[1] << 30;
+        return 1;
+    case 3:
+        if (d[2] >> 4) return 0; /* 65 bits or more */
+        *out = (uint64_t)d[0] | (uint64_t)d[1] << 30 | (uint64_t)d[2] << 60;
+        return 1;
+    default:
+        return 0;
+    }
+#else
+    if (_PyLong_Sign(obj) < 0 || _PyLong_NumBits(obj) > 64) return 0;
     *out = (uint64_t)PyLong_AsUnsignedLongLongMask(obj);
     return 1;
+#endif
 }
 
 /* An exact int in the int64 range; 0 otherwise. */
@@ -91,11 +120,10 @@ static void release_head(Head *head) {
 /* 1: the header's fields read; 0: not the plain case; -1: an exception (attribute missing).
  * The caller releases the head whatever this returns. */
 static int read_head(PyObject *event, Head *head) {
-    PyObject *names[5] = {s_worker_id, s_event_id, s_dp_rank, s_tier, s_ts};
     PyObject **values = head->values;
     for (int i = 0; i < 5; i++) values[i] = NULL;
-    for (int i = 0; i < 5; i++) {
-        values[i] = PyObject_GetAttr(event, names[i]);
+    for (int i = 0; i < 5; i++) { /* F_WORKER_ID .. F_TS */
+        values[i] = field(event, i);
         if (values[i] == NULL) return -1;
     }
     if (!as_i64(values[0], &head->worker_id)) return 0;
@@ -153,9 +181,9 @@ typedef PyObject *(*RecordWriter)(PyObject *event, const Head *head);
  * that must not hold prompts stores). */
 static PyObject *stored_record_of(PyObject *event, const Head *head, int keep_tokens) {
 
-    PyObject *parent = PyObject_GetAttr(event, s_parent_hash);
-    PyObject *blocks = PyObject_GetAttr(event, s_blocks);
-    PyObject *tokens = PyObject_GetAttr(event, s_token_ids);
+    PyObject *parent = field(event, F_PARENT_HASH);
+    PyObject *blocks = field(event, F_BLOCKS);
+    PyObject *tokens = field(event, F_TOKEN_IDS);
     PyObject *record = NULL;
     if (parent == NULL || blocks == NULL || tokens == NULL) goto done;
 
@@ -242,7 +270,7 @@ static PyObject *stored_record_without_tokens(PyObject *event, const Head *head)
 
 static PyObject *removed_record(PyObject *event, const Head *head) {
 
-    PyObject *hashes = PyObject_GetAttr(event, s_sequence_hashes);
+    PyObject *hashes = field(event, F_SEQUENCE_HASHES);
     if (hashes == NULL) return NULL;
     PyObject *record = NULL;
     if (!is_sequence(hashes)) goto slow;
@@ -274,8 +302,8 @@ done:
  * flag a block (its parent word is then 0). */
 static PyObject *copied_record(PyObject *event, const Head *head, unsigned char kind) {
 
-    PyObject *src = PyObject_GetAttr(event, s_src_tier);
-    PyObject *blocks = PyObject_GetAttr(event, s_blocks);
+    PyObject *src = field(event, F_SRC_TIER);
+    PyObject *blocks = field(event, F_BLOCKS);
     PyObject *record = NULL;
     if (src == NULL || blocks == NULL) goto done;
     if (!PyLong_Check(src)) goto slow;
@@ -443,16 +471,16 @@ PyMODINIT_FUNC PyInit__speedups(void) {
     make_crc_table();
 #define INTERN(var, text) \
     if ((var = PyUnicode_InternFromString(text)) == NULL) return NULL
-    INTERN(s_worker_id, "worker_id");
-    INTERN(s_event_id, "event_id");
-    INTERN(s_dp_rank, "dp_rank");
-    INTERN(s_tier, "tier");
-    INTERN(s_ts, "ts");
-    INTERN(s_parent_hash, "parent_hash");
-    INTERN(s_blocks, "blocks");
-    INTERN(s_token_ids, "token_ids");
-    INTERN(s_sequence_hashes, "sequence_hashes");
-    INTERN(s_src_tier, "src_tier");
+    INTERN(field_names[F_WORKER_ID], "worker_id");
+    INTERN(field_names[F_EVENT_ID], "event_id");
+    INTERN(field_names[F_DP_RANK], "dp_rank");
+    INTERN(field_names[F_TIER], "tier");
+    INTERN(field_names[F_TS], "ts");
+    INTERN(field_names[F_PARENT_HASH], "parent_hash");
+    INTERN(field_names[F_BLOCKS], "blocks");
+    INTERN(field_names[F_TOKEN_IDS], "token_ids");
+    INTERN(field_names[F_SEQUENCE_HASHES], "sequence_hashes");
+    INTERN(field_names[F_SRC_TIER], "src_tier");
     INTERN(s_stored, "stored");
     INTERN(s_removed, "removed");
     INTERN(s_offloaded, "offloaded");

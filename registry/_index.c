@@ -18,10 +18,15 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
-static PyObject *s_event_id, *s_worker_id, *s_dp_rank, *s_tier, *s_parent_hash, *s_blocks;
-static PyObject *s_sequence_hashes, *s_last_event_id, *s_places, *s_node_of, *s_root;
-static PyObject *s_orphans, *s_live, *s_seqs, *s_locals, *s_bits, *s_children, *s_parent;
-static PyObject *s_store, *s_grow, *s_drop, *s_unhold, *s_adopt;
+/* The fields read, the events' and the index's own, by their index in ``field_names``
+ * (registry/fields.h reads them where their classes keep them) */
+enum {
+    F_EVENT_ID, F_WORKER_ID, F_DP_RANK, F_TIER, F_PARENT_HASH, F_BLOCKS, F_SEQUENCE_HASHES, F_LAST_EVENT_ID, F_PLACES, F_NODE_OF, F_ROOT, F_ORPHANS, F_LIVE, F_SEQS, F_LOCALS, F_BITS, F_CHILDREN, F_PARENT,
+    FIELD_NAMES
+};
+#include "fields.h"
+
+static PyObject *s_store, *s_grow, *s_drop, *s_unhold, *s_adopt; /* the Python methods */
 
 /* What ``bind`` was given: the tree's node class, the two event kinds handled here and the
  * Python ``apply`` that does the rest. */
@@ -39,8 +44,8 @@ static int overlaps(PyObject *a, PyObject *b) {
 }
 
 /* ``obj.name += delta`` for an int attribute. */
-static int add_to(PyObject *obj, PyObject *name, Py_ssize_t delta) {
-    PyObject *value = PyObject_GetAttr(obj, name);
+static int add_to(PyObject *obj, int name, Py_ssize_t delta) {
+    PyObject *value = field(obj, name);
     if (value == NULL) return -1;
     PyObject *step = PyLong_FromSsize_t(delta);
     if (step == NULL) {
@@ -51,7 +56,7 @@ static int add_to(PyObject *obj, PyObject *name, Py_ssize_t delta) {
     Py_DECREF(value);
     Py_DECREF(step);
     if (sum == NULL) return -1;
-    int rc = PyObject_SetAttr(obj, name, sum);
+    int rc = PyObject_SetAttr(obj, field_names[name], sum);
     Py_DECREF(sum);
     return rc;
 }
@@ -76,7 +81,7 @@ static int grow(PyObject *self, PyObject *node_of, PyObject *bit, PyObject *wher
     PyObject *host; /* borrowed from node_of, or a new reference to the root */
     int rc = -1;
     if (parent == Py_None) {
-        host = PyObject_GetAttr(self, s_root);
+        host = field(self, F_ROOT);
         if (host == NULL) return -1;
     } else {
         host = PyDict_GetItemWithError(node_of, parent);
@@ -84,7 +89,7 @@ static int grow(PyObject *self, PyObject *node_of, PyObject *bit, PyObject *wher
         Py_INCREF(host);
     }
     PyObject *host_seqs = NULL, *host_bits = NULL, *host_children = NULL, *node = NULL;
-    host_seqs = PyObject_GetAttr(host, s_seqs);
+    host_seqs = field(host, F_SEQS);
     if (host_seqs == NULL) goto done;
     if (!PyList_CheckExact(host_seqs)) {
         rc = 2;
@@ -100,8 +105,8 @@ static int grow(PyObject *self, PyObject *node_of, PyObject *bit, PyObject *wher
             goto done;
         }
     }
-    host_bits = PyObject_GetAttr(host, s_bits);
-    host_children = PyObject_GetAttr(host, s_children);
+    host_bits = field(host, F_BITS);
+    host_children = field(host, F_CHILDREN);
     if (host_bits == NULL || host_children == NULL) goto done;
     if (!PyDict_CheckExact(host_children)) {
         rc = 2;
@@ -139,7 +144,7 @@ static int grow(PyObject *self, PyObject *node_of, PyObject *bit, PyObject *wher
     if (extend) {
         Py_ssize_t end = PyList_GET_SIZE(host_seqs);
         if (PyList_SetSlice(host_seqs, end, end, seqs) < 0) goto done;
-        PyObject *host_locals = PyObject_GetAttr(host, s_locals);
+        PyObject *host_locals = field(host, F_LOCALS);
         if (host_locals == NULL) goto done;
         end = PyObject_Length(host_locals);
         int failed = end < 0 || PySequence_SetSlice(host_locals, end, end, locals) < 0;
@@ -152,11 +157,11 @@ static int grow(PyObject *self, PyObject *node_of, PyObject *bit, PyObject *wher
         if (taken < 0) goto done;
         if (!taken) {
             if (PyDict_SetItem(host_children, first, node) < 0) goto done;
-            if (PyObject_SetAttr(node, s_parent, host) < 0) goto done;
+            if (PyObject_SetAttr(node, field_names[F_PARENT], host) < 0) goto done;
         }
     }
-    if (add_to(self, s_live, n) < 0) goto done;
-    PyObject *orphans = PyObject_GetAttr(self, s_orphans);
+    if (add_to(self, F_LIVE, n) < 0) goto done;
+    PyObject *orphans = field(self, F_ORPHANS);
     if (orphans == NULL) goto done;
     if (PyObject_Length(orphans)) { /* a list first: adopting splits the node */
         PyObject *adopted = PyList_New(0);
@@ -190,7 +195,7 @@ done:
 /* A Stored chain of ``n`` >= 1 blocks, as ``apply`` folds it. */
 static int fold_stored(PyObject *self, PyObject *bit, PyObject *where, PyObject *parent,
                        PyObject *seqs, PyObject *locals) {
-    PyObject *node_of = PyObject_GetAttr(self, s_node_of);
+    PyObject *node_of = field(self, F_NODE_OF);
     if (node_of == NULL) return -1;
     int rc = -1;
     PyObject *args[5] = {bit, where, parent, seqs, locals};
@@ -224,9 +229,9 @@ done:
  * held by this slot alone, with nothing below: they go for good. Anything else: ``_unhold``. */
 static int unhold(PyObject *self, PyObject *node_of, PyObject *bit, PyObject *where,
                   PyObject *node, Py_ssize_t start, Py_ssize_t end) {
-    PyObject *run = PyObject_GetAttr(node, s_seqs);
-    PyObject *bits = PyObject_GetAttr(node, s_bits);
-    PyObject *children = PyObject_GetAttr(node, s_children);
+    PyObject *run = field(node, F_SEQS);
+    PyObject *bits = field(node, F_BITS);
+    PyObject *children = field(node, F_CHILDREN);
     PyObject *run_locals = NULL;
     int rc = -1, alone = 0;
     if (run == NULL || bits == NULL || children == NULL) goto done;
@@ -247,11 +252,11 @@ static int unhold(PyObject *self, PyObject *node_of, PyObject *bit, PyObject *wh
     }
     for (Py_ssize_t i = start; i < end; i++)
         if (PyDict_DelItem(node_of, PyList_GET_ITEM(run, i)) < 0) goto done;
-    run_locals = PyObject_GetAttr(node, s_locals);
+    run_locals = field(node, F_LOCALS);
     if (run_locals == NULL) goto done;
     if (PyList_SetSlice(run, start, end, NULL) < 0) goto done;
     if (PySequence_DelSlice(run_locals, start, PY_SSIZE_T_MAX) < 0) goto done;
-    rc = add_to(self, s_live, start - end);
+    rc = add_to(self, F_LIVE, start - end);
 done:
     Py_XDECREF(run);
     Py_XDECREF(bits);
@@ -285,7 +290,7 @@ typedef struct {
 static int fold_removed(PyObject *self, PyObject *bit, PyObject *where, PyObject *names) {
     Py_ssize_t n = PySequence_Fast_GET_SIZE(names);
     PyObject **items = PySequence_Fast_ITEMS(names);
-    PyObject *node_of = PyObject_GetAttr(self, s_node_of);
+    PyObject *node_of = field(self, F_NODE_OF);
     if (node_of == NULL) return -1;
     Piece *found = PyMem_Calloc((size_t)n, sizeof(Piece));
     PyObject *firsts = PyList_New(0);
@@ -303,7 +308,7 @@ static int fold_removed(PyObject *self, PyObject *bit, PyObject *where, PyObject
             i++;
             continue;
         }
-        PyObject *bits = PyObject_GetAttr(node, s_bits);
+        PyObject *bits = field(node, F_BITS);
         if (bits == NULL) goto done;
         int held = overlaps(bits, bit);
         Py_DECREF(bits);
@@ -312,7 +317,7 @@ static int fold_removed(PyObject *self, PyObject *bit, PyObject *where, PyObject
             i++;
             continue;
         }
-        PyObject *run = PyObject_GetAttr(node, s_seqs);
+        PyObject *run = field(node, F_SEQS);
         if (run == NULL) goto done;
         if (!PyList_CheckExact(run)) {
             Py_DECREF(run);
@@ -382,7 +387,7 @@ static int fold_removed(PyObject *self, PyObject *bit, PyObject *where, PyObject
             goto done;
         }
         Py_INCREF(node);
-        PyObject *run = PyObject_GetAttr(node, s_seqs);
+        PyObject *run = field(node, F_SEQS);
         Py_ssize_t at = run == NULL ? -1 : index_of(run, first, found[j].lo);
         Py_XDECREF(run);
         int failed = at < 0 || unhold(self, node_of, bit, where, node, at,
@@ -453,12 +458,12 @@ static PyObject *apply(PyObject *self, PyObject *const *args, Py_ssize_t nargs,
     PyObject *worker = NULL, *event_id = NULL, *dp_rank = NULL, *tier = NULL, *last = NULL;
     PyObject *places = NULL, *key = NULL, *bit = NULL, *where = NULL, *body = NULL;
     PyObject *parent = NULL, *seqs = NULL, *locals = NULL, *result = NULL;
-    worker = PyObject_GetAttr(event, s_worker_id);
-    event_id = PyObject_GetAttr(event, s_event_id);
-    dp_rank = PyObject_GetAttr(event, s_dp_rank);
-    tier = PyObject_GetAttr(event, s_tier);
-    last = PyObject_GetAttr(self, s_last_event_id);
-    places = PyObject_GetAttr(self, s_places);
+    worker = field(event, F_WORKER_ID);
+    event_id = field(event, F_EVENT_ID);
+    dp_rank = field(event, F_DP_RANK);
+    tier = field(event, F_TIER);
+    last = field(self, F_LAST_EVENT_ID);
+    places = field(self, F_PLACES);
     if (!worker || !event_id || !dp_rank || !tier || !last || !places) goto done;
     if (!PyDict_CheckExact(last) || !PyDict_CheckExact(places) || !PyLong_CheckExact(event_id))
         goto python;
@@ -490,8 +495,8 @@ static PyObject *apply(PyObject *self, PyObject *const *args, Py_ssize_t nargs,
     if (!PySet_CheckExact(where)) goto python;
 
     if (kind == (PyTypeObject *)stored_type) {
-        body = PyObject_GetAttr(event, s_blocks);
-        parent = PyObject_GetAttr(event, s_parent_hash);
+        body = field(event, F_BLOCKS);
+        parent = field(event, F_PARENT_HASH);
         if (body == NULL || parent == NULL) goto done;
         if (!is_sequence(body)) goto python;
         if (PySequence_Fast_GET_SIZE(body)) {
@@ -502,7 +507,7 @@ static PyObject *apply(PyObject *self, PyObject *const *args, Py_ssize_t nargs,
         if (PyDict_SetItem(last, worker, event_id) < 0) goto done;
         if (seqs != NULL && fold_stored(self, bit, where, parent, seqs, locals) < 0) goto done;
     } else {
-        body = PyObject_GetAttr(event, s_sequence_hashes);
+        body = field(event, F_SEQUENCE_HASHES);
         if (body == NULL) goto done;
         if (!is_sequence(body)) goto python;
         if (PyDict_SetItem(last, worker, event_id) < 0) goto done;
@@ -628,24 +633,24 @@ static struct PyModuleDef module = {
 PyMODINIT_FUNC PyInit__index(void) {
 #define INTERN(var, text) \
     if ((var = PyUnicode_InternFromString(text)) == NULL) return NULL
-    INTERN(s_event_id, "event_id");
-    INTERN(s_worker_id, "worker_id");
-    INTERN(s_dp_rank, "dp_rank");
-    INTERN(s_tier, "tier");
-    INTERN(s_parent_hash, "parent_hash");
-    INTERN(s_blocks, "blocks");
-    INTERN(s_sequence_hashes, "sequence_hashes");
-    INTERN(s_last_event_id, "last_event_id");
-    INTERN(s_places, "_places");
-    INTERN(s_node_of, "_node_of");
-    INTERN(s_root, "_root");
-    INTERN(s_orphans, "_orphans");
-    INTERN(s_live, "_live");
-    INTERN(s_seqs, "seqs");
-    INTERN(s_locals, "locals");
-    INTERN(s_bits, "bits");
-    INTERN(s_children, "children");
-    INTERN(s_parent, "parent");
+    INTERN(field_names[F_EVENT_ID], "event_id");
+    INTERN(field_names[F_WORKER_ID], "worker_id");
+    INTERN(field_names[F_DP_RANK], "dp_rank");
+    INTERN(field_names[F_TIER], "tier");
+    INTERN(field_names[F_PARENT_HASH], "parent_hash");
+    INTERN(field_names[F_BLOCKS], "blocks");
+    INTERN(field_names[F_SEQUENCE_HASHES], "sequence_hashes");
+    INTERN(field_names[F_LAST_EVENT_ID], "last_event_id");
+    INTERN(field_names[F_PLACES], "_places");
+    INTERN(field_names[F_NODE_OF], "_node_of");
+    INTERN(field_names[F_ROOT], "_root");
+    INTERN(field_names[F_ORPHANS], "_orphans");
+    INTERN(field_names[F_LIVE], "_live");
+    INTERN(field_names[F_SEQS], "seqs");
+    INTERN(field_names[F_LOCALS], "locals");
+    INTERN(field_names[F_BITS], "bits");
+    INTERN(field_names[F_CHILDREN], "children");
+    INTERN(field_names[F_PARENT], "parent");
     INTERN(s_store, "_store");
     INTERN(s_grow, "_grow");
     INTERN(s_drop, "_drop");

@@ -72,6 +72,38 @@ def test_same_record_and_row_as_the_python_encoders(event: AnyEvent) -> None:
         assert rows.to_row_without_tokens(event) == bare
 
 
+U64_EDGES = [0, 1, 2**30 - 1, 2**30, 2**60 - 1, 2**60, 2**63, 2**64 - 1]
+"""Where an int's digits change (its 30-bit digits: one, two, three; the top one's four bits
+that a u64 leaves), which the compiled reader takes apart by hand."""
+NOT_U64 = [2**64, 2**64 + 1, 2**80, 2**90, 2**100, -1, -(2**30), -(2**64 - 1)]
+
+
+@pytest.mark.parametrize("value", U64_EDGES)
+def test_hash_words_at_digit_edges_pack_as_python_packs_them(value: int) -> None:
+    """Every place a u64 is read (a hash word of each kind, a parent, an event id) at each
+    edge, built both by arithmetic and by parsing, as the trace's and the chain's ints are."""
+    for word in (value, int(str(value))):
+        for event in (
+            Stored(**{**G1, "event_id": word}, parent_hash=word, blocks=((word, word),)),
+            Removed(**G1, sequence_hashes=(word, 1)),
+            Offloaded(
+                **{**G1, "tier": Tier.G2}, src_tier=Tier.G1, blocks=(BlockInfo(word, word, word),)
+            ),
+        ):
+            assert RECORDS[type(event)](event) == codec.PYTHON_ENCODERS[type(event)](event)
+
+
+@pytest.mark.parametrize("value", NOT_U64)
+def test_ints_outside_u64_are_left_to_python(value: int) -> None:
+    for event in (
+        Stored(**G1, parent_hash=None, blocks=((1, value),)),
+        Stored(**{**G1, "event_id": value}, parent_hash=None, blocks=((1, 2),)),
+        Removed(**G1, sequence_hashes=(1, value)),
+        Offloaded(**{**G1, "tier": Tier.G2}, src_tier=Tier.G1, blocks=(BlockInfo(1, 2, value),)),
+    ):
+        assert RECORDS[type(event)](event) is None
+
+
 BAD_HEADS: list[dict[str, Any]] = [
     {"event_id": -1},
     {"event_id": 2**64},
@@ -182,6 +214,54 @@ def test_blocks_as_lists_pack_as_tuples() -> None:
 def test_a_missing_field_raises_as_an_attribute_error() -> None:
     with pytest.raises(AttributeError):
         _speedups.stored(object())  # type: ignore[arg-type]
+
+
+def test_a_field_the_class_does_not_keep_in_its_slot_is_read_as_python_reads_it() -> None:
+    """A subclass whose field is a property, and a class changed after its events were
+    encoded: the compiled encoder reads what attribute access gives, as the Python one does
+    (the slot's offset is not used where the attribute is not that slot)."""
+
+    class Shown(Removed):
+        __slots__ = ()
+
+        @property
+        def sequence_hashes(self) -> tuple[int, ...]:
+            return (7, 8)
+
+    shown = Shown.__new__(Shown)
+    for name, value in {**G1, "sequence_hashes": (1,)}.items():  # the slots, past the property
+        slot = next(vars(c)[name] for c in Removed.__mro__ if name in vars(c))
+        slot.__set__(shown, value)
+    assert _speedups.removed(shown) == codec.PYTHON_ENCODERS[Removed](shown)
+    assert codec.decode(_speedups.removed(shown) or b"").sequence_hashes == (7, 8)  # type: ignore[union-attr]
+
+    class Later(Removed):
+        __slots__ = ()
+
+    later = Later(**G1, sequence_hashes=(1,))
+    assert codec.decode(_speedups.removed(later) or b"").sequence_hashes == (1,)  # type: ignore[union-attr]
+    name = "sequence_hashes"  # set and deleted on the class by name, past the type checker
+    setattr(Later, name, property(lambda self: (9,)))
+    assert codec.decode(_speedups.removed(later) or b"").sequence_hashes == (9,)  # type: ignore[union-attr]
+    delattr(Later, name)  # the slot again
+    assert codec.decode(_speedups.removed(later) or b"").sequence_hashes == (1,)  # type: ignore[union-attr]
+
+
+def test_many_classes_and_an_empty_slot() -> None:
+    """More classes than the compiled encoder keeps offsets for, each encoded twice, then the
+    first again; and an event whose slot was never set raises the AttributeError that
+    attribute access raises."""
+    classes = [type(f"Removed{i}", (Removed,), {"__slots__": ()}) for i in range(20)]
+    for cls in [*classes, *classes, classes[0]]:
+        event = cls(**G1, sequence_hashes=(3, 4))
+        assert _speedups.removed(event) == codec.PYTHON_ENCODERS[Removed](event)
+    headless = Removed.__new__(Removed)
+    with pytest.raises(AttributeError, match="worker_id"):
+        _speedups.removed(headless)
+    for name, value in G1.items():
+        object.__setattr__(headless, name, value)
+    with pytest.raises(AttributeError, match="sequence_hashes"):
+        _speedups.removed(headless)
 
 
 def test_the_environment_turns_them_off() -> None:
