@@ -17,14 +17,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from switches import python_with
 
-from kvledger.events.log import AppendBuffer, EventLog, EventLogError
+from kvledger.events.log import AppendBuffer, EventLog, EventLogError, core
 from kvledger.events.log import buffer as buffer_module
 from kvledger.events.log.event_log import Committed
 from kvledger.events.log.rows import to_row
 from kvledger.events.types import AnyEvent, Cleared, LogRecord, Removed, Stored, Tier
 
 with contextlib.suppress(ImportError):  # not built: every test here skips (pytestmark)
-    from kvledger.events.log._gather import Gather
+    from kvledger.events.log._gather import Gather, run_of
 
 pytestmark = pytest.mark.skipif(
     not buffer_module.COMPILED_GATHER,
@@ -217,3 +217,98 @@ def test_kvledger_python_buffer_turns_the_compiled_queue_off() -> None:
     for value, expected in (("1", "False"), ("0", "True")):
         out = python_with("KVLEDGER_PYTHON_BUFFER", value, code).stdout.strip()
         assert out == expected
+
+
+def expected_run(rows: object) -> tuple[int, int, int] | None:
+    """``run_of``'s answer, by its definition: a non-empty list of six-tuples whose worker and
+    event id are plain ints in the int64 range, one worker, each id the one before plus one."""
+    if type(rows) is not list or not rows:
+        return None
+    for row in rows:
+        if type(row) is not tuple or len(row) != 6:
+            return None
+        if not all(type(v) is int and -(2**63) <= v < 2**63 for v in row[:2]):
+            return None
+    worker, first = rows[0][0], rows[0][1]
+    if any(r[0] != worker or r[1] != first + i for i, r in enumerate(rows)):
+        return None
+    return worker, first, rows[-1][1]
+
+
+ID = st.one_of(
+    st.integers(-3, 12),
+    st.sampled_from([2**63 - 2, 2**63 - 1, 2**63, -(2**63), -(2**63) - 1]),
+    st.sampled_from([True, 1.0, "1", None]),
+)
+ROW = st.tuples(st.one_of(st.integers(0, 2), st.sampled_from([False, 2**64])), ID).map(
+    lambda w_e: (w_e[0], w_e[1], "stored", 1, 0.0, b"x")
+)
+
+
+@st.composite
+def batches(draw: st.DrawFn) -> object:
+    """Mostly runs (one worker, consecutive ids from anywhere, the int64 edge included), with
+    a row changed here and there, and now and then something that is not a list of rows."""
+    kind = draw(st.sampled_from(["run", "run", "run", "rows", "odd"]))
+    if kind == "odd":
+        return draw(st.sampled_from([(), [], [()], [(1, 2)], ((1, 2, "s", 1, 0.0, b""),), [1]]))
+    if kind == "rows":
+        return draw(st.lists(ROW, min_size=1, max_size=6))
+    worker = draw(st.integers(0, 3))
+    first = draw(st.one_of(st.integers(0, 100), st.integers(2**63 - 6, 2**63 - 1)))
+    n = draw(st.integers(1, 6))
+    rows: list[tuple[object, ...]] = [(worker, first + i, "stored", 1, 0.0, b"x") for i in range(n)]
+    at = draw(st.integers(0, n - 1))
+    change = draw(st.sampled_from(["none", "none", "row", "worker", "id"]))
+    if change == "row":
+        rows[at] = draw(ROW)
+    elif change == "worker":  # its id still in the run
+        rows[at] = (draw(st.sampled_from([worker + 1, True, 2**64])), *rows[at][1:])
+    elif change == "id":  # its worker's, the id a repeat, a skip or not an int
+        shift = draw(st.sampled_from([-1, 0, 1, 2]))
+        wrong = draw(st.sampled_from([first + at + shift, float(first + at)]))
+        rows[at] = (worker, wrong, *rows[at][2:])
+    return rows
+
+
+@given(rows=batches())
+def test_run_of_is_a_run_exactly_when_its_definition_holds(rows: object) -> None:
+    assert run_of(rows) == expected_run(rows)
+
+
+@given(rows=batches(), known=st.integers(0, 102))
+@settings(suppress_health_check=[HealthCheck.function_scoped_fixture])
+def test_the_logs_batch_check_takes_what_the_python_loop_takes(
+    tmp_path: Path, rows: object, known: int
+) -> None:
+    """The log's id check of a batch (its run check, then the general one where that says no)
+    with the compiled run and with the Python loop: the same batches taken, the same refused
+    with the same message, the same next ids after."""
+    if (
+        type(rows) is not list
+        or not rows
+        or not all(type(r) is tuple and len(r) == 6 for r in rows)
+    ):
+        return  # not a batch of rows: the log never checks such a thing
+    with EventLog(str(tmp_path / f"run{known}.db")) as log:
+        outcomes = []
+        for compiled in (True, False):
+            log._next_ids = {0: known, 1: known, 3: 2**63 - 6}
+            saved = core.run_of
+            core.run_of = saved if compiled else None
+            try:
+                if not log._accept_run(rows):
+                    log._accept_ids(rows, log._committed_ids(rows))
+                outcome = "taken"
+            except (ValueError, TypeError, OverflowError) as exc:
+                outcome = f"{type(exc).__name__}: {exc}"
+            finally:
+                core.run_of = saved
+            outcomes.append((outcome, dict(log._next_ids)))
+        assert outcomes[0] == outcomes[1]
+
+
+def test_kvledger_python_buffer_turns_the_compiled_run_check_off() -> None:
+    code = "from kvledger.events.log import core; print(core.run_of is None)"
+    for value, expected in (("1", "True"), ("0", "False")):
+        assert python_with("KVLEDGER_PYTHON_BUFFER", value, code).stdout.strip() == expected

@@ -10,8 +10,9 @@ and does the database work itself; ``LogCore`` keeps the counts and says what to
 from __future__ import annotations
 
 import logging
+import os
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from operator import itemgetter
 from time import monotonic
 
@@ -23,6 +24,17 @@ from kvledger.events.log.schema import shown_url
 from kvledger.events.types import lookup_stream
 
 log = logging.getLogger(__name__)
+
+RunOf = Callable[[object], tuple[int, int, int] | None]
+_compiled_run_of: RunOf | None
+try:
+    from kvledger.events.log._gather import run_of as _compiled_run_of
+except ImportError:  # not built: the Python loop checks each batch
+    _compiled_run_of = None
+run_of = _compiled_run_of if os.environ.get("KVLEDGER_PYTHON_BUFFER", "") in ("", "0") else None
+"""``_gather.run_of`` (events/log/_gather.c): a batch's ``(worker, first_id, last_id)`` when it
+is a list of one worker's rows with consecutive ids, else None; None itself where the extension
+is not built or ``KVLEDGER_PYTHON_BUFFER=1`` turns the buffer's compiled parts off."""
 
 
 class EventLogError(RuntimeError):
@@ -398,10 +410,21 @@ class LogCore:
             return True
         return False
 
-    def _accept_run(self, rows: Sequence[Row]) -> bool:
+    def _accept_run(self, rows: Sequence[Row], run: tuple[int, int, int] | None = None) -> bool:
         """The hot path of ``append_many``: True when ``rows`` are one known worker's next ids
         in order (then taken), as an emitter's batch is; False takes nothing and sends the
-        caller through ``_unknown_workers`` and ``_accept_ids``, which check any batch."""
+        caller through ``_unknown_workers`` and ``_accept_ids``, which check any batch.
+        ``run``: ``run_of(rows)`` where the caller has it already."""
+        if run is None and run_of is not None:
+            run = run_of(rows)
+        if run is not None:  # one worker's consecutive ids: only the first one to check
+            worker, first, last = run
+            if self._next_ids.get(worker) != first:
+                return False
+            self._next_ids[worker] = last + 1
+            return True
+        if run_of is not None:  # not that shape: the general check decides
+            return False
         worker = rows[0][0]
         expected = self._next_ids.get(worker)
         if expected is None:

@@ -25,14 +25,14 @@ from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
 from itertools import chain
 from pathlib import Path
 from time import monotonic
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import sqlalchemy as sa
 
 from kvledger.events.codec import decode
 from kvledger.events.log import checkpoints, reader
 from kvledger.events.log.checkpoints import Checkpoint
-from kvledger.events.log.core import RETRY_FOR, LogCore, Outage, not_yet_committed
+from kvledger.events.log.core import RETRY_FOR, LogCore, Outage, not_yet_committed, run_of
 from kvledger.events.log.database import (
     Durability,
     compiled_sqlite_path,
@@ -220,8 +220,13 @@ class EventLog(LogCore):
         ``events`` the events of the newest items (a buffer keeps them only while the log has
         commit sinks). With ``wait`` False, queued whatever the backlog holds: how the writer
         itself hands over what waits in a buffer (it would wait for itself)."""
-        to_row = self._to_row
-        rows = [item if isinstance(item, tuple) else to_row(item) for item in items]
+        # an append buffer's batch: its rows, one worker's ids in order (checked in one call)
+        run = None if run_of is None else run_of(items)
+        if run is not None:
+            rows = cast(list[Row], items)
+        else:
+            to_row = self._to_row
+            rows = [item if isinstance(item, tuple) else to_row(item) for item in items]
         backlog = self._backlog
         with self._lock:
             if wait:
@@ -230,7 +235,7 @@ class EventLog(LogCore):
                 self._raise_writer_failure()
             if not rows:
                 return
-            if not self._accept_run(rows):
+            if not self._accept_run(rows, run):
                 self._accept_ids(rows, self._committed_ids(rows))
             if self._pending_events is not None and len(events) < len(rows):
                 # rows queued before a commit sink came: their events from their records
