@@ -32,6 +32,22 @@ static PyObject *s_store, *s_grow, *s_drop, *s_unhold, *s_adopt; /* the Python m
  * Python ``apply`` that does the rest. */
 static PyObject *node_type, *stored_type, *removed_type, *python_apply;
 
+/* A dict store and delete with the key's hash known. 3.13 keeps the calls that take it to the
+ * interpreter (not declared for extensions): there the plain calls run, which hash again. */
+#if PY_VERSION_HEX >= 0x030D0000
+static int set_known_hash(PyObject *d, PyObject *key, PyObject *value, Py_hash_t hash) {
+    (void)hash;
+    return PyDict_SetItem(d, key, value);
+}
+static int del_known_hash(PyObject *d, PyObject *key, Py_hash_t hash) {
+    (void)hash;
+    return PyDict_DelItem(d, key);
+}
+#else
+#define set_known_hash _PyDict_SetItem_KnownHash
+#define del_known_hash _PyDict_DelItem_KnownHash
+#endif
+
 static int is_sequence(PyObject *obj) { return PyTuple_CheckExact(obj) || PyList_CheckExact(obj); }
 
 /* 1: ``a & b`` is not 0; 0: it is; -1: an exception. */
@@ -593,8 +609,8 @@ static PyObject *tally(PyObject *const *args, Py_ssize_t nargs, int down, const 
                         : down       ? PyNumber_Subtract(held, one)
                                      : PyNumber_Add(held, one);
         int keep = now == NULL ? -1 : down ? PyObject_IsTrue(now) : 1;
-        failed = keep < 0 || (keep ? _PyDict_SetItem_KnownHash(counts, key, now, hash)
-                                   : _PyDict_DelItem_KnownHash(counts, key, hash)) < 0;
+        failed = keep < 0 || (keep ? set_known_hash(counts, key, now, hash)
+                                   : del_known_hash(counts, key, hash)) < 0;
         Py_XDECREF(now);
     }
     Py_XDECREF(one);
