@@ -31,6 +31,7 @@ setup(
         Extension(
             "kvledger.registry._records",
             sources=["registry/_records.c"],
+            depends=["registry/fields.h"],
             optional=True,
         ),
         Extension(

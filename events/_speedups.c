@@ -25,6 +25,7 @@
 /* The fields read, by their index in ``field_names`` (registry/fields.h reads them) */
 enum { F_WORKER_ID, F_EVENT_ID, F_DP_RANK, F_TIER, F_TS, F_PARENT_HASH, F_BLOCKS, F_TOKEN_IDS,
        F_SEQUENCE_HASHES, F_SRC_TIER, FIELD_NAMES };
+#define FIELD_CACHE
 #include "../registry/fields.h"
 
 #define NIL 0xC0

@@ -24,6 +24,7 @@ enum {
     F_EVENT_ID, F_WORKER_ID, F_DP_RANK, F_TIER, F_PARENT_HASH, F_BLOCKS, F_SEQUENCE_HASHES, F_LAST_EVENT_ID, F_PLACES, F_NODE_OF, F_ROOT, F_ORPHANS, F_LIVE, F_SEQS, F_LOCALS, F_BITS, F_CHILDREN, F_PARENT,
     FIELD_NAMES
 };
+#define FIELD_CACHE
 #include "fields.h"
 
 static PyObject *s_store, *s_grow, *s_drop, *s_unhold, *s_adopt; /* the Python methods */

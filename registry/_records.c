@@ -17,6 +17,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <structmember.h>
+#include "fields.h" /* member_of */
 
 typedef struct {
     PyObject_HEAD
@@ -79,12 +80,11 @@ static Py_ssize_t slot_offset(PyTypeObject *cls, PyObject *name) {
         PyErr_SetString(PyExc_TypeError, "slot names must be strs");
         return -1;
     }
-    PyObject *found = _PyType_Lookup(cls, name); /* borrowed */
-    if (found == NULL || !Py_IS_TYPE(found, &PyMemberDescr_Type)) {
+    PyMemberDef *member = member_of(cls, name);
+    if (member == NULL) {
         PyErr_Format(PyExc_ValueError, "%s has no slot %R", cls->tp_name, name);
         return -1;
     }
-    PyMemberDef *member = ((PyMemberDescrObject *)found)->d_member;
     if (member->type != T_OBJECT_EX || (member->flags & READONLY)) {
         PyErr_Format(PyExc_ValueError, "%s.%U is not a writable object slot", cls->tp_name,
                      name);

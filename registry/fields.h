@@ -15,8 +15,9 @@
  *   deleted on it or on a base), or has none;
  * - the class is not among the last few the cache holds (eight).
  *
- * A file that includes this defines FIELD_NAMES, the number of names it reads, and fills
- * ``field_names`` (interned strings, one reference each) before the first call.
+ * A file that reads fields this way defines FIELD_CACHE and FIELD_NAMES (the number of names
+ * it reads) before it includes this, and fills ``field_names`` (interned strings, one
+ * reference each) before the first call.
  */
 #ifndef KVLEDGER_FIELDS_H
 #define KVLEDGER_FIELDS_H
@@ -24,6 +25,17 @@
 #include <Python.h>
 #include <structmember.h>
 
+/* The member (a slot's kind, offset and flags) that ``type``'s attribute ``name`` names, its
+ * own or a base's; NULL where ``name`` is anything else (a property, a method, a class
+ * attribute, nothing). Borrowed from the class; no exception set. Also what the record makers
+ * (registry/_records.c) find their slots by, which include this file without the rest. */
+static PyMemberDef *member_of(PyTypeObject *type, PyObject *name) {
+    PyObject *descr = _PyType_Lookup(type, name); /* borrowed; no exception set */
+    if (descr == NULL || !Py_IS_TYPE(descr, &PyMemberDescr_Type)) return NULL;
+    return ((PyMemberDescrObject *)descr)->d_member;
+}
+
+#ifdef FIELD_CACHE
 #define FIELD_CLASSES 8
 
 typedef struct {
@@ -38,10 +50,8 @@ static int field_class_count, field_class_next;
 
 /* The offset of ``name``'s value in instances of ``type``, or -1 where GetAttr must read it. */
 static Py_ssize_t field_offset(PyTypeObject *type, PyObject *name) {
-    PyObject *descr = _PyType_Lookup(type, name); /* borrowed; no exception set */
-    if (descr == NULL || !Py_IS_TYPE(descr, &PyMemberDescr_Type)) return -1;
-    PyMemberDef *member = ((PyMemberDescrObject *)descr)->d_member;
-    if (member->type != T_OBJECT_EX || member->offset <= 0) return -1;
+    PyMemberDef *member = member_of(type, name);
+    if (member == NULL || member->type != T_OBJECT_EX || member->offset <= 0) return -1;
     return member->offset;
 }
 
@@ -78,10 +88,7 @@ static inline PyObject *field(PyObject *event, int name) {
     FieldClass *cls = field_class(Py_TYPE(event));
     if (cls != NULL) {
         Py_ssize_t offset = cls->offset[name];
-        if (offset == 0) {
-            offset = cls->offset[name] = field_offset(Py_TYPE(event), field_names[name]);
-            cls->version = Py_TYPE(event)->tp_version_tag; /* the lookup may have set it */
-        }
+        if (offset == 0) offset = cls->offset[name] = field_offset(Py_TYPE(event), field_names[name]);
         if (offset > 0) {
             PyObject *value = *(PyObject **)((char *)event + offset);
             if (value != NULL) return Py_NewRef(value);
@@ -89,5 +96,6 @@ static inline PyObject *field(PyObject *event, int name) {
     }
     return PyObject_GetAttr(event, field_names[name]);
 }
+#endif /* FIELD_CACHE */
 
 #endif
