@@ -29,7 +29,7 @@ $(BIN)/python:
 # torch first: a plain `pip install torch` elsewhere pulls a multi-GB CUDA build. Without a CUDA
 # driver we want the CPU wheel (pinned to the release the project is tested with). Then the
 # project with the extras the suite needs: torch (the tiers), dev (tests, linters, references).
-$(STAMP): pyproject.toml setup.py events/_speedups.c registry/fields.h registry/_records.c events/log/_sqlite.c events/log/_gather.c events/crc32.h registry/_pool.c registry/_index.c registry/_chain.c kvledger/mocker/_trace.c | $(BIN)/python
+$(STAMP): pyproject.toml setup.py events/_speedups.c registry/fields.h registry/_records.c events/log/_sqlite.c events/log/_gather.c events/log/rowblock.h events/records.h events/crc32.h registry/_pool.c registry/_index.c registry/_chain.c kvledger/mocker/_trace.c | $(BIN)/python
 	@bash .ci/build-deps  # a C compiler, for the compiled encoder, queue, writer and pool
 	@if ! $(BIN)/python -c "import torch" 2>/dev/null; then \
 	    $(BIN)/python -m pip install -q torch==2.13.0; fi

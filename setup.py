@@ -25,7 +25,7 @@ setup(
         Extension(
             "kvledger.events._speedups",
             sources=["events/_speedups.c"],
-            depends=["events/crc32.h", "registry/fields.h"],
+            depends=["events/crc32.h", "events/records.h", "registry/fields.h"],
             optional=True,
         ),
         Extension(
@@ -37,13 +37,14 @@ setup(
         Extension(
             "kvledger.events.log._sqlite",
             sources=["events/log/_sqlite.c"],
-            depends=["events/crc32.h"],
+            depends=["events/crc32.h", "events/log/rowblock.h"],
             libraries=["dl"],
             optional=True,
         ),
         Extension(
             "kvledger.events.log._gather",
             sources=["events/log/_gather.c"],
+            depends=["events/records.h", "events/log/rowblock.h"],
             optional=True,
         ),
         Extension(

@@ -19,6 +19,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include "crc32.h"
+#include "records.h"
 #include <stdint.h>
 #include <string.h>
 
@@ -157,7 +158,9 @@ static int read_head(PyObject *event, Head *head) {
     head->tier = (unsigned char)tier;
     if (!PyFloat_CheckExact(values[4])) return 0;
     head->ts = PyFloat_AS_DOUBLE(values[4]);
-    return 1;
+    /* a NaN ts is a record's but not a log row's (SQLite stores it as NULL): left to Python,
+     * whose row refuses it and whose record writes it */
+    return head->ts == head->ts;
 }
 
 static unsigned char *put_head(unsigned char *p, unsigned char array, unsigned char kind,
@@ -191,18 +194,17 @@ static void put_check(unsigned char *start, unsigned char *p) {
 
 static int is_sequence(PyObject *obj) { return PyTuple_CheckExact(obj) || PyList_CheckExact(obj); }
 
-/* Each kind's record after its header is read: bytes, None (a new reference) where the Python
- * encoder is to run, or NULL with an exception. */
-typedef PyObject *(*RecordWriter)(PyObject *event, const Head *head);
+/* Each kind's record after its header is read, written where ``out`` reserves: 1, 0 where the
+ * Python encoder is to run (what was written then does not count), or -1 with an exception. */
+typedef int (*RecordWriter)(PyObject *event, const Head *head, RecordOut *out);
 
 /* A stored event's record; with ``keep_tokens`` 0, as if its token ids were None (what a log
  * that must not hold prompts stores). */
-static PyObject *stored_record_of(PyObject *event, const Head *head, int keep_tokens) {
-
+static int stored_record_of(PyObject *event, const Head *head, RecordOut *out, int keep_tokens) {
     PyObject *parent = field(event, F_PARENT_HASH);
     PyObject *blocks = field(event, F_BLOCKS);
     PyObject *tokens = field(event, F_TOKEN_IDS);
-    PyObject *record = NULL;
+    int result = -1;
     if (parent == NULL || blocks == NULL || tokens == NULL) goto done;
 
     uint64_t parent_hash = 0;
@@ -228,9 +230,8 @@ static PyObject *stored_record_of(PyObject *event, const Head *head, int keep_to
 
     Py_ssize_t size = HEADER_BYTES + (has_parent ? 9 : 1) + 5 + 16 * n +
                       (has_tokens ? 5 + 4 * token_words : 1) + 5;
-    record = PyBytes_FromStringAndSize(NULL, size);
-    if (record == NULL) goto done;
-    unsigned char *start = (unsigned char *)PyBytes_AS_STRING(record);
+    unsigned char *start = out->reserve(out, size);
+    if (start == NULL) goto done;
     unsigned char *p = put_head(start, STORED_ARRAY, 1, head);
     if (has_parent) {
         *p++ = UINT64;
@@ -268,35 +269,34 @@ static PyObject *stored_record_of(PyObject *event, const Head *head, int keep_to
         *p++ = NIL;
     }
     put_check(start, p);
+    result = 1;
     goto done;
-slow: /* not the plain case: None, and the Python encoder runs */
-    Py_XSETREF(record, Py_NewRef(Py_None));
+slow: /* not the plain case: the Python encoder runs */
+    result = 0;
 done:
     Py_XDECREF(parent);
     Py_XDECREF(blocks);
     Py_XDECREF(tokens);
-    return record;
+    return result;
 }
 
-static PyObject *stored_record(PyObject *event, const Head *head) {
-    return stored_record_of(event, head, 1);
+static int stored_record(PyObject *event, const Head *head, RecordOut *out) {
+    return stored_record_of(event, head, out, 1);
 }
 
-static PyObject *stored_record_without_tokens(PyObject *event, const Head *head) {
-    return stored_record_of(event, head, 0);
+static int stored_record_without_tokens(PyObject *event, const Head *head, RecordOut *out) {
+    return stored_record_of(event, head, out, 0);
 }
 
-static PyObject *removed_record(PyObject *event, const Head *head) {
-
+static int removed_record(PyObject *event, const Head *head, RecordOut *out) {
     PyObject *hashes = field(event, F_SEQUENCE_HASHES);
-    if (hashes == NULL) return NULL;
-    PyObject *record = NULL;
+    if (hashes == NULL) return -1;
+    int result = -1;
     if (!is_sequence(hashes)) goto slow;
     Py_ssize_t n = PySequence_Fast_GET_SIZE(hashes);
     if (n == 0 || n > 0x1FFFFFFF) goto slow;
-    record = PyBytes_FromStringAndSize(NULL, HEADER_BYTES + 5 + 8 * n + 5);
-    if (record == NULL) goto done;
-    unsigned char *start = (unsigned char *)PyBytes_AS_STRING(record);
+    unsigned char *start = out->reserve(out, HEADER_BYTES + 5 + 8 * n + 5);
+    if (start == NULL) goto done;
     unsigned char *p = put_head(start, REMOVED_ARRAY, 2, head);
     *p++ = BIN32;
     p = put_u32(p, (uint32_t)(8 * n));
@@ -307,22 +307,22 @@ static PyObject *removed_record(PyObject *event, const Head *head) {
         p = put_u64(p, word);
     }
     put_check(start, p);
+    result = 1;
     goto done;
-slow: /* not the plain case: None, and the Python encoder runs */
-    Py_XSETREF(record, Py_NewRef(Py_None));
+slow: /* not the plain case: the Python encoder runs */
+    result = 0;
 done:
     Py_DECREF(hashes);
-    return record;
+    return result;
 }
 
 /* An offloaded (kind 3) or onboarded (kind 4) event: the source tier, then a bin of
  * (seq, local, parent) words, then nil, or where some block has no parent a bin of one root
  * flag a block (its parent word is then 0). */
-static PyObject *copied_record(PyObject *event, const Head *head, unsigned char kind) {
-
+static int copied_record(PyObject *event, const Head *head, RecordOut *out, unsigned char kind) {
     PyObject *src = field(event, F_SRC_TIER);
     PyObject *blocks = field(event, F_BLOCKS);
-    PyObject *record = NULL;
+    int result = -1;
     if (src == NULL || blocks == NULL) goto done;
     if (!PyLong_Check(src)) goto slow;
     long src_tier = PyLong_AsLong(src);
@@ -341,9 +341,8 @@ static PyObject *copied_record(PyObject *event, const Head *head, unsigned char 
         if (PyTuple_GET_ITEM(block, 2) == Py_None) has_roots = 1;
     }
     Py_ssize_t size = HEADER_BYTES + 1 + 5 + 24 * n + (has_roots ? 5 + n : 1) + 5;
-    record = PyBytes_FromStringAndSize(NULL, size);
-    if (record == NULL) goto done;
-    unsigned char *start = (unsigned char *)PyBytes_AS_STRING(record);
+    unsigned char *start = out->reserve(out, size);
+    if (start == NULL) goto done;
     unsigned char *p = put_head(start, COPIED_ARRAY, kind, head);
     *p++ = (unsigned char)src_tier;
     *p++ = BIN32;
@@ -368,28 +367,46 @@ static PyObject *copied_record(PyObject *event, const Head *head, unsigned char 
         *p++ = NIL;
     }
     put_check(start, p);
+    result = 1;
     goto done;
-slow: /* not the plain case: None, and the Python encoder runs */
-    Py_XSETREF(record, Py_NewRef(Py_None));
+slow: /* not the plain case: the Python encoder runs */
+    result = 0;
 done:
     Py_XDECREF(src);
     Py_XDECREF(blocks);
-    return record;
+    return result;
 }
 
-static PyObject *offloaded_record(PyObject *event, const Head *head) {
-    return copied_record(event, head, 3);
+static int offloaded_record(PyObject *event, const Head *head, RecordOut *out) {
+    return copied_record(event, head, out, 3);
 }
 
-static PyObject *onboarded_record(PyObject *event, const Head *head) {
-    return copied_record(event, head, 4);
+static int onboarded_record(PyObject *event, const Head *head, RecordOut *out) {
+    return copied_record(event, head, out, 4);
+}
+
+/* A record in a bytes object of its own: what ``codec`` and the row functions return. */
+typedef struct {
+    RecordOut out;
+    PyObject *bytes;
+} BytesOut;
+
+static unsigned char *reserve_bytes(RecordOut *out, Py_ssize_t size) {
+    BytesOut *self = (BytesOut *)out;
+    Py_XSETREF(self->bytes, PyBytes_FromStringAndSize(NULL, size));
+    return self->bytes == NULL ? NULL : (unsigned char *)PyBytes_AS_STRING(self->bytes);
 }
 
 /* The header read into ``head`` (which the caller releases), then the record ``write`` makes:
  * bytes, None where the Python encoder is to run, or NULL with an exception. */
 static PyObject *write_record(PyObject *event, RecordWriter write, Head *head) {
     int ok = read_head(event, head);
-    return ok < 0 ? NULL : ok == 0 ? Py_NewRef(Py_None) : write(event, head);
+    if (ok <= 0) return ok < 0 ? NULL : Py_NewRef(Py_None);
+    BytesOut out = {{reserve_bytes}, NULL};
+    ok = write(event, head, &out.out);
+    if (ok > 0) return out.bytes;
+    Py_XDECREF(out.bytes);
+    return ok < 0 ? NULL : Py_NewRef(Py_None);
 }
 
 /* An event's record: bytes, or None where the Python encoder is to run. */
@@ -423,6 +440,33 @@ static PyObject *row_of(PyObject *event, RecordWriter write, PyObject *kind) {
     release_head(&head);
     return row;
 }
+
+/* ``RecordsAPI.encode`` (records.h): the record written where ``out`` reserves, for an append
+ * buffer's queue, with the row's other columns as C values. */
+static int encode_into(PyObject *event, int kind, RecordOut *out, RecordColumns *columns) {
+    static const RecordWriter writers[] = {
+        NULL, stored_record, removed_record, offloaded_record, onboarded_record,
+        stored_record_without_tokens,
+    };
+    if (kind < KIND_STORED || kind > KIND_STORED_WITHOUT_TOKENS) {
+        PyErr_Format(PyExc_ValueError, "no compiled encoder for record kind %d", kind);
+        return -1;
+    }
+    Head head;
+    int ok = read_head(event, &head);
+    if (ok > 0 && head.event_id > (uint64_t)INT64_MAX) ok = 0; /* the Python path refuses it */
+    if (ok > 0) ok = writers[kind](event, &head, out);
+    if (ok > 0) {
+        columns->worker = head.worker_id;
+        columns->event_id = (int64_t)head.event_id;
+        columns->ts = head.ts;
+        columns->tier = head.tier;
+    }
+    release_head(&head);
+    return ok;
+}
+
+static RecordsAPI records_api = {RECORDS_API_VERSION, encode_into};
 
 static PyObject *s_stored, *s_removed, *s_offloaded, *s_onboarded; /* the kind column's values */
 
@@ -504,5 +548,13 @@ PyMODINIT_FUNC PyInit__speedups(void) {
     INTERN(s_offloaded, "offloaded");
     INTERN(s_onboarded, "onboarded");
 #undef INTERN
-    return PyModule_Create(&module);
+    PyObject *m = PyModule_Create(&module);
+    if (m == NULL) return NULL;
+    PyObject *api = PyCapsule_New(&records_api, RECORDS_CAPSULE, NULL);
+    if (api == NULL || PyModule_AddObject(m, "records_api", api) < 0) {
+        Py_XDECREF(api);
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
 }

@@ -3,6 +3,7 @@ agreeing with decode + fold on every record, good or bad."""
 
 from __future__ import annotations
 
+import math
 import struct
 import zlib
 from collections.abc import Sequence
@@ -305,7 +306,9 @@ def test_structured_garbage_decodes_or_raises_codec_error(data: bytes) -> None:
         event = decode(data)
     except CodecError:
         return
-    assert decode(encode(event)) == event
+    again = decode(encode(event))
+    # a NaN ts equals nothing, itself included: then the same record again is the same event
+    assert again == event or (math.isnan(event.ts) and encode(again) == encode(event))
 
 
 def fold_reference(

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 import subprocess
@@ -148,8 +149,11 @@ def test_a_refused_event_costs_only_itself_and_raises_from_the_call_that_appende
         assert logged(log) == events(3)  # 0, 1 and the good 2 went in
         with pytest.raises(ValueError, match=r"refused 2 of 4.*event 6\).*leaves a gap"):
             buffer.extend([*events(2, start=3), *events(2, start=6)])  # 5 is missing
+        nan = replace(events(1, start=5)[0], ts=math.nan)  # the ts column takes no NaN
+        with pytest.raises(ValueError, match=r"refused 1 of 4.*event 5\).*ts is NaN"):
+            buffer.extend([nan, *events(3, start=5)])
         buffer.close()
-        assert logged(log) == events(5)
+        assert logged(log) == events(8)
 
 
 def test_a_failed_timed_append_is_raised_at_the_next_call_naming_the_loss(log_url: str) -> None:

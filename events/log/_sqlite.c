@@ -31,11 +31,13 @@
  * by the result code as ``sqlite3`` chooses them, so the log's outage and failure handling
  * (``events/log/core.py``, which looks at PEP 249 categories and the driver's words) treats
  * both writers alike. A row that is not exactly (int, int, str, int, float, bytes) is refused
- * with TypeError before anything is written.
+ * with TypeError before anything is written. A batch's item is such a row or a block of rows
+ * (events/log/rowblock.h: an append buffer's batch in flat memory), bound from its arrays.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include "../crc32.h"
+#include "rowblock.h"
 #include <dlfcn.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -343,24 +345,85 @@ static int insert_all(Connection *self, const Row *rows, Py_ssize_t n, char *mes
     return rc;
 }
 
+/* ``_gather.RowBlock`` (NULL where that module is not built: no block can come then). */
+static PyTypeObject *block_type(void) {
+    static PyTypeObject *type;
+    if (type == NULL) {
+        PyObject *module = PyImport_ImportModule("kvledger.events.log._gather");
+        if (module == NULL) {
+            PyErr_Clear();
+            return NULL;
+        }
+        PyObject *found = PyObject_GetAttrString(module, "RowBlock");
+        Py_DECREF(module);
+        if (found == NULL || !PyType_Check(found)) {
+            Py_XDECREF(found);
+            PyErr_Clear();
+            return NULL;
+        }
+        type = (PyTypeObject *)found; /* kept: the module stays loaded */
+    }
+    return type;
+}
+
+/* The block of rows ``item`` is, NULL when it is none (no exception). */
+static RowBlock *as_block(PyObject *item) {
+    if (PyTuple_CheckExact(item)) return NULL;
+    PyTypeObject *type = block_type();
+    return type != NULL && Py_IS_TYPE(item, type) ? (RowBlock *)item : NULL;
+}
+
+/* Fill ``rows`` from a block's; 0 with TypeError when some row is still an object. */
+static int read_block(RowBlock *block, Row *rows) {
+    if (block->objects_left > 0) {
+        PyErr_SetString(PyExc_TypeError, "a block of log rows holds events not yet encoded");
+        return 0;
+    }
+    for (Py_ssize_t i = 0; i < block->n; i++) {
+        const BlockRow *b = &block->rows[i];
+        Row *row = &rows[i];
+        if (b->kind == 0 || b->kind >= BLOCK_KINDS || b->size > INT32_MAX) {
+            PyErr_SetString(PyExc_TypeError, "a block of log rows holds a row it cannot bind");
+            return 0;
+        }
+        row->worker = b->worker;
+        row->event_id = b->event_id;
+        row->tier = b->tier;
+        row->ts = b->ts;
+        row->kind = BLOCK_KIND_NAMES[b->kind];
+        row->kind_len = (Py_ssize_t)strlen(row->kind);
+        row->payload = (const char *)block->bytes + b->offset;
+        row->payload_len = b->size;
+    }
+    return 1;
+}
+
 static PyObject *Writer_commit(Connection *self, PyObject *batch) {
     if (!check_open(self)) return NULL;
     if (!PyList_CheckExact(batch)) {
         PyErr_SetString(PyExc_TypeError, "commit takes a list of log rows");
         return NULL;
     }
-    Py_ssize_t n = PyList_GET_SIZE(batch);
+    Py_ssize_t items = PyList_GET_SIZE(batch), n = 0;
+    for (Py_ssize_t i = 0; i < items; i++) {
+        RowBlock *block = as_block(PyList_GET_ITEM(batch, i));
+        n += block != NULL ? block->n : 1;
+    }
     if (n == 0) Py_RETURN_NONE;
     Row *rows = PyMem_Malloc((size_t)n * sizeof(Row));
     if (rows == NULL) return PyErr_NoMemory();
     /* the rows' objects stay alive through ``batch``, which the caller holds through the call
-     * and no other thread holds at all, and the tuple items it references are immutable: their
-     * buffers are read below without the GIL */
-    for (Py_ssize_t i = 0; i < n; i++) {
-        if (!read_row(PyList_GET_ITEM(batch, i), &rows[i])) {
+     * and no other thread holds at all, and the tuple items it references are immutable, as is
+     * a block once its queue handed it over: their buffers are read below without the GIL */
+    for (Py_ssize_t i = 0, at = 0; i < items; i++) {
+        PyObject *item = PyList_GET_ITEM(batch, i);
+        RowBlock *block = as_block(item);
+        int ok = block != NULL ? read_block(block, &rows[at]) : read_row(item, &rows[at]);
+        if (!ok) {
             PyMem_Free(rows);
             return NULL;
         }
+        at += block != NULL ? block->n : 1;
     }
     char message[512];
     int rc;

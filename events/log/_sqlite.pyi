@@ -1,4 +1,7 @@
+from collections.abc import Sequence
 from types import TracebackType
+
+_Row = tuple[int, int, str, int, float, bytes]
 
 sqlite_version_number: int
 
@@ -20,7 +23,7 @@ class Writer(Connection):
         self, path: str, synchronous: str, busy_timeout_ms: int, insert_sql: str
     ) -> None: ...
     def __enter__(self) -> Writer: ...
-    def commit(self, batch: list[tuple[int, int, str, int, float, bytes]], /) -> None: ...
+    def commit(self, batch: list[_Row] | list[_Row | Sequence[_Row]], /) -> None: ...
 
 class Reader(Connection):
     def __init__(self, path: str, sql: str, busy_timeout_ms: int) -> None: ...

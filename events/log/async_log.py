@@ -22,7 +22,7 @@ from kvledger.events.codec import decode
 from kvledger.events.log import reader
 from kvledger.events.log.core import RETRY_FOR, EventLogError, LogCore, Outage, not_yet_committed
 from kvledger.events.log.database import Durability, open_async_database
-from kvledger.events.log.rows import InsertStatements, Row, copy_rows_async, max_params
+from kvledger.events.log.rows import InsertStatements, Row, copy_rows_async, flat, max_params
 from kvledger.events.log.schema import SchemaError, check_schema, shown_url
 from kvledger.events.types import AnyEvent, LogRecord, Lookup, Released, RunInfo
 
@@ -179,7 +179,8 @@ class AsyncEventLog(LogCore):
                                         break
                                     with contextlib.suppress(TimeoutError):
                                         await asyncio.wait_for(cond.wait(), wait)
-                                batch = backlog.take()
+                                # this log's own appends: rows one by one, never a block
+                                batch = flat(backlog.take()[0])
                                 closing = self._closing
                             if batch:
                                 await commit(batch)

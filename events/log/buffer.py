@@ -24,7 +24,7 @@ from time import monotonic
 
 from kvledger.events.log.core import EventLogError
 from kvledger.events.log.event_log import EventLog
-from kvledger.events.log.rows import Row, compiled_rows
+from kvledger.events.log.rows import Row, compiled_kinds
 from kvledger.events.types import LogRecord, lookup_stream
 
 try:
@@ -78,7 +78,7 @@ class AppendBuffer:
         self.add: Callable[[LogRecord], None] = self._add_one
         if COMPILED_GATHER:
             self._gather = Gather(
-                compiled_rows(log.token_ids),
+                compiled_kinds(log.token_ids),
                 batch_size,
                 hold,
                 self._hand_over,

@@ -15,26 +15,29 @@ from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from operator import itemgetter
 from time import monotonic
+from typing import cast
 
 import sqlalchemy as sa
 
 from kvledger.events.log.database import Durability
-from kvledger.events.log.rows import Row, to_row, to_row_without_tokens
+from kvledger.events.log.rows import BatchItem, Row, to_row, to_row_without_tokens
 from kvledger.events.log.schema import shown_url
-from kvledger.events.types import lookup_stream
+from kvledger.events.types import LogRecord, lookup_stream
 
 log = logging.getLogger(__name__)
 
 RunOf = Callable[[object], tuple[int, int, int] | None]
 _compiled_run_of: RunOf | None
 try:
+    from kvledger.events.log._gather import RowBlock
     from kvledger.events.log._gather import run_of as _compiled_run_of
 except ImportError:  # not built: the Python loop checks each batch
     _compiled_run_of = None
 run_of = _compiled_run_of if os.environ.get("KVLEDGER_PYTHON_BUFFER", "") in ("", "0") else None
 """``_gather.run_of`` (events/log/_gather.c): a batch's ``(worker, first_id, last_id)`` when it
-is a list of one worker's rows with consecutive ids, else None; None itself where the extension
-is not built or ``KVLEDGER_PYTHON_BUFFER=1`` turns the buffer's compiled parts off."""
+is a list, or a block, of one worker's rows with consecutive ids, else None; None itself where
+the extension is not built or ``KVLEDGER_PYTHON_BUFFER=1`` turns the buffer's compiled parts
+off (no block is made then)."""
 
 
 class EventLogError(RuntimeError):
@@ -85,7 +88,9 @@ class Backlog:
         self.queue_size = queue_size
         self.commit_after = max_delay / 4
         self.max_lag: float | None = None if durability == "none" else LAG_BOUND * max_delay
-        self.pending: list[Row] = []
+        self.pending: list[BatchItem] = []
+        """The queued rows, and blocks of them (an append buffer's batch, kept whole)."""
+        self.pending_rows = 0
         self.appended = 0
         self.committed = 0
         self.waiters = 0  # appenders held back and flushes under way: commit at once
@@ -115,30 +120,37 @@ class Backlog:
                 return 0
         return self.queue_size - (self.appended - self.committed)
 
-    def add(self, rows: list[Row], now: float) -> bool:
-        """Queue rows (the caller checked ``room``); True when the writer should be woken: a
-        full batch, or the first rows while the writer would not start their commit within
-        ``commit_after`` on its own."""
+    def add(self, rows: Sequence[Row], now: float) -> bool:
+        """Queue rows (the caller checked ``room``): a list's one by one, any other sequence
+        (a block of rows) whole. True when the writer should be woken: a full batch, or the
+        first rows while the writer would not start their commit within ``commit_after`` on
+        its own."""
+        if not rows:
+            return False
         pending = self.pending
         was_empty = not pending
         if was_empty:
             self._pending_since = now
-        pending.extend(rows)
+        if type(rows) is list:
+            pending.extend(rows)
+        else:
+            pending.append(rows)
         self.appended += len(rows)
-        if len(pending) >= self.batch_size:
+        self.pending_rows += len(rows)
+        if self.pending_rows >= self.batch_size:
             return True
         return was_empty and self.wakes_too_late(now + self.commit_after)
 
     def add_one(self, row: Row, now: float) -> bool:
         """``add`` of one row (``EventLog.append``'s hot path, without building a list)."""
         pending = self.pending
+        self.appended += 1
+        self.pending_rows += 1
         if pending:
             pending.append(row)
-            self.appended += 1
-            return len(pending) >= self.batch_size
+            return self.pending_rows >= self.batch_size
         self._pending_since = now
         pending.append(row)
-        self.appended += 1
         return self.batch_size <= 1 or self.wakes_too_late(now + self.commit_after)
 
     def wakes_too_late(self, due: float) -> bool:
@@ -150,17 +162,18 @@ class Backlog:
         """Seconds the writer may sleep before its next commit (None: nothing is queued)."""
         if not self.pending:
             return None
-        if self.waiters or len(self.pending) >= self.batch_size:
+        if self.waiters or self.pending_rows >= self.batch_size:
             return 0.0
         assert self._pending_since is not None
         return max(0.0, self._pending_since + self.commit_after - now)
 
-    def take(self) -> list[Row]:
-        """Everything queued, as the batch the writer commits next."""
+    def take(self) -> tuple[list[BatchItem], int]:
+        """Everything queued, as the batch the writer commits next, and its number of rows."""
         batch, self.pending = self.pending, []
+        rows, self.pending_rows = self.pending_rows, 0
         if batch:
             self._writing_since, self._pending_since = self._pending_since, None
-        return batch
+        return batch, rows
 
     def done(self, rows: int, now: float) -> None:
         """The batch taken last is committed."""
@@ -310,7 +323,7 @@ class Outage:
         return True
 
 
-def not_yet_committed(batch: list[Row], newest: Mapping[int, int]) -> list[Row]:
+def not_yet_committed(batch: Sequence[Row], newest: Mapping[int, int]) -> list[Row]:
     """The rows of ``batch`` a database does not hold, given each of its workers' newest
     committed id there (``newest``): a connection can drop after the server committed and
     before it said so. Each worker's rows in a batch are its next ids in order, so what the
@@ -409,6 +422,25 @@ class LogCore:
             next_ids[worker] = event_id + 1
             return True
         return False
+
+    def _rows_of(
+        self, items: Sequence[Row | LogRecord]
+    ) -> tuple[Sequence[Row], tuple[int, int, int] | None]:
+        """An append buffer's batch as rows, and its ``run_of``: each item an event's row, or
+        an event no compiled encoder took, encoded here (which refuses a bad one with its
+        error). A block of rows (``_gather.RowBlock``) stays one: its events are encoded into
+        it, and unless it then holds one worker's run, its rows are made one by one for the
+        general checks."""
+        run = None if run_of is None else run_of(items)
+        if run is not None:
+            return cast(Sequence[Row], items), run
+        to_row = self._to_row
+        if run_of is not None and type(items) is RowBlock and items.objects_left:
+            items.encode_objects(to_row)
+            run = run_of(items)
+            if run is not None:
+                return cast(Sequence[Row], items), run
+        return [item if isinstance(item, tuple) else to_row(item) for item in items], None
 
     def _accept_run(self, rows: Sequence[Row], run: tuple[int, int, int] | None = None) -> bool:
         """The hot path of ``append_many``: True when ``rows`` are one known worker's next ids

@@ -25,14 +25,14 @@ from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
 from itertools import chain
 from pathlib import Path
 from time import monotonic
-from typing import Any, Protocol, cast
+from typing import Any, Protocol
 
 import sqlalchemy as sa
 
 from kvledger.events.codec import decode
 from kvledger.events.log import checkpoints, reader
 from kvledger.events.log.checkpoints import Checkpoint
-from kvledger.events.log.core import RETRY_FOR, LogCore, Outage, not_yet_committed, run_of
+from kvledger.events.log.core import RETRY_FOR, LogCore, Outage, not_yet_committed
 from kvledger.events.log.database import (
     Durability,
     compiled_sqlite_path,
@@ -41,7 +41,7 @@ from kvledger.events.log.database import (
     open_read_only,
 )
 from kvledger.events.log.reader import READ_CHUNK, LogSummary, RowChunk
-from kvledger.events.log.rows import InsertStatements, Row, copy_rows, max_params
+from kvledger.events.log.rows import BatchItem, InsertStatements, Row, copy_rows, flat, max_params
 from kvledger.events.log.schema import (
     DEFAULT_URL,
     SchemaError,
@@ -220,13 +220,7 @@ class EventLog(LogCore):
         ``events`` the events of the newest items (a buffer keeps them only while the log has
         commit sinks). With ``wait`` False, queued whatever the backlog holds: how the writer
         itself hands over what waits in a buffer (it would wait for itself)."""
-        # an append buffer's batch: its rows, one worker's ids in order (checked in one call)
-        run = None if run_of is None else run_of(items)
-        if run is not None:
-            rows = cast(list[Row], items)
-        else:
-            to_row = self._to_row
-            rows = [item if isinstance(item, tuple) else to_row(item) for item in items]
+        rows, run = self._rows_of(items)
         backlog = self._backlog
         with self._lock:
             if wait:
@@ -347,7 +341,8 @@ class EventLog(LogCore):
         connection can drop after the server committed and before it said so), so nothing is
         lost and nothing is written twice.
         """
-        batch: list[Row] = []  # taken from the backlog, not yet known to be committed
+        batch: list[BatchItem] = []  # taken from the backlog, not yet known to be committed
+        count = 0  # its rows
         events: list[LogRecord] = []  # their events, for the commit sinks (a tail of batch)
         outage = Outage(self.url, self.retry_for)
         compiled = self._compiled_path
@@ -359,18 +354,20 @@ class EventLog(LogCore):
                     else open_compiled_writer(compiled, self._durability)
                 ) as writer:
                     if batch:  # the batch the outage interrupted
-                        newest = {w: self._last_committed_id(w) for w in {r[0] for r in batch}}
-                        writer.commit(not_yet_committed(batch, newest))
-                        self._committed(batch, events)
-                        batch, events = [], []
+                        rows = flat(batch)
+                        newest = {w: self._last_committed_id(w) for w in {r[0] for r in rows}}
+                        rest: list[BatchItem] = list(not_yet_committed(rows, newest))
+                        writer.commit(rest)
+                        self._committed(batch, count, events)
+                        batch, count, events = [], 0, []
                     if outage.ended():
                         self.outages += 1
                     while True:
-                        batch, events, closing = self._next_batch()
+                        batch, count, events, closing = self._next_batch()
                         if batch:
                             writer.commit(batch)
-                            self._committed(batch, events)
-                            batch, events = [], []
+                            self._committed(batch, count, events)
+                            batch, count, events = [], 0, []
                         elif closing:
                             return
             except Exception as exc:
@@ -378,9 +375,10 @@ class EventLog(LogCore):
                 with self._lock:  # a close() wakes the wait; the outage is retried all the same
                     self._wake_writer.wait(pause)
 
-    def _next_batch(self) -> tuple[list[Row], list[LogRecord], bool]:
+    def _next_batch(self) -> tuple[list[BatchItem], int, list[LogRecord], bool]:
         """Wait until a commit is due (or the log closes), hand the append buffers' events
-        over, and take the batch: (rows, their events for the sinks, closing)."""
+        over, and take the batch: (rows and blocks of them, the rows' number, their events for
+        the sinks, closing)."""
         backlog = self._backlog
         with self._lock:
             while not self._closing:
@@ -395,20 +393,21 @@ class EventLog(LogCore):
         for feed in feeds:  # outside the lock: a buffer's producer takes both
             feed.hand_over_from_writer()
         with self._lock:
-            batch = backlog.take()
+            batch, count = backlog.take()
             events: list[LogRecord] = []
             if self._pending_events:
                 events, self._pending_events = self._pending_events, []
-            return batch, events, self._closing
+            return batch, count, events, self._closing
 
-    def _committed(self, batch: list[Row], events: list[LogRecord]) -> None:
-        """``batch`` is in the database: hand its events to the commit sinks, then count it
-        (so a ``flush`` returns only once the sinks have them)."""
+    def _committed(self, batch: list[BatchItem], count: int, events: list[LogRecord]) -> None:
+        """``batch`` (``count`` rows) is in the database: hand its events to the commit sinks,
+        then count it (so a ``flush`` returns only once the sinks have them)."""
         if events:  # the events of the newest rows of the batch, in order
-            records = [row[5] for row in batch[len(batch) - len(events) :]]
+            rows = flat(batch)
+            records = [row[5] for row in rows[len(rows) - len(events) :]]
             self._hand_to_commit_sinks(list(zip(events, records, strict=True)))
         with self._lock:
-            self._backlog.done(len(batch), monotonic())
+            self._backlog.done(count, monotonic())
             self._committed_cv.notify_all()
 
     @property
@@ -686,7 +685,7 @@ class _Writer:
             self.dbapi.isolation_level = self._isolation
         conn.close()
 
-    def commit(self, batch: list[Row]) -> None:
+    def commit(self, items: list[BatchItem]) -> None:
         """Run a batch's INSERTs (on PostgreSQL through psycopg 3: one COPY) as one
         transaction and commit it.
 
@@ -698,6 +697,7 @@ class _Writer:
         load, and with it the back-pressure the producer feels. Larger batches (more than
         ``STATEMENT_ROWS`` rows) still get BEGIN and COMMIT around their statements.
         """
+        batch = flat(items)
         if not batch:
             return
         cursor = self.cursor

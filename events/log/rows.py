@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import sqlite3
 import struct
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator, Sequence
 from itertools import chain
-from typing import Any
+from typing import Any, cast
 
 from kvledger.events.codec import (
     COMPILED_ROWS,
@@ -30,7 +30,10 @@ from kvledger.events.log.schema import events
 from kvledger.events.types import (
     LogRecord,
     Lookup,
+    Offloaded,
+    Onboarded,
     Released,
+    Removed,
     RunInfo,
     Stored,
     lookup_stream,
@@ -38,6 +41,10 @@ from kvledger.events.types import (
 )
 
 Row = LogRow
+
+BatchItem = Row | Sequence[Row]
+"""An item of a batch the writer commits: one row, or a block of them (an append buffer's
+batch, ``_gather.RowBlock``: its rows in flat memory, read as a sequence of rows)."""
 
 
 def to_row(event: LogRecord) -> Row:
@@ -62,6 +69,8 @@ def to_row(event: LogRecord) -> Row:
         payload = encoder(event)  # type: ignore[misc]
     except (OverflowError, TypeError, struct.error) as exc:
         raise CodecError(f"cannot encode {event!r}: {exc}") from None
+    if event.ts != event.ts:  # SQLite stores NaN as NULL, which the ts column refuses
+        raise CodecError(f"cannot log {event!r}: its ts is NaN, the log's ts column holds numbers")
     worker = event.worker_id
     if cls in _LOOKUP_TYPES:
         worker = lookup_stream(worker)
@@ -85,15 +94,33 @@ def to_row_without_tokens(event: LogRecord) -> Row:
     return to_row(event)
 
 
-def compiled_rows(token_ids: bool) -> dict[type, Callable[[LogRecord], Row | None]]:
-    """The compiled row functions by event type (``to_row``'s, or with ``token_ids`` False
-    ``to_row_without_tokens``'s): what an append buffer's compiled queue encodes each event
-    with. Empty where the encoders were not built."""
-    rows: dict[type, Callable[[LogRecord], Row | None]] = dict(COMPILED_ROWS)
-    if not token_ids:
-        rows.pop(Stored, None)
-        if COMPILED_STORED_ROW_WITHOUT_TOKENS is not None:
-            rows[Stored] = COMPILED_STORED_ROW_WITHOUT_TOKENS  # type: ignore[assignment]
+_RECORD_KINDS: dict[type, int] = {Stored: 1, Removed: 2, Offloaded: 3, Onboarded: 4}
+_STORED_WITHOUT_TOKENS = 5  # events/records.h: KIND_STORED_WITHOUT_TOKENS
+
+
+def compiled_kinds(token_ids: bool) -> dict[type, int]:
+    """The record kind (events/records.h) of each event type the compiled encoders write, as
+    ``to_row`` would (with ``token_ids`` False, ``to_row_without_tokens``): what an append
+    buffer's compiled queue encodes each event with. Empty where the encoders were not built
+    or ``KVLEDGER_PYTHON_ENCODERS=1`` turns them off."""
+    kinds = {cls: kind for cls, kind in _RECORD_KINDS.items() if cls in COMPILED_ROWS}
+    if Stored in kinds and not token_ids:
+        if COMPILED_STORED_ROW_WITHOUT_TOKENS is None:
+            del kinds[Stored]
+        else:
+            kinds[Stored] = _STORED_WITHOUT_TOKENS
+    return kinds
+
+
+def flat(batch: Sequence[BatchItem]) -> list[Row]:
+    """A batch's rows, one by one (a block's rows made as tuples): what the writers that are
+    not the compiled one take."""
+    rows: list[Row] = []
+    for item in batch:
+        if type(item) is tuple:
+            rows.append(item)
+        else:
+            rows.extend(cast(Sequence[Row], item))
     return rows
 
 
