@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import os
+import sqlite3
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -21,7 +22,7 @@ from kvledger.events.log import AppendBuffer, EventLog, EventLogError, core
 from kvledger.events.log import buffer as buffer_module
 from kvledger.events.log.event_log import Committed
 from kvledger.events.log.rows import to_row
-from kvledger.events.types import AnyEvent, Cleared, LogRecord, Removed, Stored, Tier
+from kvledger.events.types import AnyEvent, Cleared, LogRecord, Released, Removed, Stored, Tier
 
 with contextlib.suppress(ImportError):  # not built: every test here skips (pytestmark)
     from kvledger.events.log._gather import Gather, run_of
@@ -34,7 +35,9 @@ pytestmark = pytest.mark.skipif(
 Op = tuple[str, int]
 OPS = st.lists(
     st.tuples(
-        st.sampled_from(["add", "extend", "bad", "gap", "cleared", "flush", "sink on", "sink off"]),
+        st.sampled_from(
+            ["add", "extend", "bad", "gap", "cleared", "lookup", "flush", "sink on", "sink off"]
+        ),
         st.integers(1, 6),
     ),
     max_size=30,
@@ -63,7 +66,7 @@ def event(eid: int, kind: int) -> LogRecord:
 def calls(ops: list[Op]) -> Iterator[tuple[str, list[LogRecord]]]:
     """The events each op hands over. Good events take the next id; a bad one (a tier no
     record has) and one that skips an id are refused, so the next good one takes its id."""
-    next_id = 0
+    next_id = next_lookup = 0
     for name, n in ops:
         if name in ("add", "extend"):
             batch = [event(next_id + i, next_id + i) for i in range(n)]
@@ -79,15 +82,24 @@ def calls(ops: list[Op]) -> Iterator[tuple[str, list[LogRecord]]]:
                 [Cleared(event_id=next_id, worker_id=0, dp_rank=0, tier=Tier.G1, ts=1.0)],
             )
             next_id += 1
+        elif name == "lookup":  # lookup records: the worker's second id stream, in between
+            batch = [
+                Released(event_id=next_lookup + i, worker_id=0, dp_rank=0, tier=Tier.G1, ts=2.0,
+                         request_id=i)
+                for i in range(n)
+            ]  # fmt: skip
+            next_lookup += n
+            yield "extend", [*batch[:1], event(next_id, n), *batch[1:]]
+            next_id += 1
         else:
             yield name, []
 
 
 def run(
     url: str, ops: list[Op], compiled: bool
-) -> tuple[list[str], list[AnyEvent], list[Committed]]:
+) -> tuple[list[str], list[AnyEvent], list[Committed], list[tuple[object, ...]]]:
     """The ops through a fresh buffer with one queue or the other: what each call raised, what
-    the log holds, and what a commit sink (when on) was handed."""
+    the log holds, what a commit sink (when on) was handed, and the table's rows."""
     saved = buffer_module.COMPILED_GATHER
     buffer_module.COMPILED_GATHER = compiled
     try:
@@ -126,7 +138,10 @@ def run(
         except ValueError as exc:
             raised.append(f"{type(exc).__name__}: {exc}")
         log.flush()
-        return raised, list(log.read()), handed
+        with sqlite3.connect(url.removeprefix("sqlite:///")) as conn:  # lookup records too
+            table = conn.execute("SELECT worker, event_id, kind, payload FROM events ORDER BY id")
+            rows = table.fetchall()
+        return raised, list(log.read()), handed, rows
     finally:
         log.close()
 
@@ -146,6 +161,7 @@ def test_the_compiled_queue_does_what_the_python_queue_does(tmp_path: Path, ops:
     assert compiled[0] == python[0]  # the same errors, from the same calls
     assert compiled[1] == python[1]  # the same log
     assert compiled[2] == python[2]  # the same events and records to the sink
+    assert compiled[3] == python[3]  # the same rows, lookup records included
 
 
 def test_rows_the_queue_keeps_are_not_tracked_by_the_collector() -> None:

@@ -33,7 +33,15 @@ from kvledger.events.log.rows import (
     to_row,
     to_row_without_tokens,
 )
-from kvledger.events.types import LogRecord, Lookup, Released, Stored, Tier
+from kvledger.events.types import (
+    LogRecord,
+    Lookup,
+    Released,
+    Removed,
+    Stored,
+    Tier,
+    lookup_stream,
+)
 
 with contextlib.suppress(ImportError):  # not built: every test here skips (pytestmark)
     from kvledger.events.log._gather import Gather, RowBlock, run_of
@@ -147,6 +155,49 @@ def test_a_blocks_run_is_its_rows_run(drawn: list[Any], worker: int) -> None:
     other.encode_objects(to_row)
     assert run_of(other) is None
     assert run_of(block_of([])) is None
+
+
+def expected_runs(ids: list[tuple[int, int]]) -> tuple[tuple[int, int, int], ...] | None:
+    """``RowBlock.runs``'s answer by its definition: each worker's ids, in the order the
+    workers first come, follow each other; at most eight workers."""
+    runs: dict[int, list[int]] = {}
+    for worker, event_id in ids:
+        run = runs.setdefault(worker, [event_id, event_id - 1])
+        if event_id != run[1] + 1:
+            return None
+        run[1] = event_id
+    if not runs or len(runs) > 8:
+        return None
+    return tuple((worker, first, last) for worker, (first, last) in runs.items())
+
+
+@given(
+    ids=st.lists(
+        st.tuples(st.integers(-2, 9), st.integers(0, 6)).map(lambda w_e: (w_e[0], w_e[1] + 5)),
+        max_size=24,
+    ),
+    lookup_at=st.integers(0, 24),
+)
+def test_a_blocks_runs_are_each_workers_run(ids: list[tuple[int, int]], lookup_at: int) -> None:
+    """Mostly broken runs from random ids, and now and then real ones (one worker, or a
+    worker's transitions with its lookup records between them, as a step logs them)."""
+    records: list[LogRecord] = [
+        Removed(event_id=e, worker_id=w, dp_rank=0, tier=Tier.G1, ts=1.0, sequence_hashes=(e,))
+        for w, e in ids
+    ]
+    block = encoded(block_of(records))
+    assert cast(RowBlock, block).runs() == expected_runs(ids)
+    steps = [
+        Removed(event_id=i, worker_id=3, dp_rank=0, tier=Tier.G1, ts=1.0, sequence_hashes=(i,))
+        for i in range(len(ids) + 1)
+    ]
+    mixed = [*steps[:lookup_at], *lookups(3, 40), *steps[lookup_at:]]
+    both = cast(RowBlock, encoded(block_of(mixed)))
+    stream = lookup_stream(3)
+    transitions, records_run = (3, 0, len(steps) - 1), (stream, 40, 41)
+    first_two = (transitions, records_run) if lookup_at > 0 else (records_run, transitions)
+    assert both.runs() == first_two
+    assert block_of(mixed).runs() is None  # its lookup records not yet encoded
 
 
 @pytest.mark.parametrize(

@@ -268,6 +268,40 @@ static PyObject *block_run(RowBlock *self) {
     return Py_BuildValue("(LLL)", (long long)worker, (long long)rows[0].event_id, (long long)id);
 }
 
+#define MOST_RUNS 8
+
+/* ``runs()``: ``((worker, first, last), ...)`` in the order the workers first come, when every
+ * row is encoded and each worker's ids follow each other (a transition stream and its lookup
+ * stream, say: an engine's step logs both); None otherwise, or for more than eight workers. */
+static PyObject *block_runs(RowBlock *self, PyObject *Py_UNUSED(ignored)) {
+    if (self->n == 0 || self->objects_left > 0) Py_RETURN_NONE;
+    int64_t worker[MOST_RUNS], first[MOST_RUNS], last[MOST_RUNS];
+    int runs = 0;
+    for (Py_ssize_t i = 0; i < self->n; i++) {
+        const BlockRow *row = &self->rows[i];
+        int k = 0;
+        while (k < runs && worker[k] != row->worker) k++;
+        if (k == runs) {
+            if (runs == MOST_RUNS) Py_RETURN_NONE;
+            worker[k] = row->worker;
+            first[k] = last[k] = row->event_id;
+            runs++;
+        } else if (last[k] == INT64_MAX || row->event_id != last[k] + 1) {
+            Py_RETURN_NONE;
+        } else {
+            last[k] = row->event_id;
+        }
+    }
+    PyObject *all = PyTuple_New(runs);
+    for (int k = 0; all != NULL && k < runs; k++) {
+        PyObject *run = Py_BuildValue("(LLL)", (long long)worker[k], (long long)first[k],
+                                      (long long)last[k]);
+        if (run == NULL) Py_CLEAR(all);
+        else PyTuple_SET_ITEM(all, k, run);
+    }
+    return all;
+}
+
 static PyObject *block_objects_left(RowBlock *self, void *Py_UNUSED(closure)) {
     return PyLong_FromSsize_t(self->objects_left);
 }
@@ -275,6 +309,8 @@ static PyObject *block_objects_left(RowBlock *self, void *Py_UNUSED(closure)) {
 static PyMethodDef block_methods[] = {
     {"encode_objects", (PyCFunction)block_encode_objects, METH_O,
      "Encode the rows still held as objects with ``to_row`` (the log's Python encoder)."},
+    {"runs", (PyCFunction)block_runs, METH_NOARGS,
+     "((worker, first_id, last_id), ...) when each worker's ids follow each other, or None."},
     {NULL, NULL, 0, NULL},
 };
 

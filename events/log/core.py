@@ -27,6 +27,8 @@ from kvledger.events.types import LogRecord, lookup_stream
 log = logging.getLogger(__name__)
 
 RunOf = Callable[[object], tuple[int, int, int] | None]
+Runs = tuple[tuple[int, int, int], ...]
+"""Each worker's (worker, first id, last id) in a batch whose ids are runs."""
 _compiled_run_of: RunOf | None
 try:
     from kvledger.events.log._gather import RowBlock
@@ -423,24 +425,36 @@ class LogCore:
             return True
         return False
 
-    def _rows_of(
-        self, items: Sequence[Row | LogRecord]
-    ) -> tuple[Sequence[Row], tuple[int, int, int] | None]:
-        """An append buffer's batch as rows, and its ``run_of``: each item an event's row, or
-        an event no compiled encoder took, encoded here (which refuses a bad one with its
-        error). A block of rows (``_gather.RowBlock``) stays one: its events are encoded into
-        it, and unless it then holds one worker's run, its rows are made one by one for the
-        general checks."""
+    def _rows_of(self, items: Sequence[Row | LogRecord]) -> tuple[Sequence[Row], Runs | None]:
+        """An append buffer's batch as rows, and each worker's run in it where they are known
+        in one pass: each item an event's row, or an event no compiled encoder took, encoded
+        here (which refuses a bad one with its error). A block of rows (``_gather.RowBlock``)
+        stays one: its events are encoded into it and its runs read off its arrays (a step's
+        transitions and its lookup records are two workers' runs); only a block whose ids
+        are not runs has its rows made one by one, for the general checks. None for the runs:
+        ``_accept_run`` and the general checks decide."""
         run = None if run_of is None else run_of(items)
         if run is not None:
-            return cast(Sequence[Row], items), run
+            return cast(Sequence[Row], items), (run,)
         to_row = self._to_row
-        if run_of is not None and type(items) is RowBlock and items.objects_left:
-            items.encode_objects(to_row)
-            run = run_of(items)
-            if run is not None:
-                return cast(Sequence[Row], items), run
+        if run_of is not None and type(items) is RowBlock:
+            if items.objects_left:
+                items.encode_objects(to_row)
+            runs = items.runs()
+            if runs is not None:
+                return cast(Sequence[Row], items), runs
         return [item if isinstance(item, tuple) else to_row(item) for item in items], None
+
+    def _accept_runs(self, runs: Runs) -> bool:
+        """True when each run's worker is known and its run starts at the worker's next id
+        (then all are taken); False takes nothing, for the general checks."""
+        next_ids = self._next_ids
+        for worker, first, _ in runs:
+            if next_ids.get(worker) != first:
+                return False
+        for worker, _, last in runs:
+            next_ids[worker] = last + 1
+        return True
 
     def _accept_run(self, rows: Sequence[Row], run: tuple[int, int, int] | None = None) -> bool:
         """The hot path of ``append_many``: True when ``rows`` are one known worker's next ids

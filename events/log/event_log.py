@@ -220,7 +220,7 @@ class EventLog(LogCore):
         ``events`` the events of the newest items (a buffer keeps them only while the log has
         commit sinks). With ``wait`` False, queued whatever the backlog holds: how the writer
         itself hands over what waits in a buffer (it would wait for itself)."""
-        rows, run = self._rows_of(items)
+        rows, runs = self._rows_of(items)
         backlog = self._backlog
         with self._lock:
             if wait:
@@ -229,7 +229,7 @@ class EventLog(LogCore):
                 self._raise_writer_failure()
             if not rows:
                 return
-            if not self._accept_run(rows, run):
+            if not (self._accept_run(rows) if runs is None else self._accept_runs(runs)):
                 self._accept_ids(rows, self._committed_ids(rows))
             if self._pending_events is not None and len(events) < len(rows):
                 # rows queued before a commit sink came: their events from their records
