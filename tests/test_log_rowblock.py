@@ -140,21 +140,20 @@ def test_a_block_reads_as_the_rows_its_events_make(
 
 @given(drawn=st.lists(events(), min_size=1, max_size=8), worker=st.integers(-3, 3))
 def test_a_blocks_run_is_its_rows_run(drawn: list[Any], worker: int) -> None:
-    """``run_of`` reads a block's run off its arrays: the answer it gives for the same rows as a
-    list, and None while some row is still an event (the log encodes those first)."""
+    """A block reads its runs off its arrays: one worker's consecutive ids are the run
+    ``run_of`` finds in the same rows as a list, and there is none while some row is still an
+    event (the log encodes those first)."""
     records = numbered(drawn, worker, 40)
     block = block_of(records)
-    assert run_of(block) == (run_of(list(block)) if block.objects_left == 0 else None)
-    block.encode_objects(to_row)
-    assert run_of(block) == run_of(list(block)) == (worker, 40, 40 + len(records) - 1)
+    if block.objects_left:
+        assert block.runs() is None
+    block = cast(RowBlock, encoded(block))
+    run = run_of(list(block))
+    assert block.runs() == (run,) and run == (worker, 40, 40 + len(records) - 1)
 
-    gap = block_of(records + numbered(drawn[:1], worker, 40 + len(records) + 1))
-    gap.encode_objects(to_row)
-    assert run_of(gap) is None
-    other = block_of(records + numbered(drawn[:1], worker + 1, 40 + len(records)))
-    other.encode_objects(to_row)
-    assert run_of(other) is None
-    assert run_of(block_of([])) is None
+    gap = cast(RowBlock, encoded(block_of(records + numbered(drawn[:1], worker, 42 + len(drawn)))))
+    assert gap.runs() is None
+    assert block_of([]).runs() is None
 
 
 def expected_runs(ids: list[tuple[int, int]]) -> tuple[tuple[int, int, int], ...] | None:

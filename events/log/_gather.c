@@ -255,19 +255,6 @@ static PyObject *block_encode_objects(RowBlock *self, PyObject *to_row) {
     Py_RETURN_NONE;
 }
 
-/* (worker, first, last) when every row is encoded and of one worker with consecutive ids. */
-static PyObject *block_run(RowBlock *self) {
-    if (self->n == 0 || self->objects_left > 0) Py_RETURN_NONE;
-    const BlockRow *rows = self->rows;
-    int64_t worker = rows[0].worker, id = rows[0].event_id;
-    for (Py_ssize_t i = 1; i < self->n; i++) {
-        if (rows[i].worker != worker || id == INT64_MAX || rows[i].event_id != id + 1)
-            Py_RETURN_NONE;
-        id = rows[i].event_id;
-    }
-    return Py_BuildValue("(LLL)", (long long)worker, (long long)rows[0].event_id, (long long)id);
-}
-
 #define MOST_RUNS 8
 
 /* ``runs()``: ``((worker, first, last), ...)`` in the order the workers first come, when every
@@ -637,14 +624,13 @@ static int row_int64(PyObject *obj, int64_t *out) {
 }
 
 /* ``run_of(rows)``: ``(worker, first_id, last_id)`` when ``rows`` is a non-empty list of log
- * row tuples, or a block with every row encoded, of one worker whose event ids follow each
- * other, the shape every emitter's batch has; None otherwise (another sequence, an item that is not a six-tuple, ids that are not
+ * row tuples of one worker whose event ids follow each other, the shape every emitter's batch
+ * has (a block of rows says so itself: ``RowBlock.runs``); None otherwise (another sequence, an item that is not a six-tuple, ids that are not
  * plain ints in the int64 range, several workers, a gap or a repeat), for the log's Python
  * checks to decide. The log's id check of a batch is then one comparison of ``first_id``; in
  * Python it was a loop over the rows (``LogCore._accept_run``), a tenth of what logging cost
  * an engine-off simulation's thread. */
 static PyObject *run_of(PyObject *Py_UNUSED(module), PyObject *rows) {
-    if (Py_IS_TYPE(rows, &RowBlockType)) return block_run((RowBlock *)rows);
     if (!PyList_CheckExact(rows) || PyList_GET_SIZE(rows) == 0) Py_RETURN_NONE;
     Py_ssize_t n = PyList_GET_SIZE(rows);
     long long worker = 0, id = 0;

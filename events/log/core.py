@@ -37,9 +37,9 @@ except ImportError:  # not built: the Python loop checks each batch
     _compiled_run_of = None
 run_of = _compiled_run_of if os.environ.get("KVLEDGER_PYTHON_BUFFER", "") in ("", "0") else None
 """``_gather.run_of`` (events/log/_gather.c): a batch's ``(worker, first_id, last_id)`` when it
-is a list, or a block, of one worker's rows with consecutive ids, else None; None itself where
-the extension is not built or ``KVLEDGER_PYTHON_BUFFER=1`` turns the buffer's compiled parts
-off (no block is made then)."""
+is a list of one worker's rows with consecutive ids (a block says so itself: ``RowBlock.runs``),
+else None; None itself where the extension is not built or ``KVLEDGER_PYTHON_BUFFER=1`` turns
+the buffer's compiled parts off (no block is made then)."""
 
 
 class EventLogError(RuntimeError):
@@ -433,9 +433,6 @@ class LogCore:
         transitions and its lookup records are two workers' runs); only a block whose ids
         are not runs has its rows made one by one, for the general checks. None for the runs:
         ``_accept_run`` and the general checks decide."""
-        run = None if run_of is None else run_of(items)
-        if run is not None:
-            return cast(Sequence[Row], items), (run,)
         to_row = self._to_row
         if run_of is not None and type(items) is RowBlock:
             if items.objects_left:
@@ -443,6 +440,10 @@ class LogCore:
             runs = items.runs()
             if runs is not None:
                 return cast(Sequence[Row], items), runs
+        else:
+            run = None if run_of is None else run_of(items)
+            if run is not None:
+                return cast(Sequence[Row], items), (run,)
         return [item if isinstance(item, tuple) else to_row(item) for item in items], None
 
     def _accept_runs(self, runs: Runs) -> bool:
