@@ -20,6 +20,7 @@ from typing import Any, cast
 from kvledger.events.codec import (
     COMPILED_ROWS,
     COMPILED_STORED_ROW_WITHOUT_TOKENS,
+    KIND_CODES,
     KIND_NAMES,
     PYTHON_ENCODERS,
     CodecError,
@@ -30,10 +31,7 @@ from kvledger.events.log.schema import events
 from kvledger.events.types import (
     LogRecord,
     Lookup,
-    Offloaded,
-    Onboarded,
     Released,
-    Removed,
     RunInfo,
     Stored,
     lookup_stream,
@@ -94,7 +92,6 @@ def to_row_without_tokens(event: LogRecord) -> Row:
     return to_row(event)
 
 
-_RECORD_KINDS: dict[type, int] = {Stored: 1, Removed: 2, Offloaded: 3, Onboarded: 4}
 _STORED_WITHOUT_TOKENS = 5  # events/records.h: KIND_STORED_WITHOUT_TOKENS
 
 
@@ -103,7 +100,7 @@ def compiled_kinds(token_ids: bool) -> dict[type, int]:
     ``to_row`` would (with ``token_ids`` False, ``to_row_without_tokens``): what an append
     buffer's compiled queue encodes each event with. Empty where the encoders were not built
     or ``KVLEDGER_PYTHON_ENCODERS=1`` turns them off."""
-    kinds = {cls: kind for cls, kind in _RECORD_KINDS.items() if cls in COMPILED_ROWS}
+    kinds: dict[type, int] = {cls: KIND_CODES[cls] for cls in COMPILED_ROWS}
     if Stored in kinds and not token_ids:
         if COMPILED_STORED_ROW_WITHOUT_TOKENS is None:
             del kinds[Stored]
